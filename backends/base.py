@@ -1,0 +1,199 @@
+"""The backend contract: everything device-specific the trainer may ask, and nothing else.
+
+A backend is a small object plus a data row (`BackendSpec`). The trainer core never names
+a device; it asks its `Backend`.
+"""
+from __future__ import annotations
+
+import contextlib
+import os
+import random
+from dataclasses import dataclass, field
+from typing import Any, ContextManager, Protocol, runtime_checkable
+
+import numpy as np
+import torch
+
+
+class BackendUnavailable(RuntimeError):
+    """The requested backend cannot run on this machine; the message says why and how to fix it."""
+
+
+@dataclass(frozen=True)
+class BackendSpec:
+    """The data row of a backend: the facts that differ between vendors."""
+
+    name: str
+    device_type: str  # torch device type: "cpu", "cuda" (also ROCm), "npu"
+    dist_backend: str  # torch.distributed backend: gloo, nccl (RCCL on ROCm), hccl
+    visible_devices_env: tuple[str, ...] = ()
+    ray_resource: str = "CPU"
+    default_attention: str = "sdpa"
+    attention_choices: tuple[str, ...] = ("sdpa", "eager")
+    kernel_choices: tuple[str, ...] = ("reference",)
+    default_kernel: str = "reference"
+    install_hint: str = ""
+
+
+@dataclass
+class Availability:
+    ok: bool
+    reason: str = ""
+    details: dict[str, Any] = field(default_factory=dict)
+
+
+@runtime_checkable
+class Backend(Protocol):
+    spec: BackendSpec
+
+    @property
+    def name(self) -> str: ...
+
+    @property
+    def device_type(self) -> str: ...
+
+    def is_available(self) -> Availability: ...
+
+    def device(self, local_rank: int = 0) -> torch.device: ...
+
+    def device_count(self) -> int: ...
+
+    def supports_dtype(self, dtype: torch.dtype) -> bool: ...
+
+    def autocast(self, dtype: torch.dtype) -> ContextManager: ...
+
+    def seed(self, seed: int) -> None: ...
+
+    def synchronize(self) -> None: ...
+
+    def reset_peak_memory(self) -> None: ...
+
+    def peak_memory_gb(self) -> float: ...
+
+    def empty_cache(self) -> None: ...
+
+    def set_deterministic(self, enabled: bool) -> None: ...
+
+    def attention_implementation(self, requested: str, dtype: torch.dtype) -> str: ...
+
+    def kernel_implementation(self, requested: str) -> str: ...
+
+
+def _rss_peak_gb() -> float:
+    """Peak resident set size of this process (Linux reports KiB, macOS bytes)."""
+    try:
+        import resource
+        import sys
+
+        peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+        scale = 1 if sys.platform == "darwin" else 1024
+        return peak * scale / 2**30
+    except (ImportError, OSError):  # pragma: no cover - non-POSIX
+        return 0.0
+
+
+class BaseBackend:
+    """Behaviour shared by every backend; vendor modules override what differs."""
+
+    spec: BackendSpec
+
+    def __init__(self, spec: BackendSpec) -> None:
+        self.spec = spec
+
+    @property
+    def name(self) -> str:
+        return self.spec.name
+
+    @property
+    def device_type(self) -> str:
+        return self.spec.device_type
+
+    @property
+    def dist_backend(self) -> str:
+        return self.spec.dist_backend
+
+    def is_available(self) -> Availability:
+        raise NotImplementedError
+
+    def require(self) -> "BaseBackend":
+        """Fail with the one-sentence reason when this backend cannot run here."""
+        avail = self.is_available()
+        if not avail.ok:
+            raise BackendUnavailable(f"--device {self.name} cannot be used: {avail.reason}")
+        return self
+
+    def device(self, local_rank: int = 0) -> torch.device:
+        return torch.device(self.device_type, local_rank)
+
+    def device_count(self) -> int:
+        return 1
+
+    def supports_dtype(self, dtype: torch.dtype) -> bool:
+        return dtype in (torch.float32, torch.float64, torch.bfloat16, torch.float16)
+
+    def autocast(self, dtype: torch.dtype) -> ContextManager:
+        if dtype in (torch.float32, torch.float64):
+            return contextlib.nullcontext()
+        return torch.autocast(device_type=self.device_type, dtype=dtype)
+
+    def seed(self, seed: int) -> None:
+        random.seed(seed)
+        np.random.seed(seed % 2**32)
+        torch.manual_seed(seed)
+
+    def synchronize(self) -> None:
+        return None
+
+    def reset_peak_memory(self) -> None:
+        return None
+
+    def peak_memory_gb(self) -> float:
+        return _rss_peak_gb()
+
+    def empty_cache(self) -> None:
+        return None
+
+    def set_deterministic(self, enabled: bool) -> None:
+        torch.use_deterministic_algorithms(enabled, warn_only=False)
+        for var, value in self.deterministic_env().items():
+            if enabled:
+                os.environ.setdefault(var, value)
+
+    def deterministic_env(self) -> dict[str, str]:
+        return {}
+
+    def rng_state(self) -> dict[str, Any]:
+        return {}
+
+    def set_rng_state(self, state: dict[str, Any]) -> None:
+        return None
+
+    def attention_implementation(self, requested: str, dtype: torch.dtype) -> str:
+        choice = self.spec.default_attention if requested == "auto" else requested
+        if choice not in self.spec.attention_choices:
+            raise BackendUnavailable(
+                f"model.attn_implementation={requested!r} is not available on --device {self.name}; "
+                f"choose one of {', '.join(('auto',) + self.spec.attention_choices)}."
+            )
+        return choice
+
+    def kernel_implementation(self, requested: str) -> str:
+        choice = self.spec.default_kernel if requested == "auto" else requested
+        if choice not in self.spec.kernel_choices:
+            raise BackendUnavailable(
+                f"kernels.logprob={requested!r} is not available on --device {self.name}; "
+                f"choose one of {', '.join(('auto',) + self.spec.kernel_choices)}."
+            )
+        return choice
+
+    def describe(self) -> dict[str, Any]:
+        avail = self.is_available()
+        return {
+            "backend": self.name,
+            "available": avail.ok,
+            "reason": avail.reason,
+            "device_type": self.device_type,
+            "dist_backend": self.dist_backend,
+            "device_count": self.device_count() if avail.ok else 0,
+            **avail.details,
+        }

@@ -1,0 +1,38 @@
+"""CPU backend: always available, gloo collectives, RSS as the memory statistic."""
+from __future__ import annotations
+
+import os
+
+import torch
+
+from .base import Availability, BaseBackend, BackendSpec
+
+SPEC = BackendSpec(
+    name="cpu",
+    device_type="cpu",
+    dist_backend="gloo",
+    visible_devices_env=(),
+    ray_resource="CPU",
+    default_attention="sdpa",
+    attention_choices=("sdpa", "eager"),
+    kernel_choices=("reference",),
+    default_kernel="reference",
+)
+
+
+class CPUBackend(BaseBackend):
+    def __init__(self) -> None:
+        super().__init__(SPEC)
+
+    def is_available(self) -> Availability:
+        return Availability(
+            True,
+            details={"device_names": [f"cpu ({os.cpu_count()} cores, {torch.get_num_threads()} torch threads)"],
+                     "bf16": True},
+        )
+
+    def device(self, local_rank: int = 0) -> torch.device:
+        return torch.device("cpu")
+
+    def device_count(self) -> int:
+        return 1

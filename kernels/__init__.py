@@ -1,0 +1,47 @@
+"""Token log-prob / entropy implementations, chosen by name (`kernels.logprob`).
+
+Each implementation has the signature of `token_logprobs_reference` and must match it.
+"""
+from __future__ import annotations
+
+from typing import Protocol
+
+import torch
+
+from .reference import logits_from_hidden, token_logprobs_from_logits, token_logprobs_reference
+
+
+class TokenLogprobFn(Protocol):
+    def __call__(
+        self,
+        hidden: torch.Tensor,
+        weight: torch.Tensor,
+        targets: torch.Tensor,
+        *,
+        bias: torch.Tensor | None = None,
+        temperature: float = 1.0,
+        compute_entropy: bool = False,
+    ) -> tuple[torch.Tensor, torch.Tensor | None]: ...
+
+
+_IMPLS: dict[str, TokenLogprobFn] = {"reference": token_logprobs_reference}
+
+
+def logprob_impl(name: str) -> TokenLogprobFn:
+    if name not in _IMPLS:
+        raise KeyError(f"kernels.logprob={name!r} is not a known implementation; choose one of {', '.join(_IMPLS)}.")
+    return _IMPLS[name]
+
+
+def logprob_impl_names() -> list[str]:
+    return list(_IMPLS)
+
+
+__all__ = [
+    "TokenLogprobFn",
+    "logits_from_hidden",
+    "logprob_impl",
+    "logprob_impl_names",
+    "token_logprobs_from_logits",
+    "token_logprobs_reference",
+]

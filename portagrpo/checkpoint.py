@@ -1,0 +1,135 @@
+"""Atomic checkpoints: written into a temporary directory, hashed into a manifest, renamed into place.
+
+A checkpoint directory is valid only if its manifest exists and every listed file has the
+recorded size and SHA-256; anything else is reported and never loaded.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+from pathlib import Path
+from typing import Any
+
+import torch
+
+MANIFEST = "manifest.json"
+PREFIX = "step_"
+
+
+class CheckpointError(RuntimeError):
+    pass
+
+
+def _sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with path.open("rb") as fh:
+        for block in iter(lambda: fh.read(1 << 20), b""):
+            h.update(block)
+    return h.hexdigest()
+
+
+def _fsync_tree(root: Path) -> None:
+    for path in sorted(root.rglob("*")):
+        if path.is_file():
+            with path.open("rb") as fh:
+                os.fsync(fh.fileno())
+
+
+def checkpoint_dir(run_dir: Path, step: int) -> Path:
+    return Path(run_dir) / "checkpoints" / f"{PREFIX}{step:08d}"
+
+
+def save_checkpoint(
+    run_dir: Path,
+    step: int,
+    *,
+    model,
+    tokenizer,
+    optimizer: torch.optim.Optimizer,
+    scheduler,
+    state: dict[str, Any],
+    rng: dict[str, Any],
+    keep: int,
+) -> Path:
+    """Write checkpoint `step` atomically and keep only the newest `keep` ones."""
+    final = checkpoint_dir(run_dir, step)
+    tmp = final.parent / f".tmp_{final.name}_{os.getpid()}"
+    if tmp.exists():
+        shutil.rmtree(tmp)
+    tmp.mkdir(parents=True)
+    model.save_pretrained(tmp / "model", safe_serialization=True)
+    tokenizer.save_pretrained(tmp / "model")
+    torch.save(optimizer.state_dict(), tmp / "optimizer.pt")
+    torch.save(scheduler.state_dict(), tmp / "scheduler.pt")
+    torch.save(rng, tmp / "rng.pt")
+    (tmp / "trainer_state.json").write_text(json.dumps({"step": step, **state}, indent=1))
+    files = {str(p.relative_to(tmp)): {"size": p.stat().st_size, "sha256": _sha256(p)}
+             for p in sorted(tmp.rglob("*")) if p.is_file()}
+    (tmp / MANIFEST).write_text(json.dumps({"step": step, "files": files}, indent=1))
+    _fsync_tree(tmp)
+    if final.exists():
+        shutil.rmtree(final)
+    os.replace(tmp, final)
+    prune_checkpoints(run_dir, keep)
+    return final
+
+
+def verify_checkpoint(path: Path) -> list[str]:
+    """Problems that make `path` unloadable (empty when it is whole)."""
+    path = Path(path)
+    manifest = path / MANIFEST
+    if not manifest.is_file():
+        return [f"{path} has no {MANIFEST} (half-written or not a portagrpo checkpoint)"]
+    try:
+        files = json.loads(manifest.read_text())["files"]
+    except (json.JSONDecodeError, KeyError) as err:
+        return [f"{manifest} is unreadable ({err})"]
+    problems = []
+    for rel, meta in files.items():
+        f = path / rel
+        if not f.is_file():
+            problems.append(f"{f} is missing")
+        elif f.stat().st_size != meta["size"]:
+            problems.append(f"{f} has {f.stat().st_size} bytes, expected {meta['size']}")
+        elif _sha256(f) != meta["sha256"]:
+            problems.append(f"{f} does not match its recorded SHA-256")
+    return problems
+
+
+def list_checkpoints(run_dir: Path) -> list[Path]:
+    root = Path(run_dir) / "checkpoints"
+    if not root.is_dir():
+        return []
+    return sorted((p for p in root.iterdir() if p.is_dir() and p.name.startswith(PREFIX)), key=lambda p: p.name)
+
+
+def latest_valid_checkpoint(run_dir: Path, warn=print) -> Path | None:
+    """The newest whole checkpoint of a run; broken ones are reported and skipped."""
+    for path in reversed(list_checkpoints(run_dir)):
+        problems = verify_checkpoint(path)
+        if not problems:
+            return path
+        warn(f"skipping corrupt checkpoint {path}: {problems[0]}")
+    return None
+
+
+def prune_checkpoints(run_dir: Path, keep: int) -> None:
+    for path in list_checkpoints(run_dir)[:-keep]:
+        shutil.rmtree(path, ignore_errors=True)
+
+
+def load_checkpoint_state(path: Path) -> dict[str, Any]:
+    """Verify then load the non-model parts of a checkpoint; the model loads from `path/model`."""
+    path = Path(path)
+    problems = verify_checkpoint(path)
+    if problems:
+        raise CheckpointError(f"checkpoint {path} is corrupt and was not loaded: {problems[0]}.")
+    return {
+        "optimizer": torch.load(path / "optimizer.pt", weights_only=False),
+        "scheduler": torch.load(path / "scheduler.pt", weights_only=False),
+        "rng": torch.load(path / "rng.pt", weights_only=False),
+        "state": json.loads((path / "trainer_state.json").read_text()),
+        "model_dir": path / "model",
+    }

@@ -1,0 +1,156 @@
+"""Command line: `portagrpo train|doctor ...`."""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+USER_ERRORS: tuple[type[BaseException], ...] = ()
+
+
+def _user_errors() -> tuple[type[BaseException], ...]:
+    from .backends import BackendUnavailable
+    from .checkpoint import CheckpointError
+    from .config import ConfigError
+    from .data import DataError
+    from .rewards import RewardFunctionError
+
+    return (ConfigError, BackendUnavailable, DataError, CheckpointError, RewardFunctionError, FileNotFoundError,
+            KeyError, ValueError, AttributeError)
+
+
+def _fail(err: BaseException) -> int:
+    message = err.args[0] if isinstance(err, KeyError) and err.args else str(err)
+    for line in str(message).splitlines():
+        print(f"portagrpo: error: {line}", file=sys.stderr)
+    return 2
+
+
+def _train_parser(sub) -> None:
+    p = sub.add_parser("train", help="train a policy with GRPO/DrGRPO")
+    p.add_argument("--config", help="YAML recipe (see configs/); defaults are the tiny CPU demo")
+    p.add_argument("--device", help="cpu|cuda|rocm|npu|auto (same as trainer.device=...)")
+    p.add_argument("--output-dir", help="run directory (default runs/<timestamp>)")
+    p.add_argument("--resume", help="run directory, checkpoint directory, or 'auto' (the --output-dir or the newest run)")
+    p.add_argument("--print-config", action="store_true", help="print the merged config and exit")
+    p.add_argument("--dry-run", action="store_true", help="resolve and validate everything, then exit without training")
+    p.add_argument("overrides", nargs="*", help="key=value overrides with dotted keys, e.g. actor.lr=1e-3")
+
+
+def _resolve_resume(resume: str | None, output_dir: str | None) -> tuple[Path | None, Path | None]:
+    """Returns (run_dir, resume target)."""
+    if resume is None:
+        return (Path(output_dir) if output_dir else None), None
+    if resume == "auto":
+        if output_dir:
+            return Path(output_dir), Path(output_dir)
+        runs = sorted((p for p in Path("runs").glob("*") if (p / "checkpoints").is_dir()), key=lambda p: p.stat().st_mtime)
+        if not runs:
+            raise FileNotFoundError("--resume auto found no run with checkpoints under runs/; pass the run directory.")
+        return runs[-1], runs[-1]
+    target = Path(resume)
+    if not target.exists():
+        raise FileNotFoundError(f"--resume {resume!r} does not exist; pass a run directory or a checkpoint directory.")
+    run_dir = target.parent.parent if target.name.startswith("step_") else target
+    return run_dir, target
+
+
+def cmd_train(args) -> int:
+    from .config import load_config, to_yaml
+
+    overrides = list(args.overrides)
+    if args.device:
+        overrides.append(f"trainer.device={args.device}")
+    run_dir, resume = _resolve_resume(args.resume, args.output_dir)
+    config_path = args.config
+    if resume is not None and config_path is None and (run_dir / "config.yaml").is_file():
+        config_path = run_dir / "config.yaml"
+    cfg = load_config(config_path, overrides)
+    if args.print_config:
+        print(to_yaml(cfg), end="")
+        return 0
+    if args.dry_run:
+        from .backends import get_backend
+
+        try:
+            backend = get_backend(cfg.trainer.device).name
+        except Exception as err:  # noqa: BLE001 - a dry run reports, it does not need the device
+            backend = f"not usable here ({err})"
+        print(f"config OK: {config_path or 'built-in defaults'}; device {cfg.trainer.device} -> {backend}")
+        return 0
+    from .trainer import Trainer
+
+    trainer = Trainer(cfg, run_dir=run_dir, resume=resume)
+    start = time.time()
+    trainer.setup()
+    print(f"run directory: {trainer.run_dir} (device {trainer.backend.name}, {trainer.total_steps} steps)")
+    try:
+        history = trainer.fit()
+    finally:
+        trainer.close()
+    if history:
+        k = max(1, len(history) // 10)
+        first = sum(r["reward_mean"] for r in history[:k]) / k
+        last = sum(r["reward_mean"] for r in history[-k:]) / k
+        print(f"done in {time.time() - start:.0f}s: reward first 10% {first:.3f} -> last 10% {last:.3f}; "
+              f"outputs in {trainer.run_dir}")
+    return 0
+
+
+def cmd_doctor(args) -> int:
+    import platform
+
+    import torch
+
+    from .backends import backend_names, get_backend  # noqa: F401
+    from .backends import _FACTORIES  # registry rows
+
+    rows = [factory().describe() for factory in _FACTORIES.values()]
+    info = {"python": platform.python_version(), "torch": torch.__version__, "backends": rows}
+    if args.json:
+        print(json.dumps(info, indent=1, default=str))
+        return 0
+    print(f"python {info['python']}, torch {info['torch']}")
+    print(f"{'backend':8} {'available':9} {'devices':7} {'collective':10} reason")
+    for r in rows:
+        print(f"{r['backend']:8} {'yes' if r['available'] else 'no':9} {r['device_count']:<7} {r['dist_backend']:10} {r['reason']}")
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="portagrpo", description="GRPO/DrGRPO trainer with the same numbers on every backend")
+    sub = parser.add_subparsers(dest="command")
+    _train_parser(sub)
+    d = sub.add_parser("doctor", help="what this machine has, per backend")
+    d.add_argument("--json", action="store_true")
+    return parser
+
+
+def _quiet_libraries() -> None:
+    try:
+        from transformers.utils import logging as hf_logging
+
+        hf_logging.disable_progress_bar()
+        hf_logging.set_verbosity_error()
+    except ImportError:  # pragma: no cover
+        pass
+
+
+def main(argv: list[str] | None = None) -> int:
+    _quiet_libraries()
+    parser = build_parser()
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if not argv:
+        argv = ["train"]
+    args = parser.parse_args(argv)
+    commands = {"train": cmd_train, "doctor": cmd_doctor}
+    try:
+        return commands[args.command](args)
+    except _user_errors() as err:
+        return _fail(err)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,159 @@
+"""Prompt datasets: JSONL/Parquet files or built-in tasks, tokenisation, and a resumable loader."""
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from .tasks import TASKS
+
+
+class DataError(ValueError):
+    """A dataset file is missing or malformed; the message names the file, line and field."""
+
+
+@dataclass
+class PromptRecord:
+    index: int
+    prompt: Any  # str or list of chat messages
+    ground_truth: str
+    data_source: str
+    extra_info: dict = field(default_factory=dict)
+
+
+def _record_from_row(row: dict, index: int, where: str) -> PromptRecord:
+    if not isinstance(row, dict):
+        raise DataError(f"{where}: a row must be a JSON object, got {type(row).__name__}.")
+    if "prompt" not in row:
+        raise DataError(f"{where}: the row has no 'prompt' field (a string or a list of chat messages).")
+    prompt = row["prompt"]
+    if hasattr(prompt, "tolist"):
+        prompt = prompt.tolist()
+    if isinstance(prompt, list):
+        for m in prompt:
+            if not isinstance(m, dict) or "role" not in m or "content" not in m:
+                raise DataError(f"{where}: 'prompt' messages need 'role' and 'content' keys.")
+    elif not isinstance(prompt, str):
+        raise DataError(f"{where}: 'prompt' must be a string or a list of chat messages.")
+    rm = row.get("reward_model") or {}
+    if not isinstance(rm, dict) or "ground_truth" not in rm:
+        raise DataError(f"{where}: the row has no 'reward_model.ground_truth' field.")
+    extra = row.get("extra_info") or {}
+    return PromptRecord(index, prompt, str(rm["ground_truth"]), str(row.get("data_source", "unknown")),
+                        dict(extra) if isinstance(extra, dict) else {})
+
+
+def read_rows(path: str | Path) -> list[dict]:
+    path = Path(path)
+    if not path.is_file():
+        raise DataError(f"data file {str(path)!r} does not exist; give a .jsonl or .parquet file.")
+    if path.suffix == ".parquet":
+        import pyarrow.parquet as pq
+
+        return pq.read_table(path).to_pylist()
+    if path.suffix not in (".jsonl", ".json"):
+        raise DataError(f"data file {str(path)!r} has an unknown extension; use .jsonl or .parquet.")
+    rows = []
+    with path.open() as fh:
+        for lineno, line in enumerate(fh, 1):
+            if not line.strip():
+                continue
+            try:
+                rows.append(json.loads(line))
+            except json.JSONDecodeError as err:
+                raise DataError(f"{path}:{lineno}: not valid JSON ({err.msg}); fix or remove the line.") from err
+    return rows
+
+
+def load_records(paths: list[str]) -> list[PromptRecord]:
+    records: list[PromptRecord] = []
+    for path in paths:
+        for i, row in enumerate(read_rows(path)):
+            records.append(_record_from_row(row, len(records), f"{path} row {i + 1}"))
+    return records
+
+
+def task_records(task: str, size: int, seed: int) -> list[PromptRecord]:
+    rows = TASKS.get(task, field="data.task")(size, seed)
+    return [_record_from_row(r, i, f"task {task} row {i}") for i, r in enumerate(rows)]
+
+
+def write_jsonl(rows: list[dict], path: str | Path) -> Path:
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return path
+
+
+def render_prompt(tokenizer, prompt: Any) -> str:
+    """Chat messages go through the tokenizer's chat template when it has one."""
+    if isinstance(prompt, str):
+        return prompt
+    if getattr(tokenizer, "chat_template", None):
+        return tokenizer.apply_chat_template(prompt, add_generation_prompt=True, tokenize=False)
+    return "\n".join(m["content"] for m in prompt) + "\n"
+
+
+def tokenize_prompts(tokenizer, records: list[PromptRecord]) -> list[list[int]]:
+    return [tokenizer(render_prompt(tokenizer, r.prompt), add_special_tokens=False)["input_ids"] for r in records]
+
+
+def filter_long_prompts(tokenizer, records: list[PromptRecord], max_len: int) -> tuple[list[PromptRecord], int]:
+    """Drop prompts longer than `max_len` tokens (truncating would change the question)."""
+    ids = tokenize_prompts(tokenizer, records)
+    kept = [r for r, x in zip(records, ids) if len(x) <= max_len]
+    return kept, len(records) - len(kept)
+
+
+def left_pad(seqs: list[list[int]], pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Left-pad token lists to [B, P] ids and mask."""
+    width = max(len(s) for s in seqs)
+    ids = torch.full((len(seqs), width), pad_id, dtype=torch.long)
+    mask = torch.zeros((len(seqs), width), dtype=torch.long)
+    for i, s in enumerate(seqs):
+        if s:
+            ids[i, width - len(s):] = torch.tensor(s, dtype=torch.long)
+            mask[i, width - len(s):] = 1
+    return ids, mask
+
+
+class PromptLoader:
+    """Yields batches of prompts, reshuffled each epoch from (seed, epoch); its state resumes exactly."""
+
+    def __init__(self, records: list[PromptRecord], batch_size: int, seed: int, shuffle: bool = True) -> None:
+        if len(records) < batch_size:
+            raise DataError(
+                f"the training set has {len(records)} prompts, fewer than data.train_batch_size={batch_size}; "
+                f"add data or lower the batch size."
+            )
+        self.records, self.batch_size, self.seed, self.shuffle = records, batch_size, seed, shuffle
+        self.epoch, self.cursor = 0, 0
+        self._order = self._permutation(0)
+
+    def _permutation(self, epoch: int) -> list[int]:
+        if not self.shuffle:
+            return list(range(len(self.records)))
+        g = torch.Generator().manual_seed(self.seed * 100_003 + epoch)
+        return torch.randperm(len(self.records), generator=g).tolist()
+
+    @property
+    def batches_per_epoch(self) -> int:
+        return len(self.records) // self.batch_size
+
+    def next_batch(self) -> list[PromptRecord]:
+        if self.cursor + self.batch_size > len(self.records):
+            self.epoch, self.cursor = self.epoch + 1, 0
+            self._order = self._permutation(self.epoch)
+        idx = self._order[self.cursor:self.cursor + self.batch_size]
+        self.cursor += self.batch_size
+        return [self.records[i] for i in idx]
+
+    def state_dict(self) -> dict:
+        return {"epoch": self.epoch, "cursor": self.cursor}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.epoch, self.cursor = int(state["epoch"]), int(state["cursor"])
+        self._order = self._permutation(self.epoch)

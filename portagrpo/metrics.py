@@ -1,0 +1,82 @@
+"""Run outputs: metrics.jsonl, TensorBoard scalars, and the reward/KL plot."""
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+from typing import Any
+
+REQUIRED_KEYS = (
+    "step", "reward_mean", "reward_std", "adv_mean", "adv_std", "loss_policy", "loss_kl", "kl", "entropy",
+    "clipfrac", "grad_norm", "response_len_mean", "ratio_mean", "zero_std_group_frac", "time_step_s",
+    "tokens_per_s",
+)
+
+
+def read_metrics(path: Path) -> list[dict[str, Any]]:
+    path = Path(path)
+    if not path.is_file():
+        return []
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+class MetricsLogger:
+    def __init__(self, run_dir: Path, *, tensorboard: bool, resume_step: int = 0) -> None:
+        self.run_dir = Path(run_dir)
+        self.path = self.run_dir / "metrics.jsonl"
+        # A resumed run drops rows written after its checkpoint, so every step appears once.
+        rows = [r for r in read_metrics(self.path) if r.get("step", 0) <= resume_step] if resume_step else []
+        self.path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+        self.writer = None
+        if tensorboard:
+            try:
+                from torch.utils.tensorboard import SummaryWriter
+
+                self.writer = SummaryWriter(str(self.run_dir / "tensorboard"), purge_step=resume_step + 1)
+            except ImportError:  # tensorboard is a core dependency, but keep training without it
+                self.writer = None
+
+    def log(self, metrics: dict[str, Any]) -> None:
+        clean = {k: (None if isinstance(v, float) and not math.isfinite(v) else v) for k, v in metrics.items()}
+        with self.path.open("a") as fh:
+            fh.write(json.dumps(clean) + "\n")
+        if self.writer is not None:
+            for key, value in metrics.items():
+                if key != "step" and isinstance(value, (int, float)) and math.isfinite(value):
+                    self.writer.add_scalar(key, value, metrics["step"])
+
+    def plot(self) -> Path | None:
+        return plot_reward(self.path, self.run_dir / "reward.png")
+
+    def close(self) -> None:
+        if self.writer is not None:
+            self.writer.close()
+
+
+def plot_reward(metrics_path: Path, out: Path) -> Path | None:
+    rows = read_metrics(metrics_path)
+    if not rows:
+        return None
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    steps = [r["step"] for r in rows]
+    fig, ax = plt.subplots(figsize=(7, 4))
+    ax.plot(steps, [r["reward_mean"] for r in rows], label="reward_mean", color="tab:blue")
+    val = [(r["step"], r["val/reward_mean"]) for r in rows if r.get("val/reward_mean") is not None]
+    if val:
+        ax.plot(*zip(*val), "o--", label="val/reward_mean", color="tab:green")
+    ax.set_xlabel("step")
+    ax.set_ylabel("reward")
+    ax2 = ax.twinx()
+    ax2.plot(steps, [r["kl"] if r["kl"] is not None else float("nan") for r in rows], label="kl", color="tab:red", alpha=0.6)
+    ax2.set_ylabel("kl")
+    lines = ax.get_legend_handles_labels()[0] + ax2.get_legend_handles_labels()[0]
+    ax.legend(lines, [ln.get_label() for ln in lines], loc="upper left")
+    ax.set_title("portagrpo: reward and KL per step")
+    fig.tight_layout()
+    fig.savefig(out, dpi=100)
+    plt.close(fig)
+    return out

@@ -1,0 +1,87 @@
+"""Built-in generated tasks: prompts with ground truths in the training schema, plus their rewards.
+
+A task is a generator `(size, seed) -> list[row]` where a row has `prompt` (chat messages),
+`reward_model.ground_truth` and `data_source`, the schema of RL post-training datasets.
+"""
+from __future__ import annotations
+
+import random
+from typing import Protocol
+
+from .registry import Registry
+
+REPEAT_LEN = 8
+
+
+class TaskGenerator(Protocol):
+    def __call__(self, size: int, seed: int) -> list[dict]: ...
+
+
+TASKS: Registry[TaskGenerator] = Registry("built-in task")
+
+
+def _row(content: str, answer: str, source: str, index: int) -> dict:
+    return {
+        "prompt": [{"role": "user", "content": content}],
+        "reward_model": {"ground_truth": answer, "style": "rule"},
+        "data_source": source,
+        "extra_info": {"index": index},
+    }
+
+
+@TASKS.register("repeat")
+def repeat_task(size: int, seed: int) -> list[dict]:
+    """'repeat 7' -> '77777777'. Partial credit per position makes a fresh policy's reward non-zero."""
+    rng = random.Random(seed)
+    return [_row(f"repeat {d}", d, "portagrpo/repeat", i) for i, d in enumerate(str(rng.randrange(10)) for _ in range(size))]
+
+
+def repeat_reward(solution: str, ground_truth: str) -> float:
+    """Mean over the first REPEAT_LEN characters: 1 for the digit asked for, 0.25 for another digit."""
+    credit = 0.0
+    for ch in solution[:REPEAT_LEN]:
+        if ch == ground_truth:
+            credit += 1.0
+        elif ch.isdigit():
+            credit += 0.25
+    return credit / REPEAT_LEN
+
+
+NAMES = ["tom", "ana", "li", "sam", "mia", "raj", "eva", "kim"]
+ITEMS = ["apples", "books", "coins", "pens", "cards", "eggs"]
+
+
+def arith_problem(rng: random.Random) -> tuple[str, str]:
+    """A one-step word problem and its integer answer."""
+    name, item = rng.choice(NAMES), rng.choice(ITEMS)
+    a, b = rng.randrange(2, 50), rng.randrange(1, 30)
+    kind = rng.randrange(3)
+    if kind == 0:
+        return f"{name} has {a} {item} and gets {b} more. how many {item} does {name} have?", str(a + b)
+    if kind == 1:
+        a = a + b
+        return f"{name} has {a} {item} and gives away {b}. how many {item} are left?", str(a - b)
+    a, b = rng.randrange(2, 12), rng.randrange(2, 10)
+    return f"{name} buys {a} boxes with {b} {item} each. how many {item} in total?", str(a * b)
+
+
+@TASKS.register("arith")
+def arith_task(size: int, seed: int) -> list[dict]:
+    """One-step arithmetic word problems scored with the GSM8K-style reward."""
+    rng = random.Random(seed)
+    rows = []
+    for i in range(size):
+        q, a = arith_problem(rng)
+        rows.append(_row(q + " end with: the answer is N.", a, "portagrpo/arith", i))
+    return rows
+
+
+def gsm8k_style_rows(size: int, seed: int) -> list[dict]:
+    """Rows shaped like a GSM8K conversion (data_source openai/gsm8k), for tests and demos."""
+    rng = random.Random(seed)
+    rows = []
+    for i in range(size):
+        q, a = arith_problem(rng)
+        rows.append(_row(q + ' Let\'s think step by step and output the final answer after "####".', a,
+                         "openai/gsm8k", i))
+    return rows

@@ -1,0 +1,455 @@
+"""The GRPO training loop: setup / step / validate / save / load / close.
+
+The loop orchestrates; the math lives in `portagrpo.algo`, device questions go to the
+backend, and every pluggable piece is reached through a registry.
+"""
+from __future__ import annotations
+
+import contextlib
+import math
+import random
+import time
+from dataclasses import dataclass
+from datetime import datetime
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from . import algo
+from .algo.advantages import scores_to_token_rewards, zero_std_group_fraction
+from .algo.losses import masked_mean
+from .backends import BaseBackend, get_backend
+from .batch import RolloutBatch, TrainBatch
+from .checkpoint import CheckpointError, latest_valid_checkpoint, load_checkpoint_state, save_checkpoint
+from .config import Config, to_yaml
+from .data import PromptLoader, PromptRecord, filter_long_prompts, left_pad, load_records, task_records, tokenize_prompts
+from .forward import response_stats
+from .kernels import logprob_impl
+from .metrics import MetricsLogger
+from .modeling import build_tiny_model, load_model, load_tokenizer
+from .rewards import RewardResolver, score_responses
+from .rollout import ROLLOUT_ENGINES, SamplingParams, decode_responses
+
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+
+
+@dataclass
+class StepOutput:
+    metrics: dict[str, Any]
+    batch: TrainBatch
+
+
+def default_run_dir() -> Path:
+    return Path("runs") / datetime.now().strftime("%Y%m%d-%H%M%S")
+
+
+def _seed_for(seed: int, step: int, salt: int) -> int:
+    return (seed * 1_000_003 + step * 7_919 + salt) % (2**63 - 1)
+
+
+class Trainer:
+    def __init__(self, cfg: Config, *, run_dir: str | Path | None = None, resume: str | Path | None = None,
+                 log=print) -> None:
+        self.cfg = cfg
+        self.log = log
+        self.run_dir = Path(run_dir or cfg.trainer.output_dir or default_run_dir())
+        self.resume_from = resume
+        self.step_done = 0
+
+    # ------------------------------------------------------------ setup
+
+    def setup(self) -> "Trainer":
+        cfg = self.cfg
+        self.backend: BaseBackend = get_backend(cfg.trainer.device)
+        if cfg.trainer.num_threads:
+            torch.set_num_threads(cfg.trainer.num_threads)
+        self.backend.set_deterministic(cfg.trainer.deterministic)
+        self.backend.seed(cfg.trainer.seed)
+        self.device = self.backend.device(0)
+        self.dtype = DTYPES[cfg.model.dtype]
+        if not self.backend.supports_dtype(self.dtype):
+            raise ValueError(f"model.dtype={cfg.model.dtype} is not supported on --device {self.backend.name}; use fp32.")
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        (self.run_dir / "config.yaml").write_text(to_yaml(cfg))
+        self._setup_data()
+        self._setup_models()
+        self._setup_optimizer()
+        self.kernel = logprob_impl(self.backend.kernel_implementation(cfg.kernels.logprob))
+        self.engine = ROLLOUT_ENGINES.get(cfg.rollout.engine, field="rollout.engine")(
+            self.policy, self.tokenizer, self.autocast)
+        resume_step = self._maybe_resume()
+        self.logger = MetricsLogger(self.run_dir, tensorboard=cfg.trainer.tensorboard, resume_step=resume_step)
+        return self
+
+    def autocast(self):
+        return self.backend.autocast(self.dtype)
+
+    def _setup_data(self) -> None:
+        cfg = self.cfg
+        self.tokenizer = load_tokenizer(cfg.model.tokenizer_path or cfg.model.path)
+        if cfg.data.task:
+            train = task_records(cfg.data.task, cfg.data.train_size, cfg.trainer.seed)
+            val = task_records(cfg.data.task, cfg.data.val_size, cfg.trainer.seed + 10_007)
+        else:
+            train = load_records(cfg.data.train_files)
+            val = load_records(cfg.data.val_files) if cfg.data.val_files else []
+        train, dropped = filter_long_prompts(self.tokenizer, train, cfg.data.max_prompt_length)
+        val, dropped_val = filter_long_prompts(self.tokenizer, val, cfg.data.max_prompt_length)
+        if dropped or dropped_val:
+            self.log(f"dropped {dropped} train and {dropped_val} val prompts longer than data.max_prompt_length="
+                     f"{cfg.data.max_prompt_length} tokens")
+        self.reward = RewardResolver(cfg.reward.function)
+        self.reward.check_sources({r.data_source for r in train + val})
+        self.loader = PromptLoader(train, cfg.data.train_batch_size, cfg.trainer.seed, cfg.data.shuffle)
+        self.val_records = val
+
+    def _setup_models(self) -> None:
+        cfg = self.cfg
+        attn = self.backend.attention_implementation(cfg.model.attn_implementation, self.dtype)
+        init_dir = self.run_dir / "init_model"
+        if cfg.model.path:
+            self.policy = load_model(cfg.model.path, attn)
+            ref_path = cfg.model.ref_path or cfg.model.path
+        else:
+            if not (init_dir / "config.json").is_file():
+                model = build_tiny_model(cfg.model, self.tokenizer, cfg.trainer.seed)
+                model.save_pretrained(init_dir, safe_serialization=True)
+                self.tokenizer.save_pretrained(init_dir)
+            self.policy = load_model(init_dir, attn)
+            ref_path = cfg.model.ref_path or init_dir
+        self.policy.to(self.device)
+        if cfg.model.gradient_checkpointing:
+            self.policy.gradient_checkpointing_enable()
+        self.policy.config.use_cache = True
+        self.ref = None
+        if cfg.actor.use_kl_loss or cfg.algorithm.use_kl_in_reward:
+            self.ref = load_model(ref_path, attn).to(self.device).eval()
+            self.ref.requires_grad_(False)
+        self.kl_needs_vocab = cfg.actor.kl_loss_type.rstrip("+") == "full"
+
+    def _setup_optimizer(self) -> None:
+        a = self.cfg.actor
+        params = [p for p in self.policy.parameters() if p.requires_grad]
+        self.optimizer = torch.optim.AdamW(params, lr=a.lr, betas=tuple(a.betas), weight_decay=a.weight_decay)
+        total = self.total_steps
+
+        def schedule(step: int) -> float:
+            if a.warmup_steps and step < a.warmup_steps:
+                return (step + 1) / a.warmup_steps
+            if a.lr_schedule == "cosine":
+                progress = (step - a.warmup_steps) / max(1, total - a.warmup_steps)
+                return 0.5 * (1 + math.cos(math.pi * min(1.0, progress)))
+            return 1.0
+
+        self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, schedule)
+
+    @property
+    def total_steps(self) -> int:
+        t = self.cfg.trainer
+        return t.total_steps if t.total_steps is not None else t.total_epochs * self.loader.batches_per_epoch
+
+    # ------------------------------------------------------------ save / load
+
+    def rng_state(self) -> dict[str, Any]:
+        return {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state(),
+                "backend": self.backend.rng_state()}
+
+    def set_rng_state(self, rng: dict[str, Any]) -> None:
+        random.setstate(rng["python"])
+        np.random.set_state(rng["numpy"])
+        torch.set_rng_state(rng["torch"])
+        self.backend.set_rng_state(rng.get("backend", {}))
+
+    def save(self) -> Path:
+        path = save_checkpoint(
+            self.run_dir, self.step_done, model=self.policy, tokenizer=self.tokenizer, optimizer=self.optimizer,
+            scheduler=self.scheduler, state={"loader": self.loader.state_dict()}, rng=self.rng_state(),
+            keep=self.cfg.trainer.max_ckpt_to_keep,
+        )
+        self.log(f"saved checkpoint {path}")
+        return path
+
+    def _maybe_resume(self) -> int:
+        if self.resume_from is None:
+            return 0
+        target = Path(self.resume_from)
+        if (target / "manifest.json").exists() or target.name.startswith("step_"):
+            ckpt = target
+        else:
+            ckpt = latest_valid_checkpoint(target, warn=self.log)
+            if ckpt is None:
+                raise CheckpointError(f"--resume {str(target)!r}: no whole checkpoint found under {target}/checkpoints.")
+        parts = load_checkpoint_state(ckpt)
+        from safetensors.torch import load_file
+
+        state = {}
+        for f in sorted(Path(parts["model_dir"]).glob("*.safetensors")):
+            state.update(load_file(f))
+        missing, unexpected = self.policy.load_state_dict(state, strict=False)
+        missing = [k for k in missing if not self._is_tied(k)]
+        if missing or unexpected:
+            raise CheckpointError(f"checkpoint {ckpt} does not fit the model (missing {missing[:3]}, unexpected {unexpected[:3]}).")
+        self.optimizer.load_state_dict(parts["optimizer"])
+        self.scheduler.load_state_dict(parts["scheduler"])
+        self.loader.load_state_dict(parts["state"]["loader"])
+        self.set_rng_state(parts["rng"])
+        self.step_done = int(parts["state"]["step"])
+        self.log(f"resumed from {ckpt} at step {self.step_done}")
+        return self.step_done
+
+    def _is_tied(self, key: str) -> bool:
+        return getattr(self.policy.config, "tie_word_embeddings", False) and key.endswith("lm_head.weight")
+
+    # ------------------------------------------------------------ one step
+
+    def rollout(self, records: list[PromptRecord], n: int, params: SamplingParams, uid_base: int) -> RolloutBatch:
+        ids = tokenize_prompts(self.tokenizer, records)
+        ids = [x for x in ids for _ in range(n)]
+        prompt_ids, prompt_mask = left_pad(ids, self.engine.pad_id)
+        prompt_ids, prompt_mask = prompt_ids.to(self.device), prompt_mask.to(self.device)
+        responses, mask = self.engine.generate(prompt_ids, prompt_mask, params)
+        rep = lambda xs: [x for x in xs for _ in range(n)]  # noqa: E731
+        return RolloutBatch(
+            prompt_ids=prompt_ids, prompt_mask=prompt_mask, responses=responses, response_mask=mask,
+            uid=torch.arange(len(records), device=self.device).repeat_interleave(n) + uid_base,
+            prompt_index=torch.tensor(rep([r.index for r in records]), device=self.device),
+            response_text=decode_responses(self.tokenizer, responses, mask),
+            ground_truth=rep([r.ground_truth for r in records]), data_source=rep([r.data_source for r in records]),
+            extra_info=rep([r.extra_info for r in records]),
+        )
+
+    def score(self, batch: RolloutBatch):
+        return score_responses(
+            self.reward, batch.response_text, batch.ground_truth, batch.data_source, batch.prompt_index.tolist(),
+            batch.extra_info, max_error_frac=self.cfg.reward.max_error_frac,
+        )
+
+    @torch.no_grad()
+    def logprobs(self, model, batch: RolloutBatch, *, entropy: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Log-probs [B, T] (and entropy) of `model` over the batch, in micro-batches."""
+        mb = self.cfg.actor.micro_batch_size
+        logps, ents = [], []
+        for start in range(0, batch.size, mb):
+            part = batch.select(list(range(start, min(start + mb, batch.size))))
+            stats = response_stats(model, part, temperature=self.cfg.rollout.temperature, kernel=self.kernel,
+                                   compute_entropy=entropy, autocast=self.autocast)
+            logps.append(stats.logp.float())
+            if entropy:
+                ents.append(stats.entropy.float())
+        return torch.cat(logps), (torch.cat(ents) if entropy else None)
+
+    def advantages(self, batch: RolloutBatch, scores: torch.Tensor, old_logp, ref_logp) -> tuple[torch.Tensor, torch.Tensor]:
+        """Reward shaping then the group advantage, in DESIGN.md order. Returns (scores', advantages [B, T])."""
+        alg = self.cfg.algorithm
+        mask = batch.response_mask
+        if alg.reward_clip is not None:
+            scores = algo.clip_scores(scores, alg.reward_clip)
+        shift = alg.reward_norm == "batch" or alg.reward_shift
+        scale = alg.reward_norm == "batch" or alg.reward_scale
+        if shift or scale:
+            scores = algo.batch_normalize_scores(scores, shift=shift, scale=scale)
+        if alg.use_kl_in_reward:
+            kl = algo.kl_penalty("kl", old_logp, ref_logp)
+            _, scores = algo.kl_penalized_scores(scores_to_token_rewards(scores, mask), kl, mask, kl_coef=alg.kl_coef)
+        estimator = algo.ADV_ESTIMATORS.get(alg.adv_estimator, field="algorithm.adv_estimator")
+        adv = estimator(scores, batch.uid, mask, norm_by_std=alg.norm_adv_by_std_in_grpo)
+        if alg.whiten_advantages:
+            adv = algo.whiten_advantages(adv, mask)
+        if alg.advantage_clip is not None:
+            adv = algo.clip_advantages(adv, alg.advantage_clip) * mask
+        return scores, adv
+
+    def all_reduce_sum(self, tensor: torch.Tensor) -> torch.Tensor:
+        """Sum over data-parallel ranks; one process is its own sum."""
+        return tensor
+
+    def micro_loss(self, micro: TrainBatch, num_tokens, num_seqs) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        a, cfg = self.cfg.actor, self.cfg
+        rb, mask = micro.rollout, micro.rollout.response_mask
+        stats = response_stats(self.policy, rb, temperature=cfg.rollout.temperature, kernel=self.kernel,
+                               compute_entropy=a.entropy_coeff != 0, vocab=self.kl_needs_vocab and a.use_kl_loss,
+                               autocast=self.autocast)
+        logp = stats.logp.float()
+        agg = dict(num_tokens=num_tokens, num_seqs=num_seqs, loss_scale_factor=cfg.loss_scale_factor)
+        pg_mat, m = algo.clipped_policy_loss(logp, micro.old_logp, micro.advantages, mask, clip_low=cfg.clip_low,
+                                             clip_high=cfg.clip_high, clip_c=a.clip_ratio_c)
+        pg = algo.aggregate_loss(pg_mat, mask, a.loss_agg_mode, **agg)
+        loss = pg
+        m["loss_policy"] = pg.detach()
+        if micro.ref_logp is not None:
+            ref_vocab = self._ref_vocab(rb) if (self.kl_needs_vocab and a.use_kl_loss) else None
+            kl_mat = algo.kl_penalty(a.kl_loss_type, logp, micro.ref_logp, logp_vocab=stats.logp_vocab,
+                                     ref_logp_vocab=ref_vocab)
+            m["kl"] = masked_mean(kl_mat, mask).detach()
+            if a.use_kl_loss:
+                kl_loss = algo.aggregate_loss(kl_mat, mask, a.loss_agg_mode, **agg)
+                loss = loss + a.kl_loss_coef * kl_loss
+                m["loss_kl"] = kl_loss.detach()
+        if a.entropy_coeff != 0:
+            ent = algo.aggregate_loss(stats.entropy.float(), mask, a.loss_agg_mode, **agg)
+            loss = loss - a.entropy_coeff * ent
+        return loss, m
+
+    @torch.no_grad()
+    def _ref_vocab(self, batch: RolloutBatch) -> torch.Tensor:
+        return response_stats(self.ref, batch, temperature=self.cfg.rollout.temperature, kernel=self.kernel,
+                              compute_entropy=False, vocab=True, autocast=self.autocast).logp_vocab.float()
+
+    def update(self, batch: TrainBatch, step: int) -> dict[str, float]:
+        """ppo_epochs over shuffled mini-batches, accumulating gradients over micro-batches."""
+        a = self.cfg.actor
+        g = torch.Generator().manual_seed(_seed_for(self.cfg.trainer.seed, step, 2))
+        sums: dict[str, float] = {}
+        weights: dict[str, float] = {}
+        grad_norms = []
+        self.policy.train()
+        for _ in range(a.ppo_epochs):
+            order = torch.randperm(batch.rollout.size, generator=g)
+            for mini_idx in order.split(a.ppo_mini_batch_size):
+                mini = batch.select(mini_idx)
+                n_tok, n_seq = algo.loss_normalizers(mini.rollout.response_mask)
+                n_tok, n_seq = self.all_reduce_sum(n_tok), self.all_reduce_sum(n_seq)
+                self.optimizer.zero_grad(set_to_none=True)
+                for micro_idx in torch.arange(mini.rollout.size).split(a.micro_batch_size):
+                    micro = mini.select(micro_idx)
+                    loss, m = self.micro_loss(micro, n_tok, n_seq)
+                    loss.backward()
+                    w = float(micro.rollout.response_mask.sum())
+                    for k, v in m.items():
+                        share = 1.0 if k.startswith("loss_") else w  # loss terms already carry their share
+                        sums[k] = sums.get(k, 0.0) + float(v) * share
+                        weights[k] = weights.get(k, 0.0) + (0.0 if k.startswith("loss_") else w)
+                grad_norms.append(float(self._clip_and_step()))
+        n_updates = a.ppo_epochs * (batch.rollout.size // a.ppo_mini_batch_size)
+        out = {k: (sums[k] / n_updates if k.startswith("loss_") else sums[k] / max(weights[k], 1.0)) for k in sums}
+        out["grad_norm"] = sum(grad_norms) / len(grad_norms)
+        return out
+
+    def _clip_and_step(self) -> torch.Tensor:
+        params = [p for p in self.policy.parameters() if p.requires_grad]
+        norm = torch.nn.utils.clip_grad_norm_(params, self.cfg.actor.grad_clip)
+        if torch.isfinite(norm):
+            self.optimizer.step()
+        else:
+            self.log(f"step {self.step_done + 1}: gradient norm is {float(norm)}, optimizer step skipped")
+        self.optimizer.zero_grad(set_to_none=True)
+        return norm
+
+    def step(self) -> StepOutput:
+        cfg = self.cfg
+        step = self.step_done + 1
+        t0 = time.perf_counter()
+        self.backend.reset_peak_memory()
+        records = self.loader.next_batch()
+        self.backend.seed(_seed_for(cfg.trainer.seed, step, 1))
+        params = SamplingParams(cfg.data.max_response_length, cfg.rollout.temperature, cfg.rollout.top_p, cfg.rollout.top_k)
+        rb = self.rollout(records, cfg.rollout.n, params, uid_base=step * cfg.data.train_batch_size)
+        t_gen = time.perf_counter()
+        scored = self.score(rb)
+        raw_scores = torch.tensor(scored.scores, dtype=torch.float32, device=self.device)
+        old_logp, entropy = self.logprobs(self.policy, rb, entropy=True)
+        ref_logp = self.logprobs(self.ref, rb, entropy=False)[0] if self.ref is not None else None
+        scores, adv = self.advantages(rb, raw_scores, old_logp, ref_logp)
+        batch = TrainBatch(rb, adv, old_logp, ref_logp)
+        t_prep = time.perf_counter()
+        upd = self.update(batch, step)
+        self.scheduler.step()
+        self.backend.synchronize()
+        t_end = time.perf_counter()
+        self.step_done = step
+        mask = rb.response_mask
+        resp_tokens = float(mask.sum())
+        metrics = {
+            "step": step,
+            "reward_mean": float(raw_scores.mean()),
+            "reward_std": float(raw_scores.std()) if raw_scores.numel() > 1 else 0.0,
+            "acc": float(np.mean(scored.correct)),
+            "score_mean": float(scores.mean()),
+            "adv_mean": float(masked_mean(adv, mask)),
+            "adv_std": float(masked_mean((adv - masked_mean(adv, mask)) ** 2, mask).sqrt()),
+            "loss_policy": upd.get("loss_policy", 0.0),
+            "loss_kl": upd.get("loss_kl", 0.0),
+            "kl": upd.get("kl", 0.0),
+            "entropy": float(masked_mean(entropy, mask)),
+            "clipfrac": upd["clipfrac"],
+            "clipfrac_lower": upd["clipfrac_lower"],
+            "ppo_kl": upd["ppo_kl"],
+            "ratio_mean": upd["ratio_mean"],
+            "grad_norm": upd["grad_norm"],
+            "response_len_mean": resp_tokens / rb.size,
+            "zero_std_group_frac": float(zero_std_group_fraction(raw_scores, rb.uid)),
+            "reward_errors": len(scored.failures),
+            "lr": self.scheduler.get_last_lr()[0],
+            "time_step_s": t_end - t0,
+            "time_gen_s": t_gen - t0,
+            "time_prep_s": t_prep - t_gen,
+            "time_update_s": t_end - t_prep,
+            "tokens_per_s": resp_tokens / (t_end - t0),
+            "mem_peak_gb": self.backend.peak_memory_gb(),
+        }
+        for failure in scored.failures[:3]:
+            self.log(f"step {step}: reward failed on sample {failure.sample} (prompt id {failure.prompt_id}): {failure.message}")
+        return StepOutput(metrics, batch)
+
+    # ------------------------------------------------------------ validation
+
+    def validate(self) -> dict[str, float]:
+        if not self.val_records:
+            return {}
+        cfg = self.cfg
+        params = SamplingParams(cfg.data.max_response_length, cfg.rollout.val_temperature, cfg.rollout.top_p,
+                                cfg.rollout.top_k)
+        state = torch.get_rng_state()  # validation must not shift the training RNG stream
+        self.backend.seed(_seed_for(cfg.trainer.seed, self.step_done, 3))
+        scores, correct = [], []
+        bs = max(cfg.data.train_batch_size, 1)
+        for start in range(0, len(self.val_records), bs):
+            records = self.val_records[start:start + bs]
+            rb = self.rollout(records, cfg.rollout.val_n, params, uid_base=0)
+            s = self.score(rb)
+            scores += s.scores
+            correct += s.correct
+        torch.set_rng_state(state)
+        return {"val/reward_mean": float(np.mean(scores)), "val/acc": float(np.mean(correct))}
+
+    # ------------------------------------------------------------ the run
+
+    def fit(self, progress: bool | None = None) -> list[dict[str, Any]]:
+        from tqdm.auto import tqdm
+
+        t = self.cfg.trainer
+        show = t.progress_bar if progress is None else progress
+        bar = tqdm(total=self.total_steps, initial=self.step_done, disable=not show, dynamic_ncols=True, desc="grpo")
+        history = []
+        try:
+            if t.test_freq and self.step_done == 0:
+                self._log_val_only()
+            while self.step_done < self.total_steps:
+                out = self.step()
+                metrics = out.metrics
+                if t.test_freq and (self.step_done % t.test_freq == 0 or self.step_done == self.total_steps):
+                    metrics.update(self.validate())
+                self.logger.log(metrics)
+                history.append(metrics)
+                bar.update(1)
+                bar.set_postfix(reward=f"{metrics['reward_mean']:.3f}", kl=f"{metrics['kl']:.4f}",
+                                loss=f"{metrics['loss_policy']:.3f}", tok_s=f"{metrics['tokens_per_s']:.0f}")
+                if t.save_freq and (self.step_done % t.save_freq == 0 or self.step_done == self.total_steps):
+                    self.save()
+        finally:
+            bar.close()
+        return history
+
+    def _log_val_only(self) -> None:
+        val = self.validate()
+        if val:
+            self.log(f"step 0 validation: " + ", ".join(f"{k}={v:.3f}" for k, v in val.items()))
+            self.initial_val = val
+
+    def close(self) -> None:
+        if getattr(self, "logger", None) is not None:
+            if self.cfg.trainer.plot:
+                self.logger.plot()
+            self.logger.close()
