@@ -14,8 +14,10 @@ from typing import Any, ContextManager, Protocol, runtime_checkable
 import numpy as np
 import torch
 
+from portagrpo.errors import UserError
 
-class BackendUnavailable(RuntimeError):
+
+class BackendUnavailable(UserError, RuntimeError):
     """The requested backend cannot run on this machine; the message says why and how to fix it."""
 
 

@@ -8,6 +8,8 @@ from typing import Protocol
 
 import torch
 
+from portagrpo.errors import UnknownNameError
+
 from .reference import logits_from_hidden, token_logprobs_from_logits, token_logprobs_reference
 
 
@@ -29,7 +31,7 @@ _IMPLS: dict[str, TokenLogprobFn] = {"reference": token_logprobs_reference}
 
 def logprob_impl(name: str) -> TokenLogprobFn:
     if name not in _IMPLS:
-        raise KeyError(f"kernels.logprob={name!r} is not a known implementation; choose one of {', '.join(_IMPLS)}.")
+        raise UnknownNameError(f"kernels.logprob={name!r} is not a known implementation; choose one of {', '.join(_IMPLS)}.")
     return _IMPLS[name]
 
 

@@ -14,11 +14,13 @@ from typing import Any
 
 import torch
 
+from .errors import UserError
+
 MANIFEST = "manifest.json"
 PREFIX = "step_"
 
 
-class CheckpointError(RuntimeError):
+class CheckpointError(UserError, RuntimeError):
     pass
 
 

@@ -7,23 +7,10 @@ import sys
 import time
 from pathlib import Path
 
-USER_ERRORS: tuple[type[BaseException], ...] = ()
-
-
-def _user_errors() -> tuple[type[BaseException], ...]:
-    from .backends import BackendUnavailable
-    from .checkpoint import CheckpointError
-    from .config import ConfigError
-    from .data import DataError
-    from .rewards import RewardFunctionError
-
-    return (ConfigError, BackendUnavailable, DataError, CheckpointError, RewardFunctionError, FileNotFoundError,
-            KeyError, ValueError, AttributeError)
-
+from .errors import UserError
 
 def _fail(err: BaseException) -> int:
-    message = err.args[0] if isinstance(err, KeyError) and err.args else str(err)
-    for line in str(message).splitlines():
+    for line in str(err).splitlines():
         print(f"portagrpo: error: {line}", file=sys.stderr)
     return 2
 
@@ -148,7 +135,7 @@ def main(argv: list[str] | None = None) -> int:
     commands = {"train": cmd_train, "doctor": cmd_doctor}
     try:
         return commands[args.command](args)
-    except _user_errors() as err:
+    except (UserError, FileNotFoundError) as err:
         return _fail(err)
 
 

@@ -16,8 +16,10 @@ from typing import Any, Literal, Optional, Union
 
 import yaml
 
+from .errors import UnknownNameError, UserError
 
-class ConfigError(ValueError):
+
+class ConfigError(UserError, ValueError):
     """Invalid configuration. `problems` holds one sentence per problem."""
 
     def __init__(self, problems: list[str]) -> None:
@@ -403,8 +405,8 @@ def validate(cfg: Config, *, check_files: bool = True) -> list[str]:
         p.append(f"actor.loss_agg_mode={a.loss_agg_mode!r} is unknown{hint}; use one of {', '.join(AGG_MODES)}.")
     try:
         parse_kl_type(a.kl_loss_type)
-    except KeyError as err:
-        p.append(str(err.args[0]))
+    except UnknownNameError as err:
+        p.append(str(err))
     for name, value in (("data.train_batch_size", d.train_batch_size), ("rollout.n", r.n),
                         ("actor.ppo_mini_batch_size", a.ppo_mini_batch_size),
                         ("actor.micro_batch_size", a.micro_batch_size), ("actor.ppo_epochs", a.ppo_epochs),

@@ -8,10 +8,11 @@ from typing import Any
 
 import torch
 
+from .errors import UserError
 from .tasks import TASKS
 
 
-class DataError(ValueError):
+class DataError(UserError, ValueError):
     """A dataset file is missing or malformed; the message names the file, line and field."""
 
 

@@ -4,6 +4,8 @@ from __future__ import annotations
 import difflib
 from typing import Generic, Iterator, TypeVar
 
+from .errors import UnknownNameError
+
 T = TypeVar("T")
 
 
@@ -27,7 +29,7 @@ class Registry(Generic[T]):
             where = f"{field}={name!r}" if field else f"{self.kind} {name!r}"
             close = difflib.get_close_matches(name, list(self._items), n=1)
             hint = f" (did you mean {close[0]!r}?)" if close else ""
-            raise KeyError(f"{where} is not a known {self.kind}{hint}; choose one of {', '.join(self._items)}.")
+            raise UnknownNameError(f"{where} is not a known {self.kind}{hint}; choose one of {', '.join(self._items)}.")
         return self._items[name]
 
     def __contains__(self, name: object) -> bool:

@@ -11,6 +11,7 @@ from decimal import Decimal, InvalidOperation
 from pathlib import Path
 from typing import Any, Protocol
 
+from .errors import UserError
 from .registry import Registry
 from .tasks import repeat_reward
 
@@ -20,8 +21,12 @@ class RewardFn(Protocol):
         """Return a float score, or a dict with a float `score` (and optionally `correct`)."""
 
 
-class RewardFunctionError(RuntimeError):
+class RewardFunctionError(UserError, RuntimeError):
     """A reward function raised or returned a non-finite score too often."""
+
+
+class RewardSpecError(UserError, ValueError):
+    """`reward.function` names something that cannot be loaded."""
 
 
 REWARDS: Registry[RewardFn] = Registry("reward function")
@@ -82,15 +87,15 @@ def load_user_function(spec: str) -> RewardFn:
     file_part, _, name = spec.rpartition(":")
     path = Path(file_part)
     if not file_part or not name:
-        raise ValueError(f"reward.function={spec!r} must be a registered name or path/to/file.py:function_name.")
+        raise RewardSpecError(f"reward.function={spec!r} must be a registered name or path/to/file.py:function_name.")
     if not path.is_file():
-        raise FileNotFoundError(f"reward.function={spec!r}: the file {file_part!r} does not exist.")
+        raise RewardSpecError(f"reward.function={spec!r}: the file {file_part!r} does not exist.")
     module_spec = importlib.util.spec_from_file_location(f"portagrpo_user_reward_{path.stem}", path)
     module = importlib.util.module_from_spec(module_spec)
     module_spec.loader.exec_module(module)
     fn = getattr(module, name, None)
     if not callable(fn):
-        raise AttributeError(f"reward.function={spec!r}: {file_part!r} defines no function named {name!r}.")
+        raise RewardSpecError(f"reward.function={spec!r}: {file_part!r} defines no function named {name!r}.")
     return fn
 
 
@@ -108,7 +113,7 @@ class RewardResolver:
             return
         unknown = sorted(s for s in sources if s not in DATA_SOURCE_REWARDS)
         if unknown:
-            raise ValueError(
+            raise RewardSpecError(
                 f"reward.function=auto has no reward for data_source {unknown[0]!r}; set reward.function to one of "
                 f"{', '.join(REWARDS)} or to path/to/file.py:function_name."
             )

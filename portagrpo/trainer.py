@@ -23,7 +23,7 @@ from .algo.losses import masked_mean
 from .backends import BaseBackend, get_backend
 from .batch import RolloutBatch, TrainBatch
 from .checkpoint import CheckpointError, latest_valid_checkpoint, load_checkpoint_state, save_checkpoint
-from .config import Config, to_yaml
+from .config import Config, ConfigError, to_yaml
 from .data import PromptLoader, PromptRecord, filter_long_prompts, left_pad, load_records, task_records, tokenize_prompts
 from .forward import response_stats
 from .kernels import logprob_impl
@@ -70,7 +70,7 @@ class Trainer:
         self.device = self.backend.device(0)
         self.dtype = DTYPES[cfg.model.dtype]
         if not self.backend.supports_dtype(self.dtype):
-            raise ValueError(f"model.dtype={cfg.model.dtype} is not supported on --device {self.backend.name}; use fp32.")
+            raise ConfigError([f"model.dtype={cfg.model.dtype} is not supported on --device {self.backend.name}; use fp32."])
         self.run_dir.mkdir(parents=True, exist_ok=True)
         (self.run_dir / "config.yaml").write_text(to_yaml(cfg))
         self._setup_data()
@@ -235,9 +235,9 @@ class Trainer:
             part = batch.select(list(range(start, min(start + mb, batch.size))))
             stats = response_stats(model, part, temperature=self.cfg.rollout.temperature, kernel=self.kernel,
                                    compute_entropy=entropy, autocast=self.autocast)
-            logps.append(stats.logp.float())
+            logps.append(stats.logp)
             if entropy:
-                ents.append(stats.entropy.float())
+                ents.append(stats.entropy)
         return torch.cat(logps), (torch.cat(ents) if entropy else None)
 
     def advantages(self, batch: RolloutBatch, scores: torch.Tensor, old_logp, ref_logp) -> tuple[torch.Tensor, torch.Tensor]:
@@ -271,7 +271,7 @@ class Trainer:
         stats = response_stats(self.policy, rb, temperature=cfg.rollout.temperature, kernel=self.kernel,
                                compute_entropy=a.entropy_coeff != 0, vocab=self.kl_needs_vocab and a.use_kl_loss,
                                autocast=self.autocast)
-        logp = stats.logp.float()
+        logp = stats.logp  # fp32 (fp64 for an fp64 model): kernels never return bf16
         agg = dict(num_tokens=num_tokens, num_seqs=num_seqs, loss_scale_factor=cfg.loss_scale_factor)
         pg_mat, m = algo.clipped_policy_loss(logp, micro.old_logp, micro.advantages, mask, clip_low=cfg.clip_low,
                                              clip_high=cfg.clip_high, clip_c=a.clip_ratio_c)
@@ -288,14 +288,14 @@ class Trainer:
                 loss = loss + a.kl_loss_coef * kl_loss
                 m["loss_kl"] = kl_loss.detach()
         if a.entropy_coeff != 0:
-            ent = algo.aggregate_loss(stats.entropy.float(), mask, a.loss_agg_mode, **agg)
+            ent = algo.aggregate_loss(stats.entropy, mask, a.loss_agg_mode, **agg)
             loss = loss - a.entropy_coeff * ent
         return loss, m
 
     @torch.no_grad()
     def _ref_vocab(self, batch: RolloutBatch) -> torch.Tensor:
         return response_stats(self.ref, batch, temperature=self.cfg.rollout.temperature, kernel=self.kernel,
-                              compute_entropy=False, vocab=True, autocast=self.autocast).logp_vocab.float()
+                              compute_entropy=False, vocab=True, autocast=self.autocast).logp_vocab
 
     def update(self, batch: TrainBatch, step: int) -> dict[str, float]:
         """ppo_epochs over shuffled mini-batches, accumulating gradients over micro-batches."""

@@ -9,6 +9,7 @@ from typing import Protocol
 
 import torch
 
+from ..errors import UnknownNameError
 from ..registry import Registry
 
 LOG_RATIO_CLAMP = 20.0
@@ -108,7 +109,7 @@ def parse_kl_type(name: str) -> tuple[str, bool]:
     straight_through = name.endswith("+")
     base = name[:-1] if straight_through else name
     if base != FULL_KL and base not in KL_ESTIMATORS:
-        raise KeyError(
+        raise UnknownNameError(
             f"actor.kl_loss_type={name!r} is not a known KL estimator; use one of "
             f"{', '.join(KL_ESTIMATORS.names() + [FULL_KL])}, optionally with a '+' suffix (e.g. k3+)."
         )

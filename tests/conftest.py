@@ -1,0 +1,35 @@
+"""Shared fixtures: a tiny tokenizer and a tiny saved model, both built locally."""
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+
+@pytest.fixture(scope="session")
+def tokenizer():
+    from portagrpo.modeling import build_char_tokenizer
+
+    return build_char_tokenizer()
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(tmp_path_factory, tokenizer):
+    """A tiny Llama saved in Hugging Face layout by the test itself (no hub)."""
+    from portagrpo.config import ModelConfig, TinyModelConfig
+    from portagrpo.modeling import build_tiny_model
+
+    path = tmp_path_factory.mktemp("tiny_model")
+    cfg = ModelConfig(tiny=TinyModelConfig(hidden_size=32, num_layers=1, num_heads=2, intermediate_size=64))
+    model = build_tiny_model(cfg, tokenizer, seed=123)
+    model.save_pretrained(path, safe_serialization=True)
+    tokenizer.save_pretrained(path)
+    return path
+
+
+@pytest.fixture(autouse=True)
+def _seed():
+    torch.manual_seed(0)
