@@ -128,7 +128,7 @@ class TrainerConfig:
     seed: int = 1
     total_steps: Optional[int] = 300
     total_epochs: int = 1
-    save_freq: int = 0
+    save_freq: int = 100
     test_freq: int = 40
     max_ckpt_to_keep: int = 2
     output_dir: Optional[str] = None
