@@ -6,6 +6,9 @@ from typing import Callable
 
 from .base import Availability, Backend, BackendSpec, BackendUnavailable, BaseBackend
 from .cpu import CPUBackend
+from .cuda import CUDABackend
+from .npu import NPUBackend
+from .rocm import ROCmBackend
 
 _FACTORIES: dict[str, Callable[[], BaseBackend]] = {}
 
@@ -21,34 +24,37 @@ def backend_names() -> list[str]:
 register_backend("cpu", CPUBackend)
 
 
-class _NotYetBackend(BaseBackend):
-    """A vendor whose module is not written yet: it says so in one sentence."""
+register_backend("cuda", CUDABackend)
+register_backend("rocm", ROCmBackend)
+register_backend("npu", NPUBackend)
 
-    def __init__(self, name: str, device_type: str, dist: str) -> None:
-        super().__init__(BackendSpec(name=name, device_type=device_type, dist_backend=dist))
-
-    def is_available(self) -> Availability:
-        return Availability(False, f"the {self.name} backend is not implemented yet in this version of portagrpo")
+AUTO_ORDER = ("npu", "cuda", "rocm", "cpu")
 
 
-for _name, _dt, _dist in (("cuda", "cuda", "nccl"), ("rocm", "cuda", "nccl"), ("npu", "npu", "hccl")):
-    register_backend(_name, lambda n=_name, d=_dt, c=_dist: _NotYetBackend(n, d, c))
+def all_backends() -> list[BaseBackend]:
+    return [factory() for factory in _FACTORIES.values()]
 
 
-def get_backend(name: str | None = None) -> BaseBackend:
-    """Return a usable backend for `name` (cpu|cuda|rocm|npu|auto), or raise BackendUnavailable."""
-    requested = name or os.environ.get("PORTAGRPO_DEVICE") or "auto"
+def get_backend(name: str | None = None, factories: dict[str, Callable[[], BaseBackend]] | None = None) -> BaseBackend:
+    """Return a usable backend for `name` (cpu|cuda|rocm|npu|auto), or raise BackendUnavailable.
+
+    `auto` (also when `name` is None and PORTAGRPO_DEVICE is unset) picks npu > cuda/rocm > cpu
+    by what is really usable. `factories` lets tests inject backends built on fake probes.
+    """
+    table = factories or _FACTORIES
+    requested = (name if name not in (None, "") else None) or os.environ.get("PORTAGRPO_DEVICE") or "auto"
     if requested == "auto":
-        for candidate in ("npu", "cuda", "rocm", "cpu"):
-            backend = _FACTORIES[candidate]()
-            if backend.is_available().ok:
-                return backend
+        for candidate in AUTO_ORDER:
+            if candidate in table:
+                backend = table[candidate]()
+                if backend.is_available().ok:
+                    return backend
         raise BackendUnavailable("no backend is usable on this machine, not even the CPU")
-    if requested not in _FACTORIES:
+    if requested not in table:
         raise BackendUnavailable(
-            f"trainer.device={requested!r} is not a known device; choose one of auto, {', '.join(_FACTORIES)}."
+            f"trainer.device={requested!r} is not a known device; choose one of auto, {', '.join(table)}."
         )
-    return _FACTORIES[requested]().require()
+    return table[requested]().require()
 
 
 __all__ = [
@@ -57,6 +63,7 @@ __all__ = [
     "BackendSpec",
     "BackendUnavailable",
     "BaseBackend",
+    "all_backends",
     "backend_names",
     "get_backend",
     "register_backend",

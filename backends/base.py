@@ -121,7 +121,8 @@ class BaseBackend:
         """Fail with the one-sentence reason when this backend cannot run here."""
         avail = self.is_available()
         if not avail.ok:
-            raise BackendUnavailable(f"--device {self.name} cannot be used: {avail.reason}")
+            reason = avail.reason if avail.reason.endswith(".") else avail.reason + "."
+            raise BackendUnavailable(f"--device {self.name} cannot be used: {reason}")
         return self
 
     def device(self, local_rank: int = 0) -> torch.device:
@@ -189,13 +190,28 @@ class BaseBackend:
         return choice
 
     def describe(self) -> dict[str, Any]:
+        """One row of `portagrpo doctor`: availability, devices, collectives, attention and kernels."""
         avail = self.is_available()
-        return {
+        row: dict[str, Any] = {
             "backend": self.name,
             "available": avail.ok,
             "reason": avail.reason,
             "device_type": self.device_type,
             "dist_backend": self.dist_backend,
+            "visible_devices_env": list(self.spec.visible_devices_env),
+            "ray_resource": self.spec.ray_resource,
             "device_count": self.device_count() if avail.ok else 0,
-            **avail.details,
+            "device_names": [],
+            "bf16": None,
+            "attention": {"fp32": None, "bf16": None},
+            "kernel": None,
         }
+        row.update(avail.details)
+        if avail.ok:
+            for label, dtype in (("fp32", torch.float32), ("bf16", torch.bfloat16)):
+                try:
+                    row["attention"][label] = self.attention_implementation("auto", dtype)
+                except UserError as err:
+                    row["attention"][label] = f"none ({err})"
+            row["kernel"] = self.kernel_implementation("auto")
+        return row

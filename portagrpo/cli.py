@@ -87,22 +87,9 @@ def cmd_train(args) -> int:
 
 
 def cmd_doctor(args) -> int:
-    import platform
+    from .doctor import run
 
-    import torch
-
-    from .backends import backend_names, get_backend  # noqa: F401
-    from .backends import _FACTORIES  # registry rows
-
-    rows = [factory().describe() for factory in _FACTORIES.values()]
-    info = {"python": platform.python_version(), "torch": torch.__version__, "backends": rows}
-    if args.json:
-        print(json.dumps(info, indent=1, default=str))
-        return 0
-    print(f"python {info['python']}, torch {info['torch']}")
-    print(f"{'backend':8} {'available':9} {'devices':7} {'collective':10} reason")
-    for r in rows:
-        print(f"{r['backend']:8} {'yes' if r['available'] else 'no':9} {r['device_count']:<7} {r['dist_backend']:10} {r['reason']}")
+    print(run(args.json))
     return 0
 
 
@@ -126,6 +113,9 @@ def _quiet_libraries() -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
+    from .backends.npu_env import guard_torch_import
+
+    guard_torch_import()  # must run before torch is imported (see backends/npu_env.py)
     _quiet_libraries()
     parser = build_parser()
     argv = list(sys.argv[1:] if argv is None else argv)

@@ -1,0 +1,97 @@
+"""Behaviour shared by the accelerator backends (CUDA, ROCm, NPU): each exposes a torch device
+module (`torch.cuda`, `torch.npu`) with the same housekeeping calls, so vendor modules only
+state their data row, their availability rules and their attention/kernel choices.
+"""
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import torch
+
+from .base import Availability, BackendSpec, BaseBackend
+from .probe import RuntimeProbe
+
+
+class AcceleratorBackend(BaseBackend):
+    def __init__(self, spec: BackendSpec, probe: RuntimeProbe | None = None) -> None:
+        super().__init__(spec)
+        self.probe = probe or RuntimeProbe()
+        self._module: Any = None
+
+    # The device module is fetched lazily: building a backend object never imports a vendor package.
+    @property
+    def module(self) -> Any:
+        if self._module is None:
+            self._module = self.probe.device_module(self.device_type)
+        return self._module
+
+    def runtime_problem(self) -> str | None:
+        """The reason this torch cannot drive the vendor's devices, before touching the device module."""
+        raise NotImplementedError
+
+    def is_available(self) -> Availability:
+        problem = self.runtime_problem()
+        if problem:
+            return Availability(False, problem)
+        try:
+            mod = self.module
+            usable = bool(mod.is_available()) and mod.device_count() > 0
+        except (ImportError, OSError, RuntimeError) as err:
+            return Availability(False, f"the {self.name} runtime failed to load ({err})")
+        if not usable:
+            shown = {v: os.environ[v] for v in self.spec.visible_devices_env if v in os.environ}
+            hint = f" ({', '.join(f'{k}={v!r}' for k, v in shown.items())} may hide them)" if shown else ""
+            return Availability(False, f"torch {self.probe.torch_version} supports {self.name} but no device is usable: "
+                                       f"the driver is missing or no device is visible{hint}")
+        return Availability(True, details=self._details(mod))
+
+    def _details(self, mod: Any) -> dict[str, Any]:
+        names = []
+        for i in range(mod.device_count()):
+            try:
+                names.append(mod.get_device_name(i))
+            except (RuntimeError, AttributeError):
+                names.append(f"{self.device_type}:{i}")
+        try:
+            bf16 = bool(mod.is_bf16_supported())
+        except (RuntimeError, AttributeError):
+            bf16 = False
+        return {"device_names": names, "bf16": bf16}
+
+    def device(self, local_rank: int = 0) -> torch.device:
+        return torch.device(self.device_type, local_rank)
+
+    def set_device(self, local_rank: int) -> None:
+        self.module.set_device(local_rank)
+
+    def device_count(self) -> int:
+        return int(self.module.device_count())
+
+    def supports_dtype(self, dtype: torch.dtype) -> bool:
+        if dtype == torch.bfloat16:
+            return bool(self._details(self.module)["bf16"])
+        return True
+
+    def seed(self, seed: int) -> None:
+        super().seed(seed)
+        self.module.manual_seed_all(seed)
+
+    def synchronize(self) -> None:
+        self.module.synchronize()
+
+    def reset_peak_memory(self) -> None:
+        self.module.reset_peak_memory_stats()
+
+    def peak_memory_gb(self) -> float:
+        return float(self.module.max_memory_allocated()) / 2**30
+
+    def empty_cache(self) -> None:
+        self.module.empty_cache()
+
+    def rng_state(self) -> dict[str, Any]:
+        return {"device": self.module.get_rng_state_all()}
+
+    def set_rng_state(self, state: dict[str, Any]) -> None:
+        if "device" in state:
+            self.module.set_rng_state_all(state["device"])

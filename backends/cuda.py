@@ -1,0 +1,77 @@
+"""NVIDIA CUDA backend: NCCL collectives, flash-attention when installed, Triton kernels."""
+from __future__ import annotations
+
+import torch
+
+from .accelerator import AcceleratorBackend
+from .base import BackendSpec, BackendUnavailable
+from .probe import RuntimeProbe
+
+SPEC = BackendSpec(
+    name="cuda",
+    device_type="cuda",
+    dist_backend="nccl",
+    visible_devices_env=("CUDA_VISIBLE_DEVICES",),
+    ray_resource="GPU",
+    default_attention="sdpa",
+    attention_choices=("sdpa", "eager", "flash_attention_2"),
+    kernel_choices=("reference", "chunked", "triton"),
+    default_kernel="chunked",
+    install_hint="install a CUDA build of torch for your driver (see pytorch.org), then `pip install portagrpo[cuda]`",
+)
+
+
+class CUDALikeBackend(AcceleratorBackend):
+    """CUDA and ROCm share torch's `cuda` device type, so they share this code; ROCm only
+    changes its data row and which torch build it accepts."""
+
+    wants_hip = False
+
+    def runtime_problem(self) -> str | None:
+        p = self.probe
+        if p.hip_version and not self.wants_hip:
+            return (f"the installed torch {p.torch_version} is a ROCm build (torch.version.hip={p.hip_version}); "
+                    f"use --device rocm, or install a CUDA build of torch")
+        if self.wants_hip and not p.hip_version:
+            built = f"a CUDA {p.cuda_version} build" if p.cuda_version else "a CPU-only build"
+            return (f"the installed torch {p.torch_version} is {built}, not a ROCm build; install torch from the ROCm "
+                    f"wheel index (see pytorch.org){', or use --device cuda' if p.cuda_version else ''}")
+        if not self.wants_hip and not p.cuda_version:
+            return (f"the installed torch {p.torch_version} is a CPU-only build; {SPEC.install_hint}")
+        return None
+
+    def attention_implementation(self, requested: str, dtype: torch.dtype) -> str:
+        has_fa = self.probe.has_module("flash_attn")
+        half = dtype in (torch.bfloat16, torch.float16)
+        if requested == "auto":
+            return "flash_attention_2" if has_fa and half else "sdpa"
+        if requested == "flash_attention_2":
+            if not has_fa:
+                raise BackendUnavailable(
+                    "model.attn_implementation=flash_attention_2 needs the flash_attn package, which is not installed; "
+                    "`pip install flash-attn --no-build-isolation` or use sdpa.")
+            if not half:
+                raise BackendUnavailable(
+                    "model.attn_implementation=flash_attention_2 needs model.dtype=bf16 (flash-attention has no fp32 "
+                    "kernels); set model.dtype=bf16 or use sdpa.")
+        return super().attention_implementation(requested, dtype)
+
+    def kernel_implementation(self, requested: str) -> str:
+        if requested == "triton" and not self.probe.has_module("triton"):
+            raise BackendUnavailable(f"kernels.logprob=triton needs the triton package; `pip install portagrpo[{self.name}]`.")
+        if requested == "auto":
+            return "triton" if self.probe.has_module("triton") and "triton" in self.spec.kernel_choices else "chunked"
+        return super().kernel_implementation(requested)
+
+    def deterministic_env(self) -> dict[str, str]:
+        return {"CUBLAS_WORKSPACE_CONFIG": ":4096:8"}
+
+    def set_deterministic(self, enabled: bool) -> None:
+        super().set_deterministic(enabled)
+        torch.backends.cudnn.deterministic = enabled
+        torch.backends.cudnn.benchmark = not enabled
+
+
+class CUDABackend(CUDALikeBackend):
+    def __init__(self, probe: RuntimeProbe | None = None) -> None:
+        super().__init__(SPEC, probe)

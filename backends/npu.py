@@ -1,0 +1,126 @@
+"""Huawei Ascend NPU backend: torch_npu device module, HCCL collectives, and the fused
+attention of torch_npu (`npu_fusion_attention`) registered with transformers when chosen.
+
+torch_npu is imported only when this backend is asked whether it can run, never when
+portagrpo is imported.
+"""
+from __future__ import annotations
+
+import os
+from typing import Any, Callable
+
+import torch
+
+from .accelerator import AcceleratorBackend
+from .base import BackendSpec, BackendUnavailable
+from .npu_env import SET_ENV_HINT, autoload_disabled_reason, cann_found, torch_npu_installed
+from .probe import RuntimeProbe
+
+NPU_ATTENTION = "npu_fusion"
+
+SPEC = BackendSpec(
+    name="npu",
+    device_type="npu",
+    dist_backend="hccl",
+    visible_devices_env=("ASCEND_RT_VISIBLE_DEVICES",),
+    ray_resource="NPU",
+    default_attention=NPU_ATTENTION,
+    attention_choices=(NPU_ATTENTION, "sdpa", "eager"),
+    kernel_choices=("reference", "chunked"),
+    default_kernel="chunked",
+    install_hint=("install the CANN toolkit and the torch_npu release matching your torch "
+                  "(`pip install torch-npu==<torch version>`), then `" + SET_ENV_HINT + "`"),
+)
+
+
+def npu_attention_forward(
+    module: torch.nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    scaling: float | None = None,
+    dropout: float = 0.0,
+    *,
+    fused_op: Callable[..., Any] | None = None,
+    **kwargs: Any,
+) -> tuple[torch.Tensor, None]:
+    """transformers attention-interface adapter around `torch_npu.npu_fusion_attention`.
+
+    query: [B, N, Sq, D], key/value: [B, Nkv, Skv, D]; attention_mask: bool [B, 1, Sq, Skv]
+    with True = attend (the sdpa mask), or None for plain causal. Returns ([B, Sq, N, D], None).
+    The fused op takes the opposite mask convention (True = masked out) and BNSD layout.
+    """
+    if fused_op is None:
+        import torch_npu
+
+        fused_op = torch_npu.npu_fusion_attention
+    heads, q_len, kv_len = query.shape[1], query.shape[2], key.shape[2]
+    if key.shape[1] != heads:  # grouped-query attention: give every query head its key/value head
+        groups = heads // key.shape[1]
+        key = key.repeat_interleave(groups, dim=1)
+        value = value.repeat_interleave(groups, dim=1)
+    if attention_mask is None:
+        masked = torch.ones(q_len, kv_len, dtype=torch.bool, device=query.device).triu(1 + kv_len - q_len)
+    elif attention_mask.dtype == torch.bool:
+        masked = ~attention_mask
+    else:  # additive float mask: very negative = masked
+        masked = attention_mask < -1.0
+    scale = scaling if scaling is not None else query.shape[-1] ** -0.5
+    out = fused_op(query, key, value, heads, "BNSD", atten_mask=masked, scale=scale,
+                   keep_prob=1.0 - (dropout if module.training else 0.0))[0]
+    return out.transpose(1, 2).contiguous(), None
+
+
+def register_npu_attention(fused_op: Callable[..., Any] | None = None) -> str:
+    """Register the adapter with transformers under `npu_fusion` (done when the backend picks it)."""
+    from transformers import AttentionInterface
+    from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+
+    def forward(*args: Any, **kwargs: Any):
+        return npu_attention_forward(*args, fused_op=fused_op, **kwargs)
+
+    AttentionInterface.register(NPU_ATTENTION, forward)
+    AttentionMaskInterface.register(NPU_ATTENTION, sdpa_mask)
+    return NPU_ATTENTION
+
+
+class NPUBackend(AcceleratorBackend):
+    def __init__(self, probe: RuntimeProbe | None = None, *, torch_npu_present: Callable[[], bool] = torch_npu_installed,
+                 cann_present: Callable[[], bool] = cann_found) -> None:
+        super().__init__(SPEC, probe)
+        self._torch_npu_present, self._cann_present = torch_npu_present, cann_present
+
+    def runtime_problem(self) -> str | None:
+        if not self._torch_npu_present():
+            return f"torch_npu is not installed; {SPEC.install_hint}"
+        if not self._cann_present():
+            extra = " (portagrpo set TORCH_DEVICE_BACKEND_AUTOLOAD=0 so `import torch` keeps working)" \
+                if autoload_disabled_reason else ""
+            return (f"torch_npu is installed but the CANN toolkit is not loaded (libhccl.so was not found){extra}; "
+                    f"run `{SET_ENV_HINT}`")
+        return None
+
+    def attention_implementation(self, requested: str, dtype: torch.dtype) -> str:
+        choice = super().attention_implementation(requested, dtype)
+        if choice == NPU_ATTENTION:
+            register_npu_attention()
+        return choice
+
+    def kernel_implementation(self, requested: str) -> str:
+        if requested == "triton":
+            if not self.probe.has_module("triton"):
+                raise BackendUnavailable("kernels.logprob=triton on NPU needs triton-ascend, which is not installed; "
+                                         "use chunked.")
+            return "triton"  # triton-ascend provides the `triton` package; parity decides whether to trust it
+        return super().kernel_implementation(requested)
+
+    def deterministic_env(self) -> dict[str, str]:
+        return {"HCCL_DETERMINISTIC": "true"}
+
+    def set_device(self, local_rank: int) -> None:
+        self.module.set_device(local_rank)
+
+
+def visible_devices() -> str | None:
+    return os.environ.get("ASCEND_RT_VISIBLE_DEVICES")

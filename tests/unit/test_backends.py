@@ -1,0 +1,232 @@
+"""Backend selection with injected probes (no device is pretended), error sentences, NPU attention."""
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from portagrpo.backends import BackendUnavailable, get_backend
+from portagrpo.backends import npu_env
+from portagrpo.backends.cpu import CPUBackend
+from portagrpo.backends.cuda import CUDABackend
+from portagrpo.backends.npu import NPU_ATTENTION, NPUBackend, npu_attention_forward, register_npu_attention
+from portagrpo.backends.probe import RuntimeProbe
+from portagrpo.backends.rocm import ROCmBackend
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+class FakeDevices:
+    """Stands in for torch.cuda / torch.npu: answers the calls a backend makes."""
+
+    def __init__(self, count=2, name="Fake GPU", bf16=True):
+        self.count, self.name, self.bf16 = count, name, bf16
+        self.seeds = []
+
+    def is_available(self):
+        return self.count > 0
+
+    def device_count(self):
+        return self.count
+
+    def get_device_name(self, i):
+        return f"{self.name} #{i}"
+
+    def is_bf16_supported(self):
+        return self.bf16
+
+    def manual_seed_all(self, seed):
+        self.seeds.append(seed)
+
+
+def probe(*, cuda=None, hip=None, modules=(), devices=None):
+    dev = devices if devices is not None else FakeDevices()
+    return RuntimeProbe(torch_version="9.9.9", hip_version=hip, cuda_version=cuda,
+                        has_module=lambda m: m in modules, device_module=lambda t: dev)
+
+
+def table(p, npu_installed=False, cann=False):
+    return {
+        "cpu": CPUBackend,
+        "cuda": lambda: CUDABackend(p),
+        "rocm": lambda: ROCmBackend(p),
+        "npu": lambda: NPUBackend(p, torch_npu_present=lambda: npu_installed, cann_present=lambda: cann),
+    }
+
+
+def test_cuda_torch_with_devices():
+    p = probe(cuda="12.8")
+    b = get_backend("cuda", table(p))
+    assert b.name == "cuda" and b.dist_backend == "nccl" and b.device(1) == torch.device("cuda", 1)
+    row = b.describe()
+    assert row["device_names"] == ["Fake GPU #0", "Fake GPU #1"] and row["bf16"] is True
+    assert get_backend("auto", table(p)).name == "cuda"
+
+
+def test_cuda_request_on_rocm_torch_says_which_torch():
+    p = probe(cuda=None, hip="6.4.1")
+    with pytest.raises(BackendUnavailable, match=r"is a ROCm build \(torch.version.hip=6.4.1\); use --device rocm"):
+        get_backend("cuda", table(p))
+    rocm = get_backend("auto", table(p))
+    assert rocm.name == "rocm" and rocm.device_type == "cuda"
+    assert rocm.spec.visible_devices_env == ("HIP_VISIBLE_DEVICES", "ROCR_VISIBLE_DEVICES")
+
+
+def test_rocm_request_on_cuda_torch_says_which_torch():
+    with pytest.raises(BackendUnavailable, match="is a CUDA 12.8 build, not a ROCm build.*or use --device cuda"):
+        get_backend("rocm", table(probe(cuda="12.8")))
+
+
+def test_cpu_only_torch():
+    with pytest.raises(BackendUnavailable, match="CPU-only build"):
+        get_backend("cuda", table(probe()))
+    assert get_backend("auto", table(probe())).name == "cpu"
+
+
+def test_cuda_torch_without_visible_devices(monkeypatch):
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")
+    with pytest.raises(BackendUnavailable, match="no device is usable.*CUDA_VISIBLE_DEVICES=''"):
+        get_backend("cuda", table(probe(cuda="12.8", devices=FakeDevices(count=0))))
+
+
+def test_npu_missing_runtime_sentences():
+    with pytest.raises(BackendUnavailable, match="torch_npu is not installed; install the CANN toolkit"):
+        get_backend("npu", table(probe()))
+    with pytest.raises(BackendUnavailable, match="CANN toolkit is not loaded \\(libhccl.so was not found\\)"):
+        get_backend("npu", table(probe(), npu_installed=True, cann=False))
+
+
+def test_npu_preferred_by_auto_when_usable():
+    p = probe(cuda="12.8", devices=FakeDevices(name="Ascend910B"))
+    b = get_backend("auto", table(p, npu_installed=True, cann=True))
+    assert b.name == "npu" and b.dist_backend == "hccl" and b.spec.ray_resource == "NPU"
+    assert b.deterministic_env() == {"HCCL_DETERMINISTIC": "true"}
+
+
+def test_env_variable_sets_default(monkeypatch):
+    monkeypatch.setenv("PORTAGRPO_DEVICE", "rocm")
+    with pytest.raises(BackendUnavailable, match="--device rocm cannot be used"):
+        get_backend(None, table(probe(cuda="12.8")))
+
+
+def test_attention_choice_cuda():
+    with_fa = CUDABackend(probe(cuda="12.8", modules=("flash_attn",)))
+    without = CUDABackend(probe(cuda="12.8"))
+    assert with_fa.attention_implementation("auto", torch.bfloat16) == "flash_attention_2"
+    assert with_fa.attention_implementation("auto", torch.float32) == "sdpa"
+    assert without.attention_implementation("auto", torch.bfloat16) == "sdpa"
+    with pytest.raises(BackendUnavailable, match="needs the flash_attn package"):
+        without.attention_implementation("flash_attention_2", torch.bfloat16)
+    with pytest.raises(BackendUnavailable, match="needs model.dtype=bf16"):
+        with_fa.attention_implementation("flash_attention_2", torch.float32)
+    with pytest.raises(BackendUnavailable, match="npu_fusion"):
+        without.attention_implementation("npu_fusion", torch.bfloat16)
+
+
+def test_kernel_choice_follows_triton_presence():
+    assert CUDABackend(probe(cuda="12.8", modules=("triton",))).kernel_implementation("auto") == "triton"
+    assert CUDABackend(probe(cuda="12.8")).kernel_implementation("auto") == "chunked"
+    with pytest.raises(BackendUnavailable, match="needs the triton package"):
+        ROCmBackend(probe(hip="6.4")).kernel_implementation("triton")
+
+
+def test_cpu_cannot_force_flash_attention():
+    with pytest.raises(BackendUnavailable, match="flash_attention_2.*not available on --device cpu"):
+        CPUBackend().attention_implementation("flash_attention_2", torch.bfloat16)
+
+
+def test_guard_disables_autoload_when_cann_missing(monkeypatch):
+    monkeypatch.delenv(npu_env.AUTOLOAD_VAR, raising=False)
+    monkeypatch.setattr(npu_env, "torch_npu_installed", lambda: True)
+    monkeypatch.setattr(npu_env, "cann_found", lambda: False)
+    reason = npu_env.guard_torch_import()
+    assert os.environ[npu_env.AUTOLOAD_VAR] == "0" and "libhccl.so" in reason
+    monkeypatch.setattr(npu_env, "cann_found", lambda: True)
+    monkeypatch.delenv(npu_env.AUTOLOAD_VAR)
+    assert npu_env.guard_torch_import() is None and npu_env.AUTOLOAD_VAR not in os.environ
+
+
+def test_cann_search_uses_library_path(tmp_path, monkeypatch):
+    (tmp_path / "libhccl.so").write_bytes(b"")
+    monkeypatch.setenv("LD_LIBRARY_PATH", f"/nowhere:{tmp_path}")
+    assert npu_env.cann_found()
+
+
+def _doc_fused_attention(query, key, value, head_num, input_layout, *, atten_mask=None, scale=1.0, keep_prob=1.0, **kw):
+    """The computation Ascend documents for npu_fusion_attention (BNSD; mask True = not attended)."""
+    assert input_layout == "BNSD" and head_num == query.shape[1] and keep_prob == 1.0
+    scores = (query @ key.transpose(-1, -2)) * scale
+    scores = scores.masked_fill(atten_mask, -10000.0)
+    out = torch.softmax(scores.float(), dim=-1).to(query.dtype) @ value
+    return out, None, None, None, 0, 0, 0
+
+
+def test_npu_attention_adapter_matches_sdpa_in_a_real_model(tiny_model_dir):
+    """The adapter's layout, mask inversion and GQA handling, checked end to end through a Llama."""
+    from transformers import AutoModelForCausalLM
+
+    from portagrpo.modeling import position_ids_from_mask
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, local_files_only=True).eval()
+    ids = torch.randint(4, 40, (3, 9))
+    mask = torch.ones_like(ids)
+    mask[0, :3] = 0  # left padding
+    mask[2, :1] = 0
+    pos = position_ids_from_mask(mask)
+    with torch.no_grad():
+        ref = model(input_ids=ids, attention_mask=mask, position_ids=pos).logits
+        register_npu_attention(fused_op=_doc_fused_attention)
+        model.config._attn_implementation = NPU_ATTENTION
+        out = model(input_ids=ids, attention_mask=mask, position_ids=pos).logits
+    valid = mask.bool()
+    assert torch.allclose(out[valid], ref[valid], atol=1e-5)
+
+
+def test_npu_adapter_repeats_kv_heads_for_gqa():
+    q = torch.randn(1, 4, 5, 8)
+    k = torch.randn(1, 2, 5, 8)
+    v = torch.randn(1, 2, 5, 8)
+    module = torch.nn.Module().eval()
+    out, _ = npu_attention_forward(module, q, k, v, None, fused_op=_doc_fused_attention)
+    ref = torch.nn.functional.scaled_dot_product_attention(
+        q, k.repeat_interleave(2, 1), v.repeat_interleave(2, 1), is_causal=True)
+    assert out.shape == (1, 5, 4, 8) and torch.allclose(out, ref.transpose(1, 2), atol=1e-5)
+
+
+def test_importing_portagrpo_imports_no_vendor_package():
+    code = ("import sys, portagrpo, portagrpo.cli, portagrpo.trainer, portagrpo.backends, portagrpo.kernels\n"
+            "from portagrpo.backends import all_backends\n"
+            "[b.is_available() for b in all_backends()]\n"
+            "bad = [m for m in ('torch_npu', 'triton', 'flash_attn', 'vllm') if m in sys.modules]\n"
+            "print(bad); sys.exit(1 if bad else 0)\n")
+    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd="/")
+    assert res.returncode == 0, res.stdout + res.stderr
+
+
+def test_no_device_specific_calls_outside_backends():
+    pattern = re.compile(r"torch\.cuda\.|torch\.npu|torch_npu|is_npu_available|torch\.version\.hip")
+    offenders = []
+    for folder in ("portagrpo", "kernels"):
+        for path in (ROOT / folder).rglob("*.py"):
+            for n, line in enumerate(path.read_text().splitlines(), 1):
+                if pattern.search(line):
+                    offenders.append(f"{path.relative_to(ROOT)}:{n}: {line.strip()}")
+    assert not offenders, offenders
+
+
+def test_doctor_json(capsys):
+    import json
+
+    from portagrpo.cli import main
+
+    assert main(["doctor", "--json"]) == 0
+    info = json.loads(capsys.readouterr().out)
+    rows = {r["backend"]: r for r in info["backends"]}
+    assert rows["cpu"]["available"] and rows["cpu"]["dist_backend"] == "gloo"
+    assert set(rows) == {"cpu", "cuda", "rocm", "npu"}
+    assert info["packages"]["torch"] == torch.__version__
+    assert main(["doctor"]) == 0
+    assert "collective" in capsys.readouterr().out
