@@ -35,6 +35,8 @@ class BackendSpec:
     kernel_choices: tuple[str, ...] = ("reference",)
     default_kernel: str = "reference"
     install_hint: str = ""
+    # How data parallelism shards the policy: FSDP2 where the vendor runs it well, else replicated (DDP-style).
+    default_parallel: str = "fsdp2"
 
 
 @dataclass
@@ -130,6 +132,10 @@ class BaseBackend:
 
     def device_count(self) -> int:
         return 1
+
+    def set_device(self, local_rank: int) -> None:
+        """Bind this process to its device before the process group forms (no-op on the CPU)."""
+        return None
 
     def supports_dtype(self, dtype: torch.dtype) -> bool:
         return dtype in (torch.float32, torch.float64, torch.bfloat16, torch.float16)

@@ -17,6 +17,7 @@ SPEC = BackendSpec(
     attention_choices=("sdpa", "eager"),
     kernel_choices=("reference",),
     default_kernel="reference",
+    default_parallel="ddp",  # gloo has no fast reduce-scatter; replicating a small CPU model is cheaper
 )
 
 

@@ -44,7 +44,10 @@ class RolloutBatch:
         out = {}
         for f in fields(self):
             value = getattr(self, f.name)
-            out[f.name] = value.index_select(0, idx_t.to(value.device)) if torch.is_tensor(value) else [value[i] for i in idx_l]
+            if torch.is_tensor(value):
+                out[f.name] = value.index_select(0, idx_t.to(value.device))
+            else:  # per-sample lists; a gathered global batch carries tensors only and keeps them empty
+                out[f.name] = [value[i] for i in idx_l] if value else []
         return RolloutBatch(**out)
 
     def to(self, device: torch.device) -> "RolloutBatch":

@@ -49,21 +49,26 @@ def save_checkpoint(
     *,
     model,
     tokenizer,
-    optimizer: torch.optim.Optimizer,
+    model_state: dict[str, torch.Tensor],
+    optimizer_state: dict[str, Any],
     scheduler,
     state: dict[str, Any],
     rng: dict[str, Any],
     keep: int,
 ) -> Path:
-    """Write checkpoint `step` atomically and keep only the newest `keep` ones."""
+    """Write checkpoint `step` atomically and keep only the newest `keep` ones.
+
+    `model_state` and `optimizer_state` are full (unsharded) state dicts; `model` supplies the
+    Hugging Face config so the weights load with `from_pretrained`.
+    """
     final = checkpoint_dir(run_dir, step)
     tmp = final.parent / f".tmp_{final.name}_{os.getpid()}"
     if tmp.exists():
         shutil.rmtree(tmp)
     tmp.mkdir(parents=True)
-    model.save_pretrained(tmp / "model", safe_serialization=True)
+    model.save_pretrained(tmp / "model", state_dict=model_state, safe_serialization=True)
     tokenizer.save_pretrained(tmp / "model")
-    torch.save(optimizer.state_dict(), tmp / "optimizer.pt")
+    torch.save(optimizer_state, tmp / "optimizer.pt")
     torch.save(scheduler.state_dict(), tmp / "scheduler.pt")
     torch.save(rng, tmp / "rng.pt")
     (tmp / "trainer_state.json").write_text(json.dumps({"step": step, **state}, indent=1))

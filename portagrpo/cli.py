@@ -69,15 +69,20 @@ def cmd_train(args) -> int:
         return 0
     from .trainer import Trainer
 
-    trainer = Trainer(cfg, run_dir=run_dir, resume=resume)
+    import os
+
+    main_rank = os.environ.get("RANK", "0") == "0"
+    trainer = Trainer(cfg, run_dir=run_dir, resume=resume, log=print if main_rank else (lambda message: None))
     start = time.time()
     trainer.setup()
-    print(f"run directory: {trainer.run_dir} (device {trainer.backend.name}, {trainer.total_steps} steps)")
+    if main_rank:
+        print(f"run directory: {trainer.run_dir} (device {trainer.backend.name}, {trainer.comm.world_size} "
+              f"process(es), {trainer.strategy.name} parallel, {trainer.total_steps} steps)")
     try:
         history = trainer.fit()
     finally:
         trainer.close()
-    if history:
+    if history and main_rank:
         k = max(1, len(history) // 10)
         first = sum(r["reward_mean"] for r in history[:k]) / k
         last = sum(r["reward_mean"] for r in history[-k:]) / k

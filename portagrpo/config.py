@@ -137,6 +137,9 @@ class TrainerConfig:
     progress_bar: bool = True
     tensorboard: bool = True
     plot: bool = True
+    nproc_per_node: int = 1
+    parallel: Literal["auto", "fsdp2", "ddp"] = "auto"
+    dist_timeout_s: float = 600.0
 
 
 @dataclass(frozen=True)
@@ -450,6 +453,10 @@ def validate(cfg: Config, *, check_files: bool = True) -> list[str]:
     for name, value in (("trainer.save_freq", t.save_freq), ("trainer.test_freq", t.test_freq)):
         if value < 0:
             p.append(f"{name}={value} must be 0 (off) or positive.")
+    if t.nproc_per_node < 1:
+        p.append(f"trainer.nproc_per_node={t.nproc_per_node} must be at least 1.")
+    if t.dist_timeout_s <= 0:
+        p.append(f"trainer.dist_timeout_s={t.dist_timeout_s} must be positive.")
     if t.max_ckpt_to_keep < 1:
         p.append(f"trainer.max_ckpt_to_keep={t.max_ckpt_to_keep} must be at least 1.")
     if not d.train_files and not d.task:
@@ -458,6 +465,24 @@ def validate(cfg: Config, *, check_files: bool = True) -> list[str]:
         p.append(f"data.train_files and data.task={d.task!r} are both set; set data.task=null to train on the files.")
     if check_files:
         p.extend(_missing_files(cfg))
+    return p
+
+
+def validate_world(cfg: Config, world_size: int) -> list[str]:
+    """Batch divisions that depend on the number of data-parallel ranks."""
+    if world_size == 1:
+        return []
+    p = []
+    d, a = cfg.data, cfg.actor
+    if d.train_batch_size % world_size:
+        p.append(f"data.train_batch_size={d.train_batch_size} prompts cannot be split over {world_size} ranks; "
+                 f"use a multiple of {world_size} (each rank keeps whole groups).")
+    if a.ppo_mini_batch_size % world_size:
+        p.append(f"actor.ppo_mini_batch_size={a.ppo_mini_batch_size} cannot be split over {world_size} ranks; "
+                 f"use a multiple of {world_size}.")
+    elif (a.ppo_mini_batch_size // world_size) % a.micro_batch_size:
+        p.append(f"actor.micro_batch_size={a.micro_batch_size} does not divide the per-rank mini-batch "
+                 f"{a.ppo_mini_batch_size} / {world_size} = {a.ppo_mini_batch_size // world_size}; pick a divisor of it.")
     return p
 
 

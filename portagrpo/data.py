@@ -109,9 +109,9 @@ def filter_long_prompts(tokenizer, records: list[PromptRecord], max_len: int) ->
     return kept, len(records) - len(kept)
 
 
-def left_pad(seqs: list[list[int]], pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Left-pad token lists to [B, P] ids and mask."""
-    width = max(len(s) for s in seqs)
+def left_pad(seqs: list[list[int]], pad_id: int, width: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Left-pad token lists to [B, P] ids and mask (P = the longest, or `width`)."""
+    width = max(max(len(s) for s in seqs), width or 0)
     ids = torch.full((len(seqs), width), pad_id, dtype=torch.long)
     mask = torch.zeros((len(seqs), width), dtype=torch.long)
     for i, s in enumerate(seqs):

@@ -1,8 +1,9 @@
 """Model forward to per-token statistics of the response: log-probs, entropy, vocab log-probs.
 
-The model body stops at the final hidden states; the chosen kernel turns the response
-positions' hidden states and the LM head into log-probs, so fused kernels never need
-full-vocabulary logits.
+`ResponseScorer` wraps a causal LM so that the whole computation — the transformer body up
+to the final hidden states, then the chosen kernel over the LM head — runs inside one module
+forward. Sharding wrappers (FSDP2) then see the LM-head weight gathered exactly while it is
+used, and fused kernels never need full-vocabulary logits.
 """
 from __future__ import annotations
 
@@ -24,45 +25,64 @@ class ResponseStats:
     logp_vocab: torch.Tensor | None  # [B, T, V] full log-distribution (only for the `full` KL)
 
 
-def response_hidden(model, batch: RolloutBatch, autocast: Callable[[], ContextManager]) -> torch.Tensor:
-    """Final hidden states at the positions that predict each response token: [B, T, H]."""
-    attn = batch.attention_mask
-    with autocast():
-        out = decoder_of(model)(
-            input_ids=batch.input_ids, attention_mask=attn, position_ids=position_ids_from_mask(attn), use_cache=False
-        )
-    hidden = out[0] if isinstance(out, tuple) else out.last_hidden_state
-    p, t = batch.prompt_len, batch.responses.shape[1]
-    return hidden[:, p - 1:p + t - 1]
-
-
 def _scatter(values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     """Put N per-token values back on the [B, T] grid (zeros off the mask), keeping autograd."""
     out = torch.zeros(mask.shape + values.shape[1:], dtype=values.dtype, device=values.device)
-    index = mask.nonzero(as_tuple=True)
-    return out.index_put(index, values)
+    return out.index_put(mask.nonzero(as_tuple=True), values)
+
+
+class ResponseScorer(torch.nn.Module):
+    """Causal LM + token log-prob kernel as one module. `generate` is forwarded to the LM."""
+
+    def __init__(self, lm: torch.nn.Module, kernel: TokenLogprobFn) -> None:
+        super().__init__()
+        self.lm = lm
+        self.kernel = kernel
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,  # [B, P + T]
+        attention_mask: torch.Tensor,  # [B, P + T]
+        responses: torch.Tensor,  # [B, T]
+        response_mask: torch.Tensor,  # [B, T] bool
+        temperature: float,
+        compute_entropy: bool,
+        vocab: bool,
+        autocast: Callable[[], ContextManager] = contextlib.nullcontext,
+    ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+        prompt_len, t = input_ids.shape[1] - responses.shape[1], responses.shape[1]
+        with autocast():
+            out = decoder_of(self.lm)(input_ids=input_ids, attention_mask=attention_mask,
+                                      position_ids=position_ids_from_mask(attention_mask), use_cache=False)
+        hidden = out[0] if isinstance(out, tuple) else out.last_hidden_state
+        # The hidden state at position p predicts token p + 1.
+        h = hidden[:, prompt_len - 1:prompt_len + t - 1][response_mask]  # [N, H]
+        targets = responses[response_mask]
+        weight, bias = lm_head_of(self.lm)
+        if vocab:
+            logits = logits_from_hidden(h, weight, bias, temperature)
+            logp, entropy = token_logprobs_from_logits(logits, targets, compute_entropy)
+            logp_vocab = _scatter(torch.log_softmax(logits, dim=-1), response_mask)
+        else:
+            logp, entropy = self.kernel(h, weight, targets, bias=bias, temperature=temperature,
+                                        compute_entropy=compute_entropy)
+            logp_vocab = None
+        return (_scatter(logp, response_mask), None if entropy is None else _scatter(entropy, response_mask),
+                logp_vocab)
+
+    def generate(self, **kwargs):
+        return self.lm.generate(**kwargs)
 
 
 def response_stats(
-    model,
+    scorer: ResponseScorer,
     batch: RolloutBatch,
     *,
     temperature: float,
-    kernel: TokenLogprobFn,
     compute_entropy: bool,
     vocab: bool = False,
     autocast: Callable[[], ContextManager] = contextlib.nullcontext,
 ) -> ResponseStats:
-    hidden = response_hidden(model, batch, autocast)
-    mask = batch.response_mask.bool()
-    h = hidden[mask]  # [N, H]
-    targets = batch.responses[mask]
-    weight, bias = lm_head_of(model)
-    if vocab:
-        logits = logits_from_hidden(h, weight, bias, temperature)
-        logp, entropy = token_logprobs_from_logits(logits, targets, compute_entropy)
-        logp_vocab = _scatter(torch.log_softmax(logits, dim=-1), mask)
-    else:
-        logp, entropy = kernel(h, weight, targets, bias=bias, temperature=temperature, compute_entropy=compute_entropy)
-        logp_vocab = None
-    return ResponseStats(_scatter(logp, mask), None if entropy is None else _scatter(entropy, mask), logp_vocab)
+    logp, entropy, logp_vocab = scorer(batch.input_ids, batch.attention_mask, batch.responses,
+                                       batch.response_mask.bool(), temperature, compute_entropy, vocab, autocast)
+    return ResponseStats(logp, entropy, logp_vocab)

@@ -41,8 +41,11 @@ def response_mask_from_tokens(responses: torch.Tensor, eos_ids: list[int]) -> to
 class HFRollout:
     """transformers `generate` with sampling; runs wherever the model runs."""
 
-    def __init__(self, model, tokenizer, autocast) -> None:
+    def __init__(self, model, tokenizer, autocast, generate_kwargs: dict | None = None) -> None:
+        """`model` is anything with transformers' `generate` (the LM, or a wrapper forwarding to it);
+        `generate_kwargs` adds engine options such as `synced_gpus` for sharded models."""
         self.model, self.tokenizer, self.autocast = model, tokenizer, autocast
+        self.generate_kwargs = dict(generate_kwargs or {})
         eos = tokenizer.eos_token_id
         self.eos_ids = [eos] if isinstance(eos, int) else list(eos)
         self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else self.eos_ids[0]
@@ -65,7 +68,8 @@ class HFRollout:
         self.model.eval()
         try:
             with self.autocast():
-                out = self.model.generate(input_ids=prompt_ids, attention_mask=prompt_mask, generation_config=gen)
+                out = self.model.generate(input_ids=prompt_ids, attention_mask=prompt_mask, generation_config=gen,
+                                          **self.generate_kwargs)
         finally:
             self.model.train(was_training)
         responses = out[:, prompt_ids.shape[1]:]

@@ -5,8 +5,8 @@ backend, and every pluggable piece is reached through a registry.
 """
 from __future__ import annotations
 
-import contextlib
 import math
+import os
 import random
 import time
 from dataclasses import dataclass
@@ -21,14 +21,16 @@ from . import algo
 from .algo.advantages import scores_to_token_rewards, zero_std_group_fraction
 from .algo.losses import masked_mean
 from .backends import BaseBackend, get_backend
+from .backends.dist import Collectives, init_collectives
 from .batch import RolloutBatch, TrainBatch
 from .checkpoint import CheckpointError, latest_valid_checkpoint, load_checkpoint_state, save_checkpoint
-from .config import Config, ConfigError, to_yaml
+from .config import Config, ConfigError, to_yaml, validate_world
 from .data import PromptLoader, PromptRecord, filter_long_prompts, left_pad, load_records, task_records, tokenize_prompts
-from .forward import response_stats
+from .forward import ResponseScorer, response_stats
 from .kernels import logprob_impl
 from .metrics import MetricsLogger
 from .modeling import build_tiny_model, load_model, load_tokenizer
+from .parallel import make_strategy
 from .rewards import RewardResolver, score_responses
 from .rollout import ROLLOUT_ENGINES, SamplingParams, decode_responses
 
@@ -63,25 +65,45 @@ class Trainer:
     def setup(self) -> "Trainer":
         cfg = self.cfg
         self.backend: BaseBackend = get_backend(cfg.trainer.device)
-        if cfg.trainer.num_threads:
-            torch.set_num_threads(cfg.trainer.num_threads)
+        self.comm: Collectives = init_collectives(self.backend, cfg.trainer.dist_timeout_s)
+        problems = validate_world(cfg, self.comm.world_size)
+        if problems:
+            raise ConfigError(problems)
+        self._set_threads()
         self.backend.set_deterministic(cfg.trainer.deterministic)
         self.backend.seed(cfg.trainer.seed)
-        self.device = self.backend.device(0)
+        self.device = self.backend.device(self.comm.env.local_rank)
         self.dtype = DTYPES[cfg.model.dtype]
         if not self.backend.supports_dtype(self.dtype):
             raise ConfigError([f"model.dtype={cfg.model.dtype} is not supported on --device {self.backend.name}; use fp32."])
-        self.run_dir.mkdir(parents=True, exist_ok=True)
-        (self.run_dir / "config.yaml").write_text(to_yaml(cfg))
+        # Rank 0 names the run directory (a timestamp would differ between processes).
+        self.run_dir = Path(self.comm.broadcast_object(str(self.run_dir)))
+        if self.comm.is_main:
+            self.run_dir.mkdir(parents=True, exist_ok=True)
+            (self.run_dir / "config.yaml").write_text(to_yaml(cfg))
+        self.strategy = make_strategy(cfg.trainer.parallel, self.backend.spec.default_parallel, self.comm)
+        self.kernel = logprob_impl(self.backend.kernel_implementation(cfg.kernels.logprob))
         self._setup_data()
         self._setup_models()
         self._setup_optimizer()
-        self.kernel = logprob_impl(self.backend.kernel_implementation(cfg.kernels.logprob))
         self.engine = ROLLOUT_ENGINES.get(cfg.rollout.engine, field="rollout.engine")(
-            self.policy, self.tokenizer, self.autocast)
+            self.scorer, self.tokenizer, self.autocast, self.strategy.generate_kwargs)
         resume_step = self._maybe_resume()
-        self.logger = MetricsLogger(self.run_dir, tensorboard=cfg.trainer.tensorboard, resume_step=resume_step)
+        self.logger = (MetricsLogger(self.run_dir, tensorboard=cfg.trainer.tensorboard, resume_step=resume_step)
+                       if self.comm.is_main else None)
         return self
+
+    def _set_threads(self) -> None:
+        threads = self.cfg.trainer.num_threads
+        if threads is None and self.comm.world_size > 1 and self.device_is_cpu:
+            # Processes sharing the cores must not each start a thread per core (many-fold slowdown).
+            threads = max(1, (os.cpu_count() or 1) // self.comm.env.local_world_size)
+        if threads:
+            torch.set_num_threads(threads)
+
+    @property
+    def device_is_cpu(self) -> bool:
+        return self.backend.device_type == "cpu"
 
     def autocast(self):
         return self.backend.autocast(self.dtype)
@@ -113,26 +135,29 @@ class Trainer:
             self.policy = load_model(cfg.model.path, attn)
             ref_path = cfg.model.ref_path or cfg.model.path
         else:
-            if not (init_dir / "config.json").is_file():
+            if self.comm.is_main and not (init_dir / "config.json").is_file():
                 model = build_tiny_model(cfg.model, self.tokenizer, cfg.trainer.seed)
                 model.save_pretrained(init_dir, safe_serialization=True)
                 self.tokenizer.save_pretrained(init_dir)
+            self.comm.barrier()
             self.policy = load_model(init_dir, attn)
             ref_path = cfg.model.ref_path or init_dir
         self.policy.to(self.device)
         if cfg.model.gradient_checkpointing:
             self.policy.gradient_checkpointing_enable()
         self.policy.config.use_cache = True
-        self.ref = None
+        self.scorer = self.strategy.wrap(ResponseScorer(self.policy, self.kernel), trainable=True)
+        self.ref = self.ref_scorer = None
         if cfg.actor.use_kl_loss or cfg.algorithm.use_kl_in_reward:
             self.ref = load_model(ref_path, attn).to(self.device).eval()
             self.ref.requires_grad_(False)
+            self.ref_scorer = self.strategy.wrap(ResponseScorer(self.ref, self.kernel), trainable=False)
         self.kl_needs_vocab = cfg.actor.kl_loss_type.rstrip("+") == "full"
 
     def _setup_optimizer(self) -> None:
         a = self.cfg.actor
-        params = [p for p in self.policy.parameters() if p.requires_grad]
-        self.optimizer = torch.optim.AdamW(params, lr=a.lr, betas=tuple(a.betas), weight_decay=a.weight_decay)
+        self.params = [p for p in self.scorer.parameters() if p.requires_grad]
+        self.optimizer = torch.optim.AdamW(self.params, lr=a.lr, betas=tuple(a.betas), weight_decay=a.weight_decay)
         total = self.total_steps
 
         def schedule(step: int) -> float:
@@ -163,12 +188,19 @@ class Trainer:
         self.backend.set_rng_state(rng.get("backend", {}))
 
     def save(self) -> Path:
-        path = save_checkpoint(
-            self.run_dir, self.step_done, model=self.policy, tokenizer=self.tokenizer, optimizer=self.optimizer,
-            scheduler=self.scheduler, state={"loader": self.loader.state_dict()}, rng=self.rng_state(),
-            keep=self.cfg.trainer.max_ckpt_to_keep,
-        )
-        self.log(f"saved checkpoint {path}")
+        # Gathering full state dicts is a collective: every rank takes part, rank 0 writes.
+        model_state = self.strategy.model_state(self.scorer)
+        optimizer_state = self.strategy.optimizer_state(self.scorer, self.optimizer)
+        path = None
+        if self.comm.is_main:
+            path = save_checkpoint(
+                self.run_dir, self.step_done, model=self.policy, tokenizer=self.tokenizer, model_state=model_state,
+                optimizer_state=optimizer_state, scheduler=self.scheduler,
+                state={"loader": self.loader.state_dict(), "world_size": self.comm.world_size},
+                rng=self.rng_state(), keep=self.cfg.trainer.max_ckpt_to_keep,
+            )
+            self.log(f"saved checkpoint {path}")
+        self.comm.barrier()
         return path
 
     def _maybe_resume(self) -> int:
@@ -187,11 +219,14 @@ class Trainer:
         state = {}
         for f in sorted(Path(parts["model_dir"]).glob("*.safetensors")):
             state.update(load_file(f))
-        missing, unexpected = self.policy.load_state_dict(state, strict=False)
-        missing = [k for k in missing if not self._is_tied(k)]
+        expected = set(self.policy.state_dict())  # parameter names (sharded or not)
+        tied = {"lm_head.weight"} if getattr(self.policy.config, "tie_word_embeddings", False) else set()
+        missing = sorted(expected - set(state) - tied)
+        unexpected = sorted(set(state) - expected - {"lm_head.weight"})
         if missing or unexpected:
             raise CheckpointError(f"checkpoint {ckpt} does not fit the model (missing {missing[:3]}, unexpected {unexpected[:3]}).")
-        self.optimizer.load_state_dict(parts["optimizer"])
+        self.strategy.load_model_state(self.scorer, state)
+        self.strategy.load_optimizer_state(self.scorer, self.optimizer, parts["optimizer"])
         self.scheduler.load_state_dict(parts["scheduler"])
         self.loader.load_state_dict(parts["state"]["loader"])
         self.set_rng_state(parts["rng"])
@@ -199,15 +234,18 @@ class Trainer:
         self.log(f"resumed from {ckpt} at step {self.step_done}")
         return self.step_done
 
-    def _is_tied(self, key: str) -> bool:
-        return getattr(self.policy.config, "tie_word_embeddings", False) and key.endswith("lm_head.weight")
-
     # ------------------------------------------------------------ one step
 
-    def rollout(self, records: list[PromptRecord], n: int, params: SamplingParams, uid_base: int) -> RolloutBatch:
+    def local_records(self, records: list[PromptRecord]) -> list[PromptRecord]:
+        """This rank's share of the global prompt batch (whole prompts, so whole groups)."""
+        per = len(records) // self.comm.world_size
+        return records[self.comm.rank * per:(self.comm.rank + 1) * per]
+
+    def rollout(self, records: list[PromptRecord], n: int, params: SamplingParams, uid_base: int,
+                prompt_width: int | None = None) -> RolloutBatch:
         ids = tokenize_prompts(self.tokenizer, records)
         ids = [x for x in ids for _ in range(n)]
-        prompt_ids, prompt_mask = left_pad(ids, self.engine.pad_id)
+        prompt_ids, prompt_mask = left_pad(ids, self.engine.pad_id, width=prompt_width)
         prompt_ids, prompt_mask = prompt_ids.to(self.device), prompt_mask.to(self.device)
         responses, mask = self.engine.generate(prompt_ids, prompt_mask, params)
         rep = lambda xs: [x for x in xs for _ in range(n)]  # noqa: E731
@@ -220,6 +258,11 @@ class Trainer:
             extra_info=rep([r.extra_info for r in records]),
         )
 
+    def prompt_width(self, records: list[PromptRecord]) -> int:
+        """One left-padded prompt width for all ranks, so rollouts can be gathered."""
+        local = max(len(x) for x in tokenize_prompts(self.tokenizer, records))
+        return int(self.comm.all_reduce_max(torch.tensor(local, device=self.device)))
+
     def score(self, batch: RolloutBatch):
         return score_responses(
             self.reward, batch.response_text, batch.ground_truth, batch.data_source, batch.prompt_index.tolist(),
@@ -227,18 +270,30 @@ class Trainer:
         )
 
     @torch.no_grad()
-    def logprobs(self, model, batch: RolloutBatch, *, entropy: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """Log-probs [B, T] (and entropy) of `model` over the batch, in micro-batches."""
+    def logprobs(self, scorer, batch: RolloutBatch, *, entropy: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Log-probs [B, T] (and entropy) of `scorer`'s model over the batch, in micro-batches."""
         mb = self.cfg.actor.micro_batch_size
         logps, ents = [], []
         for start in range(0, batch.size, mb):
             part = batch.select(list(range(start, min(start + mb, batch.size))))
-            stats = response_stats(model, part, temperature=self.cfg.rollout.temperature, kernel=self.kernel,
-                                   compute_entropy=entropy, autocast=self.autocast)
+            stats = response_stats(scorer, part, temperature=self.cfg.rollout.temperature, compute_entropy=entropy,
+                                   autocast=self.autocast)
             logps.append(stats.logp)
             if entropy:
                 ents.append(stats.entropy)
         return torch.cat(logps), (torch.cat(ents) if entropy else None)
+
+    def gather(self, rb: RolloutBatch, tensors: dict[str, torch.Tensor | None]) -> tuple[RolloutBatch, dict]:
+        """The global batch, identical on every rank, in rank order (one process: unchanged)."""
+        if self.comm.world_size == 1:
+            return rb, tensors
+        g = self.comm.all_gather_cat
+        full = RolloutBatch(
+            prompt_ids=g(rb.prompt_ids), prompt_mask=g(rb.prompt_mask), responses=g(rb.responses),
+            response_mask=g(rb.response_mask), uid=g(rb.uid), prompt_index=g(rb.prompt_index),
+            response_text=[], ground_truth=[], data_source=[], extra_info=[],
+        )
+        return full, {k: (None if v is None else g(v)) for k, v in tensors.items()}
 
     def advantages(self, batch: RolloutBatch, scores: torch.Tensor, old_logp, ref_logp) -> tuple[torch.Tensor, torch.Tensor]:
         """Reward shaping then the group advantage, in DESIGN.md order. Returns (scores', advantages [B, T])."""
@@ -261,16 +316,12 @@ class Trainer:
             adv = algo.clip_advantages(adv, alg.advantage_clip) * mask
         return scores, adv
 
-    def all_reduce_sum(self, tensor: torch.Tensor) -> torch.Tensor:
-        """Sum over data-parallel ranks; one process is its own sum."""
-        return tensor
-
     def micro_loss(self, micro: TrainBatch, num_tokens, num_seqs) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         a, cfg = self.cfg.actor, self.cfg
         rb, mask = micro.rollout, micro.rollout.response_mask
-        stats = response_stats(self.policy, rb, temperature=cfg.rollout.temperature, kernel=self.kernel,
-                               compute_entropy=a.entropy_coeff != 0, vocab=self.kl_needs_vocab and a.use_kl_loss,
-                               autocast=self.autocast)
+        full_kl = self.kl_needs_vocab and a.use_kl_loss
+        stats = response_stats(self.scorer, rb, temperature=cfg.rollout.temperature,
+                               compute_entropy=a.entropy_coeff != 0, vocab=full_kl, autocast=self.autocast)
         logp = stats.logp  # fp32 (fp64 for an fp64 model): kernels never return bf16
         agg = dict(num_tokens=num_tokens, num_seqs=num_seqs, loss_scale_factor=cfg.loss_scale_factor)
         pg_mat, m = algo.clipped_policy_loss(logp, micro.old_logp, micro.advantages, mask, clip_low=cfg.clip_low,
@@ -279,7 +330,7 @@ class Trainer:
         loss = pg
         m["loss_policy"] = pg.detach()
         if micro.ref_logp is not None:
-            ref_vocab = self._ref_vocab(rb) if (self.kl_needs_vocab and a.use_kl_loss) else None
+            ref_vocab = self._ref_vocab(rb) if full_kl else None
             kl_mat = algo.kl_penalty(a.kl_loss_type, logp, micro.ref_logp, logp_vocab=stats.logp_vocab,
                                      ref_logp_vocab=ref_vocab)
             m["kl"] = masked_mean(kl_mat, mask).detach()
@@ -294,125 +345,169 @@ class Trainer:
 
     @torch.no_grad()
     def _ref_vocab(self, batch: RolloutBatch) -> torch.Tensor:
-        return response_stats(self.ref, batch, temperature=self.cfg.rollout.temperature, kernel=self.kernel,
+        return response_stats(self.ref_scorer, batch, temperature=self.cfg.rollout.temperature,
                               compute_entropy=False, vocab=True, autocast=self.autocast).logp_vocab
 
     def update(self, batch: TrainBatch, step: int) -> dict[str, float]:
-        """ppo_epochs over shuffled mini-batches, accumulating gradients over micro-batches."""
+        """ppo_epochs over shuffled mini-batches of the global batch; each rank takes its slice of
+        every mini-batch and accumulates gradients over micro-batches."""
         a = self.cfg.actor
         g = torch.Generator().manual_seed(_seed_for(self.cfg.trainer.seed, step, 2))
-        sums: dict[str, float] = {}
-        weights: dict[str, float] = {}
+        per_rank = a.ppo_mini_batch_size // self.comm.world_size
+        sums: dict[str, torch.Tensor] = {}
         grad_norms = []
-        self.policy.train()
+        self.scorer.train()
         for _ in range(a.ppo_epochs):
             order = torch.randperm(batch.rollout.size, generator=g)
             for mini_idx in order.split(a.ppo_mini_batch_size):
-                mini = batch.select(mini_idx)
-                n_tok, n_seq = algo.loss_normalizers(mini.rollout.response_mask)
-                n_tok, n_seq = self.all_reduce_sum(n_tok), self.all_reduce_sum(n_seq)
+                mine = batch.select(mini_idx[self.comm.rank * per_rank:(self.comm.rank + 1) * per_rank])
+                n_tok, n_seq = algo.loss_normalizers(mine.rollout.response_mask)
+                n_tok, n_seq = self.comm.all_reduce_sum(n_tok), self.comm.all_reduce_sum(n_seq)
                 self.optimizer.zero_grad(set_to_none=True)
-                for micro_idx in torch.arange(mini.rollout.size).split(a.micro_batch_size):
-                    micro = mini.select(micro_idx)
+                for micro_idx in torch.arange(per_rank).split(a.micro_batch_size):
+                    micro = mine.select(micro_idx)
                     loss, m = self.micro_loss(micro, n_tok, n_seq)
                     loss.backward()
-                    w = float(micro.rollout.response_mask.sum())
-                    for k, v in m.items():
-                        share = 1.0 if k.startswith("loss_") else w  # loss terms already carry their share
-                        sums[k] = sums.get(k, 0.0) + float(v) * share
-                        weights[k] = weights.get(k, 0.0) + (0.0 if k.startswith("loss_") else w)
-                grad_norms.append(float(self._clip_and_step()))
+                    self._accumulate(sums, m, float(micro.rollout.response_mask.sum()))
+                self.strategy.sync_grads(self.params)
+                grad_norms.append(self._clip_and_step())
         n_updates = a.ppo_epochs * (batch.rollout.size // a.ppo_mini_batch_size)
-        out = {k: (sums[k] / n_updates if k.startswith("loss_") else sums[k] / max(weights[k], 1.0)) for k in sums}
+        return self._reduce_update_metrics(sums, n_updates, grad_norms)
+
+    @staticmethod
+    def _accumulate(sums: dict[str, torch.Tensor], m: dict[str, torch.Tensor], tokens: float) -> None:
+        """Loss terms already carry their share of the mini-batch: sum them. Other metrics are
+        token-weighted means: sum value * tokens and the tokens."""
+        for k, v in m.items():
+            value = v.detach().double()
+            if k.startswith("loss_"):
+                sums[k] = sums.get(k, 0.0) + value
+            else:
+                sums[k] = sums.get(k, 0.0) + value * tokens
+                sums[k + "/w"] = sums.get(k + "/w", 0.0) + tokens
+
+    def _reduce_update_metrics(self, sums, n_updates: int, grad_norms: list[float]) -> dict[str, float]:
+        keys = sorted(sums)
+        values = torch.stack([torch.as_tensor(sums[k], dtype=torch.float64) for k in keys]).to(self.device)
+        total = dict(zip(keys, self.comm.all_reduce_sum(values).tolist()))
+        out = {}
+        for k, v in total.items():
+            if k.endswith("/w"):
+                continue
+            out[k] = v / n_updates if k.startswith("loss_") else v / max(total[k + "/w"], 1.0)
         out["grad_norm"] = sum(grad_norms) / len(grad_norms)
         return out
 
-    def _clip_and_step(self) -> torch.Tensor:
-        params = [p for p in self.policy.parameters() if p.requires_grad]
-        norm = torch.nn.utils.clip_grad_norm_(params, self.cfg.actor.grad_clip)
+    def _clip_and_step(self) -> float:
+        norm = self.strategy.clip_grad_norm(self.params, self.cfg.actor.grad_clip)
         if torch.isfinite(norm):
             self.optimizer.step()
         else:
             self.log(f"step {self.step_done + 1}: gradient norm is {float(norm)}, optimizer step skipped")
         self.optimizer.zero_grad(set_to_none=True)
-        return norm
+        return float(norm)
+
+    def make_batch(self, step: int) -> tuple[TrainBatch, dict[str, Any]]:
+        """Rollout, reward, log-probs and advantages for one step; returns the global batch."""
+        cfg = self.cfg
+        records = self.local_records(self.loader.next_batch())
+        width = self.prompt_width(records)
+        self.backend.seed(_seed_for(cfg.trainer.seed, step, 1 + 10 * self.comm.rank))
+        params = SamplingParams(cfg.data.max_response_length, cfg.rollout.temperature, cfg.rollout.top_p, cfg.rollout.top_k)
+        uid_base = (step * cfg.data.train_batch_size) + self.comm.rank * len(records)
+        rb = self.rollout(records, cfg.rollout.n, params, uid_base=uid_base, prompt_width=width)
+        t_gen = time.perf_counter()
+        scored = self.score(rb)
+        for failure in scored.failures[:3]:
+            self.log(f"step {step}: reward failed on sample {failure.sample} (prompt id {failure.prompt_id}): {failure.message}")
+        old_logp, entropy = self.logprobs(self.scorer, rb, entropy=True)
+        ref_logp = self.logprobs(self.ref_scorer, rb, entropy=False)[0] if self.ref_scorer is not None else None
+        local = {
+            "scores": torch.tensor(scored.scores, dtype=torch.float32, device=self.device),
+            "correct": torch.tensor(scored.correct, dtype=torch.float32, device=self.device),
+            "errors": torch.tensor([float(len(scored.failures))], device=self.device),
+            "old": old_logp, "ref": ref_logp, "entropy": entropy,
+        }
+        full_rb, t = self.gather(rb, local)
+        scores, adv = self.advantages(full_rb, t["scores"], t["old"], t["ref"])
+        info = {"raw_scores": t["scores"], "scores": scores, "correct": t["correct"], "entropy": t["entropy"],
+                "reward_errors": float(t["errors"].sum()), "t_gen": t_gen}
+        return TrainBatch(full_rb, adv, t["old"], t["ref"]), info
 
     def step(self) -> StepOutput:
-        cfg = self.cfg
         step = self.step_done + 1
         t0 = time.perf_counter()
         self.backend.reset_peak_memory()
-        records = self.loader.next_batch()
-        self.backend.seed(_seed_for(cfg.trainer.seed, step, 1))
-        params = SamplingParams(cfg.data.max_response_length, cfg.rollout.temperature, cfg.rollout.top_p, cfg.rollout.top_k)
-        rb = self.rollout(records, cfg.rollout.n, params, uid_base=step * cfg.data.train_batch_size)
-        t_gen = time.perf_counter()
-        scored = self.score(rb)
-        raw_scores = torch.tensor(scored.scores, dtype=torch.float32, device=self.device)
-        old_logp, entropy = self.logprobs(self.policy, rb, entropy=True)
-        ref_logp = self.logprobs(self.ref, rb, entropy=False)[0] if self.ref is not None else None
-        scores, adv = self.advantages(rb, raw_scores, old_logp, ref_logp)
-        batch = TrainBatch(rb, adv, old_logp, ref_logp)
+        batch, info = self.make_batch(step)
         t_prep = time.perf_counter()
         upd = self.update(batch, step)
         self.scheduler.step()
         self.backend.synchronize()
         t_end = time.perf_counter()
         self.step_done = step
+        rb, adv, raw = batch.rollout, batch.advantages, info["raw_scores"]
         mask = rb.response_mask
         resp_tokens = float(mask.sum())
+        peak = torch.tensor(self.backend.peak_memory_gb(), dtype=torch.float64, device=self.device)
         metrics = {
             "step": step,
-            "reward_mean": float(raw_scores.mean()),
-            "reward_std": float(raw_scores.std()) if raw_scores.numel() > 1 else 0.0,
-            "acc": float(np.mean(scored.correct)),
-            "score_mean": float(scores.mean()),
+            "reward_mean": float(raw.mean()),
+            "reward_std": float(raw.std()) if raw.numel() > 1 else 0.0,
+            "acc": float(info["correct"].mean()),
+            "score_mean": float(info["scores"].mean()),
             "adv_mean": float(masked_mean(adv, mask)),
             "adv_std": float(masked_mean((adv - masked_mean(adv, mask)) ** 2, mask).sqrt()),
             "loss_policy": upd.get("loss_policy", 0.0),
             "loss_kl": upd.get("loss_kl", 0.0),
             "kl": upd.get("kl", 0.0),
-            "entropy": float(masked_mean(entropy, mask)),
+            "entropy": float(masked_mean(info["entropy"], mask)),
             "clipfrac": upd["clipfrac"],
             "clipfrac_lower": upd["clipfrac_lower"],
             "ppo_kl": upd["ppo_kl"],
             "ratio_mean": upd["ratio_mean"],
             "grad_norm": upd["grad_norm"],
             "response_len_mean": resp_tokens / rb.size,
-            "zero_std_group_frac": float(zero_std_group_fraction(raw_scores, rb.uid)),
-            "reward_errors": len(scored.failures),
+            "zero_std_group_frac": float(zero_std_group_fraction(raw, rb.uid)),
+            "reward_errors": info["reward_errors"],
             "lr": self.scheduler.get_last_lr()[0],
             "time_step_s": t_end - t0,
-            "time_gen_s": t_gen - t0,
-            "time_prep_s": t_prep - t_gen,
+            "time_gen_s": info["t_gen"] - t0,
+            "time_prep_s": t_prep - info["t_gen"],
             "time_update_s": t_end - t_prep,
             "tokens_per_s": resp_tokens / (t_end - t0),
-            "mem_peak_gb": self.backend.peak_memory_gb(),
+            "mem_peak_gb": float(self.comm.all_reduce_max(peak)),
+            "world_size": self.comm.world_size,
         }
-        for failure in scored.failures[:3]:
-            self.log(f"step {step}: reward failed on sample {failure.sample} (prompt id {failure.prompt_id}): {failure.message}")
         return StepOutput(metrics, batch)
 
     # ------------------------------------------------------------ validation
 
     def validate(self) -> dict[str, float]:
+        """Held-out mean reward and accuracy; the split is shared across ranks and reduced."""
         if not self.val_records:
             return {}
         cfg = self.cfg
         params = SamplingParams(cfg.data.max_response_length, cfg.rollout.val_temperature, cfg.rollout.top_p,
                                 cfg.rollout.top_k)
         state = torch.get_rng_state()  # validation must not shift the training RNG stream
-        self.backend.seed(_seed_for(cfg.trainer.seed, self.step_done, 3))
-        scores, correct = [], []
-        bs = max(cfg.data.train_batch_size, 1)
-        for start in range(0, len(self.val_records), bs):
-            records = self.val_records[start:start + bs]
-            rb = self.rollout(records, cfg.rollout.val_n, params, uid_base=0)
+        self.backend.seed(_seed_for(cfg.trainer.seed, self.step_done, 3 + 10 * self.comm.rank))
+        world, rank = self.comm.world_size, self.comm.rank
+        per = -(-len(self.val_records) // world)
+        mine = self.val_records[rank * per:(rank + 1) * per]
+        weights = [1.0] * len(mine) + [0.0] * (per - len(mine))
+        mine = mine + [self.val_records[0]] * (per - len(mine))  # equal work per rank; padding weighs 0
+        bs = max(cfg.data.train_batch_size // world, 1)
+        totals = torch.zeros(3, dtype=torch.float64)
+        for start in range(0, per, bs):
+            records = mine[start:start + bs]
+            rb = self.rollout(records, cfg.rollout.val_n, params, uid_base=0, prompt_width=self.prompt_width(records))
             s = self.score(rb)
-            scores += s.scores
-            correct += s.correct
+            w = torch.tensor([x for x in weights[start:start + bs] for _ in range(cfg.rollout.val_n)], dtype=torch.float64)
+            totals += torch.stack([(w * torch.tensor(s.scores, dtype=torch.float64)).sum(),
+                                   (w * torch.tensor(s.correct, dtype=torch.float64)).sum(), w.sum()])
         torch.set_rng_state(state)
-        return {"val/reward_mean": float(np.mean(scores)), "val/acc": float(np.mean(correct))}
+        score_sum, correct_sum, count = self.comm.all_reduce_sum(totals.to(self.device)).tolist()
+        return {"val/reward_mean": score_sum / count, "val/acc": correct_sum / count}
 
     # ------------------------------------------------------------ the run
 
@@ -420,18 +515,18 @@ class Trainer:
         from tqdm.auto import tqdm
 
         t = self.cfg.trainer
-        show = t.progress_bar if progress is None else progress
+        show = (t.progress_bar if progress is None else progress) and self.comm.is_main
         bar = tqdm(total=self.total_steps, initial=self.step_done, disable=not show, dynamic_ncols=True, desc="grpo")
         history = []
         try:
             if t.test_freq and self.step_done == 0:
                 self._log_val_only()
             while self.step_done < self.total_steps:
-                out = self.step()
-                metrics = out.metrics
+                metrics = self.step().metrics
                 if t.test_freq and (self.step_done % t.test_freq == 0 or self.step_done == self.total_steps):
                     metrics.update(self.validate())
-                self.logger.log(metrics)
+                if self.logger is not None:
+                    self.logger.log(metrics)
                 history.append(metrics)
                 bar.update(1)
                 bar.set_postfix(reward=f"{metrics['reward_mean']:.3f}", kl=f"{metrics['kl']:.4f}",
@@ -444,12 +539,14 @@ class Trainer:
 
     def _log_val_only(self) -> None:
         val = self.validate()
-        if val:
-            self.log(f"step 0 validation: " + ", ".join(f"{k}={v:.3f}" for k, v in val.items()))
-            self.initial_val = val
+        if val and self.comm.is_main:
+            self.log("step 0 validation: " + ", ".join(f"{k}={v:.3f}" for k, v in val.items()))
+        self.initial_val = val
 
     def close(self) -> None:
         if getattr(self, "logger", None) is not None:
             if self.cfg.trainer.plot:
                 self.logger.plot()
             self.logger.close()
+        if getattr(self, "comm", None) is not None:
+            self.comm.close()

@@ -19,7 +19,8 @@ def parts(tiny_model_dir, tokenizer):
     model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, local_files_only=True)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0)
-    return dict(model=model, tokenizer=tokenizer, optimizer=opt, scheduler=sched)
+    return dict(model=model, tokenizer=tokenizer, model_state=model.state_dict(), optimizer_state=opt.state_dict(),
+                scheduler=sched)
 
 
 def _save(run, step, parts, keep=3):

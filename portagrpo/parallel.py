@@ -1,0 +1,128 @@
+"""Data-parallel strategies for the policy: none (one process), replicated (DDP-style gradient
+all-reduce) and FSDP2 (`fully_shard`). The loop asks its strategy to wrap the model, to sync
+gradients, to clip, and for full (unsharded) state dicts for checkpoints.
+
+Every rank's loss is normalised by *global* token and sequence counts, so the gradient of the
+global mini-batch is the SUM of the per-rank gradients: both strategies sum, never average.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_model_state_dict,
+    get_optimizer_state_dict,
+    set_model_state_dict,
+    set_optimizer_state_dict,
+)
+
+from .backends.dist import Collectives
+from .modeling import decoder_of
+
+FULL = StateDictOptions(full_state_dict=True, cpu_offload=True)
+
+
+def _strip(prefix: str, state: dict[str, Any]) -> dict[str, Any]:
+    return {k[len(prefix):] if k.startswith(prefix) else k: v for k, v in state.items()}
+
+
+class SingleProcess:
+    name = "none"
+
+    def __init__(self, comm: Collectives) -> None:
+        self.comm = comm
+
+    @property
+    def generate_kwargs(self) -> dict[str, Any]:
+        return {}
+
+    def wrap(self, scorer: torch.nn.Module, *, trainable: bool) -> torch.nn.Module:
+        return scorer
+
+    def sync_grads(self, params: list[torch.nn.Parameter]) -> None:
+        return None
+
+    def clip_grad_norm(self, params: list[torch.nn.Parameter], max_norm: float) -> torch.Tensor:
+        return torch.nn.utils.clip_grad_norm_(params, max_norm)
+
+    def model_state(self, scorer: torch.nn.Module) -> dict[str, torch.Tensor]:
+        """Full state dict of the LM (keys as in the Hugging Face model); a collective when sharded."""
+        return _strip("lm.", get_model_state_dict(scorer, options=FULL))
+
+    def optimizer_state(self, scorer: torch.nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+        """Full optimizer state keyed by parameter name, so any strategy can resume any other's checkpoint."""
+        return get_optimizer_state_dict(scorer, optimizer, options=FULL)
+
+    def load_model_state(self, scorer: torch.nn.Module, state: dict[str, torch.Tensor]) -> None:
+        named = {f"lm.{k}": v for k, v in state.items()}
+        set_model_state_dict(scorer, named, options=StateDictOptions(full_state_dict=True, strict=False))
+
+    def load_optimizer_state(self, scorer: torch.nn.Module, optimizer: torch.optim.Optimizer, state: dict) -> None:
+        set_optimizer_state_dict(scorer, optimizer, state, options=StateDictOptions(full_state_dict=True))
+
+
+class Replicated(SingleProcess):
+    """Every rank holds the whole model; gradients are summed with one all-reduce per mini-batch."""
+
+    name = "ddp"
+
+    @property
+    def generate_kwargs(self) -> dict[str, Any]:
+        return {}
+
+    def wrap(self, scorer: torch.nn.Module, *, trainable: bool) -> torch.nn.Module:
+        import torch.distributed as dist
+
+        with torch.no_grad():
+            for tensor in list(scorer.parameters()) + list(scorer.buffers()):
+                dist.broadcast(tensor.data, src=0)  # identical starting weights everywhere
+        return scorer
+
+    def sync_grads(self, params: list[torch.nn.Parameter]) -> None:
+        grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in params]
+        flat = self.comm.all_reduce_sum(torch.cat([g.reshape(-1) for g in grads]))
+        offset = 0
+        for p, g in zip(params, grads):
+            n = g.numel()
+            p.grad = flat[offset:offset + n].view_as(p).clone()
+            offset += n
+
+
+class FSDP2(SingleProcess):
+    """`fully_shard` on every decoder layer and on the scorer; gradients reduce-scattered as sums."""
+
+    name = "fsdp2"
+
+    @property
+    def generate_kwargs(self) -> dict[str, Any]:
+        # Ranks finish sampling at different steps; sharded forwards must stay in lockstep.
+        return {"synced_gpus": True}
+
+    def wrap(self, scorer: torch.nn.Module, *, trainable: bool) -> torch.nn.Module:
+        from torch.distributed.fsdp import FSDPModule, fully_shard, register_fsdp_forward_method
+
+        for layer in getattr(decoder_of(scorer.lm), "layers", []):
+            fully_shard(layer)
+        fully_shard(scorer)
+        register_fsdp_forward_method(scorer, "generate")
+        for module in scorer.modules():
+            if isinstance(module, FSDPModule):
+                module.set_gradient_divide_factor(1.0)
+                module.set_force_sum_reduction_for_comms(True)  # plain SUM: gloo has no PREMUL_SUM
+        return scorer
+
+    def clip_grad_norm(self, params: list[torch.nn.Parameter], max_norm: float) -> torch.Tensor:
+        norm = torch.nn.utils.clip_grad_norm_(params, max_norm)
+        return norm.full_tensor() if hasattr(norm, "full_tensor") else norm
+
+
+STRATEGIES = {"none": SingleProcess, "ddp": Replicated, "fsdp2": FSDP2}
+
+
+def make_strategy(requested: str, default: str, comm: Collectives):
+    if comm.world_size == 1:
+        return SingleProcess(comm)
+    name = default if requested == "auto" else requested
+    return STRATEGIES[name](comm)
