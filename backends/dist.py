@@ -121,6 +121,10 @@ class ProcessGroupCollectives(Collectives):
 
     def close(self) -> None:
         if dist.is_initialized():
+            try:
+                dist.barrier()  # no rank tears its connections down while a peer still talks to it
+            except (RuntimeError, dist.DistError):
+                pass
             dist.destroy_process_group()
 
 

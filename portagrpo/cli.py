@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 import argparse
-import json
+import os
 import sys
 import time
 from pathlib import Path
@@ -44,6 +44,19 @@ def _resolve_resume(resume: str | None, output_dir: str | None) -> tuple[Path | 
     return run_dir, target
 
 
+def _relaunch_with_torchrun(nproc: int, argv: list[str]) -> int:
+    """`trainer.nproc_per_node=K` starts K local ranks exactly as `torchrun --nproc-per-node K` would."""
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.run import main as torchrun_main
+
+    try:
+        torchrun_main(["--standalone", "--nproc-per-node", str(nproc), "--module", "portagrpo", *argv])
+    except ChildFailedError as err:
+        print(f"portagrpo: error: a rank failed (see its message above): {str(err).splitlines()[0]}", file=sys.stderr)
+        return 1
+    return 0
+
+
 def cmd_train(args) -> int:
     from .config import load_config, to_yaml
 
@@ -55,6 +68,8 @@ def cmd_train(args) -> int:
     if resume is not None and config_path is None and (run_dir / "config.yaml").is_file():
         config_path = run_dir / "config.yaml"
     cfg = load_config(config_path, overrides)
+    if cfg.trainer.nproc_per_node > 1 and "WORLD_SIZE" not in os.environ and not (args.print_config or args.dry_run):
+        return _relaunch_with_torchrun(cfg.trainer.nproc_per_node, args.argv)
     if args.print_config:
         print(to_yaml(cfg), end="")
         return 0
@@ -68,8 +83,6 @@ def cmd_train(args) -> int:
         print(f"config OK: {config_path or 'built-in defaults'}; device {cfg.trainer.device} -> {backend}")
         return 0
     from .trainer import Trainer
-
-    import os
 
     main_rank = os.environ.get("RANK", "0") == "0"
     trainer = Trainer(cfg, run_dir=run_dir, resume=resume, log=print if main_rank else (lambda message: None))
@@ -127,6 +140,7 @@ def main(argv: list[str] | None = None) -> int:
     if not argv:
         argv = ["train"]
     args = parser.parse_args(argv)
+    args.argv = argv
     commands = {"train": cmd_train, "doctor": cmd_doctor}
     try:
         return commands[args.command](args)

@@ -43,7 +43,7 @@ class ModelConfig:
     path: Optional[str] = None
     ref_path: Optional[str] = None
     tokenizer_path: Optional[str] = None
-    dtype: Literal["fp32", "bf16"] = "fp32"
+    dtype: Literal["fp32", "bf16", "fp64"] = "fp32"
     attn_implementation: str = "auto"
     gradient_checkpointing: bool = False
     tiny: TinyModelConfig = field(default_factory=TinyModelConfig)

@@ -34,7 +34,7 @@ from .parallel import make_strategy
 from .rewards import RewardResolver, score_responses
 from .rollout import ROLLOUT_ENGINES, SamplingParams, decode_responses
 
-DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp64": torch.float64}
 
 
 @dataclass
@@ -108,6 +108,11 @@ class Trainer:
     def autocast(self):
         return self.backend.autocast(self.dtype)
 
+    @property
+    def master_dtype(self) -> torch.dtype:
+        """Weights and optimizer state: fp64 for the fp64 reference, else fp32 (bf16 is compute only)."""
+        return torch.float64 if self.dtype == torch.float64 else torch.float32
+
     def _setup_data(self) -> None:
         cfg = self.cfg
         self.tokenizer = load_tokenizer(cfg.model.tokenizer_path or cfg.model.path)
@@ -142,14 +147,14 @@ class Trainer:
             self.comm.barrier()
             self.policy = load_model(init_dir, attn)
             ref_path = cfg.model.ref_path or init_dir
-        self.policy.to(self.device)
+        self.policy.to(device=self.device, dtype=self.master_dtype)
         if cfg.model.gradient_checkpointing:
             self.policy.gradient_checkpointing_enable()
         self.policy.config.use_cache = True
         self.scorer = self.strategy.wrap(ResponseScorer(self.policy, self.kernel), trainable=True)
         self.ref = self.ref_scorer = None
         if cfg.actor.use_kl_loss or cfg.algorithm.use_kl_in_reward:
-            self.ref = load_model(ref_path, attn).to(self.device).eval()
+            self.ref = load_model(ref_path, attn).to(device=self.device, dtype=self.master_dtype).eval()
             self.ref.requires_grad_(False)
             self.ref_scorer = self.strategy.wrap(ResponseScorer(self.ref, self.kernel), trainable=False)
         self.kl_needs_vocab = cfg.actor.kl_loss_type.rstrip("+") == "full"
