@@ -15,8 +15,8 @@ SPEC = BackendSpec(
     ray_resource="CPU",
     default_attention="sdpa",
     attention_choices=("sdpa", "eager"),
-    kernel_choices=("reference",),
-    default_kernel="reference",
+    kernel_choices=("reference", "chunked"),
+    default_kernel="chunked",
     default_parallel="ddp",  # gloo has no fast reduce-scatter; replicating a small CPU model is cheaper
 )
 
@@ -37,3 +37,15 @@ class CPUBackend(BaseBackend):
 
     def device_count(self) -> int:
         return 1
+
+    def kernel_implementation(self, requested: str) -> str:
+        # Triton runs on the CPU only through its interpreter (tests and parity runs, slowly).
+        if requested == "triton" and os.environ.get("TRITON_INTERPRET") == "1" and _has_triton():
+            return "triton"
+        return super().kernel_implementation(requested)
+
+
+def _has_triton() -> bool:
+    import importlib.util
+
+    return importlib.util.find_spec("triton") is not None

@@ -10,6 +10,7 @@ import torch
 
 from portagrpo.errors import UnknownNameError
 
+from .chunked import token_logprobs_chunked
 from .reference import logits_from_hidden, token_logprobs_from_logits, token_logprobs_reference
 
 
@@ -26,13 +27,24 @@ class TokenLogprobFn(Protocol):
     ) -> tuple[torch.Tensor, torch.Tensor | None]: ...
 
 
-_IMPLS: dict[str, TokenLogprobFn] = {"reference": token_logprobs_reference}
+def _triton() -> TokenLogprobFn:
+    # Imported only when chosen: portagrpo never imports triton otherwise.
+    from .triton_logprob import token_logprobs_triton
+
+    return token_logprobs_triton
+
+
+_IMPLS: dict[str, object] = {
+    "reference": lambda: token_logprobs_reference,
+    "chunked": lambda: token_logprobs_chunked,
+    "triton": _triton,
+}
 
 
 def logprob_impl(name: str) -> TokenLogprobFn:
     if name not in _IMPLS:
         raise UnknownNameError(f"kernels.logprob={name!r} is not a known implementation; choose one of {', '.join(_IMPLS)}.")
-    return _IMPLS[name]
+    return _IMPLS[name]()
 
 
 def logprob_impl_names() -> list[str]:
@@ -44,6 +56,7 @@ __all__ = [
     "logits_from_hidden",
     "logprob_impl",
     "logprob_impl_names",
+    "token_logprobs_chunked",
     "token_logprobs_from_logits",
     "token_logprobs_reference",
 ]

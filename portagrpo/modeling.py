@@ -98,8 +98,23 @@ def decoder_of(model):
 
 
 def lm_head_of(model) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The LM head as (weight [V, H], bias [V] or None), differentiable.
+
+    A peft LoRA-wrapped head gives its effective weight `W0 + sum scaling * B @ A` over the
+    active adapters (LoRA dropout is not applied on this path), so every kernel sees the
+    adapted head and its gradient reaches the adapter matrices.
+    """
     head = model.get_output_embeddings()
-    return head.weight, getattr(head, "bias", None)
+    base = getattr(head, "base_layer", None)
+    if base is None or not hasattr(head, "lora_A"):
+        return head.weight, getattr(head, "bias", None)
+    weight = base.weight
+    if not getattr(head, "disable_adapters", False) and not getattr(head, "merged", False):
+        for name in getattr(head, "active_adapters", []):
+            if name in head.lora_A:
+                delta = head.lora_B[name].weight @ head.lora_A[name].weight
+                weight = weight + head.scaling[name] * delta.to(weight.dtype)
+    return weight, getattr(base, "bias", None)
 
 
 def position_ids_from_mask(attention_mask: torch.Tensor) -> torch.Tensor:

@@ -3,10 +3,13 @@ from __future__ import annotations
 
 import os
 
-import pytest
-import torch
-
+# Triton kernels run on the CPU only through the interpreter, which must be chosen before any
+# kernel is decorated (i.e. before portagrpo.kernels.triton_logprob is imported).
+os.environ.setdefault("TRITON_INTERPRET", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
 
 
 @pytest.fixture(scope="session")

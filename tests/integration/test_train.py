@@ -207,3 +207,23 @@ def test_embedded_default_raises_reward(tmp_path):
     first = sum(r["reward_mean"] for r in rows[:k]) / k
     last = sum(r["reward_mean"] for r in rows[-k:]) / k
     assert last - first >= 0.25, (first, last)
+
+
+@pytest.mark.parametrize("dtype", ["fp32", "bf16"])
+def test_chunked_kernel_trains_like_the_reference(tmp_path, dtype):
+    """Same rollouts (generation does not use the kernel), so one step must agree within the table."""
+    from portagrpo.tolerances import TOLERANCES
+
+    tdtype = {"fp32": torch.float32, "bf16": torch.bfloat16}[dtype]
+    ref = _trainer(tmp_path / "ref", "kernels.logprob=reference", f"model.dtype={dtype}", "actor.entropy_coeff=0.01")
+    fused = _trainer(tmp_path / "fused", "kernels.logprob=chunked", f"model.dtype={dtype}", "actor.entropy_coeff=0.01")
+    m_ref, m_fused = ref.step().metrics, fused.step().metrics
+    assert m_ref["response_len_mean"] == m_fused["response_len_mean"]
+    for key, quantity in (("loss_policy", "loss"), ("loss_kl", "loss"), ("kl", "loss"), ("entropy", "entropy"),
+                          ("grad_norm", "grad_norm"), ("ratio_mean", "loss")):
+        bound = TOLERANCES[tdtype][quantity]
+        assert m_fused[key] == pytest.approx(m_ref[key], rel=bound, abs=bound), key
+    with torch.no_grad():
+        for (name, a), b in zip(ref.policy.named_parameters(), fused.policy.parameters()):
+            rel = float((a - b).norm() / b.norm())
+            assert rel < TOLERANCES[tdtype]["params"], (name, rel)

@@ -1,0 +1,189 @@
+"""Every token log-prob implementation against the plain-torch reference: forward and gradients,
+ragged masks, vocabularies that are not multiples of the block, fp32 and bf16, temperature,
+tied weights and LoRA heads. Bounds come from portagrpo.tolerances."""
+import importlib.util
+
+import pytest
+import torch
+
+from portagrpo.kernels import logprob_impl, token_logprobs_reference
+from portagrpo.kernels.reference import token_logprobs_from_logits
+from portagrpo.tolerances import assert_close
+
+HAS_TRITON = importlib.util.find_spec("triton") is not None
+IMPLS = ["chunked", pytest.param("triton", marks=pytest.mark.skipif(not HAS_TRITON, reason="triton is not installed"))]
+
+
+def ragged_tokens(batch, length, hidden, vocab, dtype, seed):
+    """Hidden states of the response tokens selected by a ragged [B, T] mask, as the trainer does."""
+    g = torch.Generator().manual_seed(seed)
+    lengths = torch.randint(0, length + 1, (batch,), generator=g)
+    lengths[0] = length
+    mask = torch.arange(length).unsqueeze(0) < lengths.unsqueeze(1)
+    grid = torch.randn(batch, length, hidden, generator=g)
+    h = grid[mask].to(dtype)
+    w = (torch.randn(vocab, hidden, generator=g) * 0.5).to(dtype)
+    b = (torch.randn(vocab, generator=g) * 0.1).to(dtype)
+    t = torch.randint(0, vocab, (h.shape[0],), generator=g)
+    return h, w, b, t
+
+
+def run(fn, h, w, b, t, temperature, entropy, seed, **kw):
+    h = h.detach().clone().requires_grad_(True)
+    w = w.detach().clone().requires_grad_(True)
+    b = None if b is None else b.detach().clone().requires_grad_(True)
+    logp, ent = fn(h, w, t, bias=b, temperature=temperature, compute_entropy=entropy, **kw)
+    g = torch.Generator().manual_seed(seed + 1)
+    loss = (logp * torch.randn(logp.shape, generator=g, dtype=torch.float64).to(logp.dtype)).sum()
+    if entropy:
+        loss = loss + (ent * torch.randn(ent.shape, generator=g, dtype=torch.float64).to(ent.dtype)).sum()
+    loss.backward()
+    return logp, ent, h.grad, w.grad, (None if b is None else b.grad)
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("vocab,temperature,entropy,bias", [
+    (517, 1.0, False, False), (1000, 0.7, True, True), (300, 1.3, True, False),
+])
+def test_matches_reference(impl, dtype, vocab, temperature, entropy, bias):
+    h, w, b, t = ragged_tokens(4, 9, 24, vocab, dtype, seed=vocab)
+    b = b if bias else None
+    # several chunks, the last one partial: 7 tokens of logits per chunk
+    out = run(logprob_impl(impl), h, w, b, t, temperature, entropy, seed=1, chunk_elements=7 * vocab)
+    # the reference in float64 on the same (possibly bf16-rounded) inputs
+    ref = run(token_logprobs_reference, h.double(), w.double(), None if b is None else b.double(), t,
+              temperature, entropy, seed=1)
+    assert out[0].dtype == torch.float32  # fp32 accumulation whatever the input dtype
+    names = ["logp", "entropy", "grad_hidden", "grad_weight", "grad_bias"]
+    quantities = ["logprob", "entropy", "grad", "grad", "grad"]
+    for name, q, o, r in zip(names, quantities, out, ref):
+        if r is None:
+            assert o is None, name
+            continue
+        assert o.dtype == (dtype if name.startswith("grad") else torch.float32), name
+        assert_close(o, r, dtype, q, f"{impl} {name}")
+
+
+@pytest.mark.parametrize("impl", ["reference", "chunked"])
+def test_fp64_inputs_stay_fp64(impl):
+    h, w, b, t = ragged_tokens(3, 5, 8, 101, torch.float64, seed=3)
+    out = run(logprob_impl(impl), h, w, b, t, 0.9, True, seed=2)
+    ref = run(token_logprobs_reference, h, w, b, t, 0.9, True, seed=2)
+    assert out[0].dtype == torch.float64
+    for o, r, q in zip(out, ref, ["logprob", "entropy", "grad", "grad", "grad"]):
+        assert_close(o, r, torch.float64, q)
+
+
+def test_chunked_holds_one_chunk_of_logits():
+    """Peak memory of the chunked forward+backward grows with the chunk, not with N x V."""
+    h, w, b, t = ragged_tokens(8, 64, 16, 4000, torch.float32, seed=5)
+    fn = logprob_impl("chunked")
+    seen = []
+
+    class Spy(torch.autograd.graph.saved_tensors_hooks):
+        def __init__(self):
+            super().__init__(lambda x: seen.append(x.numel()) or x, lambda x: x)
+
+    with Spy():
+        logp, _ = fn(h.requires_grad_(), w.requires_grad_(), t, chunk_elements=16 * 4000)
+    logp.sum().backward()
+    # nothing of size N x V is saved for backward
+    assert max(seen) < h.shape[0] * w.shape[0] / 4
+
+
+@pytest.mark.skipif(not HAS_TRITON, reason="triton is not installed")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_triton_logits_rows_kernel(dtype):
+    from portagrpo.kernels.triton_logprob import token_logprobs_from_logits_triton
+
+    g = torch.Generator().manual_seed(4)
+    z = (torch.randn(11, 777, generator=g) * 3).to(dtype)
+    t = torch.randint(0, 777, (11,), generator=g)
+    zk = z.clone().requires_grad_(True)
+    lp, ent = token_logprobs_from_logits_triton(zk, t, 0.8, True)
+    (lp.sum() + 0.5 * ent.sum()).backward()
+    zr = z.double().requires_grad_(True)
+    lr, er = token_logprobs_from_logits(zr / 0.8, t, True)
+    (lr.sum() + 0.5 * er.sum()).backward()
+    assert_close(lp, lr, dtype, "logprob")
+    assert_close(ent, er, dtype, "entropy")
+    assert_close(zk.grad, zr.grad, dtype, "grad")
+
+
+@pytest.mark.skipif(not HAS_TRITON, reason="triton is not installed")
+def test_rocm_tuning_differs_only_in_constants(monkeypatch):
+    from portagrpo.kernels import triton_logprob as tk
+
+    monkeypatch.delenv("TRITON_INTERPRET")
+    monkeypatch.setattr(tk, "is_hip", lambda: True)
+    hip = tk.tuning()
+    monkeypatch.setattr(tk, "is_hip", lambda: False)
+    cuda = tk.tuning()
+    assert set(hip) == set(cuda) == {"BLOCK_V", "num_warps"} and hip != cuda
+
+
+def _scorer_grads(model, impl, ids, mask, responses, rmask):
+    from portagrpo.forward import ResponseScorer
+
+    model.zero_grad(set_to_none=True)
+    scorer = ResponseScorer(model, logprob_impl(impl))
+    logp, ent, _ = scorer(ids, mask, responses, rmask, 0.9, True, False)
+    if logp.requires_grad:  # not when every trainable (adapter) weight is switched off
+        (logp.sum() + 0.1 * ent.sum()).backward()
+    return logp.detach(), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+
+
+def _inputs(vocab):
+    g = torch.Generator().manual_seed(9)
+    ids = torch.randint(4, vocab, (3, 12), generator=g)
+    mask = torch.ones_like(ids)
+    mask[1, :2] = 0
+    responses = ids[:, 8:]
+    rmask = torch.tensor([[1, 1, 1, 1], [1, 1, 0, 0], [1, 0, 0, 0]], dtype=torch.bool)
+    mask[:, 8:] = rmask.long()
+    return ids, mask, responses, rmask
+
+
+def test_tied_embeddings_get_both_gradients(tiny_model_dir):
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, local_files_only=True).double()
+    assert model.get_output_embeddings().weight is model.get_input_embeddings().weight
+    inputs = _inputs(model.config.vocab_size)
+    ref_logp, ref = _scorer_grads(model, "reference", *inputs)
+    out_logp, out = _scorer_grads(model, "chunked", *inputs)
+    assert_close(out_logp, ref_logp, torch.float64, "logprob")
+    assert ref.keys() == out.keys() and "model.embed_tokens.weight" in ref
+    for name in ref:
+        assert_close(out[name], ref[name], torch.float64, "grad", name)
+
+
+@pytest.mark.skipif(importlib.util.find_spec("peft") is None, reason="peft is not installed")
+def test_lora_wrapped_head(tiny_model_dir):
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    from portagrpo.modeling import position_ids_from_mask
+
+    base = AutoModelForCausalLM.from_pretrained(tiny_model_dir, local_files_only=True, tie_word_embeddings=False).double()
+    model = get_peft_model(base, LoraConfig(r=4, lora_alpha=8, lora_dropout=0.0, target_modules=["lm_head"],
+                                            init_lora_weights=False)).double()  # adapters are created in fp32
+    inputs = _inputs(base.config.vocab_size)
+    ref_logp, ref = _scorer_grads(model, "reference", *inputs)
+    out_logp, out = _scorer_grads(model, "chunked", *inputs)
+    head_lora = [n for n in ref if "lm_head" in n and "lora_" in n]
+    assert len(head_lora) == 2  # A and B of the head adapter receive gradients
+    for name in ref:
+        assert_close(out[name], ref[name], torch.float64, "grad", name)
+    # the adapter changes the log-probs: the effective head is used, not the base weight
+    with model.disable_adapter():
+        base_logp, _ = _scorer_grads(model, "chunked", *inputs)
+    assert (base_logp - out_logp).abs().max() > 1e-6
+    # full logits of the wrapped model equal what the kernel path sees
+    ids, mask, responses, rmask = inputs
+    with torch.no_grad():
+        logits = model(input_ids=ids, attention_mask=mask, position_ids=position_ids_from_mask(mask)).logits
+        logits = logits[:, 7:11][rmask] / 0.9
+    direct, _ = token_logprobs_from_logits(logits, responses[rmask])
+    assert_close(out_logp[rmask], direct, torch.float64, "logprob")
