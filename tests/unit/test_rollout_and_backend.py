@@ -65,8 +65,11 @@ def test_env_default(monkeypatch):
     assert get_backend(None).name == "cpu"
 
 
-def test_kernel_choice_validated():
+def test_kernel_choice_validated(monkeypatch):
     b = get_backend("cpu")
-    assert b.kernel_implementation("auto") in b.spec.kernel_choices
+    assert b.kernel_implementation("auto") == "chunked"
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
     with pytest.raises(BackendUnavailable, match="kernels.logprob='triton' is not available on --device cpu"):
         b.kernel_implementation("triton")
+    with pytest.raises(BackendUnavailable, match="kernels.logprob='cuda_magic' is not available"):
+        b.kernel_implementation("cuda_magic")
