@@ -89,6 +89,13 @@ class AcceleratorBackend(BaseBackend):
     def empty_cache(self) -> None:
         self.module.empty_cache()
 
+    def current_memory_gb(self) -> float:
+        return float(self.module.memory_allocated()) / 2**30
+
+    def free_memory_gb(self) -> float:
+        free, _total = self.module.mem_get_info()
+        return float(free) / 2**30
+
     def rng_state(self) -> dict[str, Any]:
         return {"device": self.module.get_rng_state_all()}
 

@@ -162,6 +162,26 @@ class BaseBackend:
     def empty_cache(self) -> None:
         return None
 
+    def current_memory_gb(self) -> float:
+        """Memory in use now (resident set on the CPU), the baseline for a peak measurement."""
+        try:
+            with open("/proc/self/statm") as fh:
+                pages = int(fh.read().split()[1])
+            return pages * os.sysconf("SC_PAGE_SIZE") / 2**30
+        except (OSError, ValueError):
+            return 0.0
+
+    def free_memory_gb(self) -> float:
+        """Memory a new allocation can use (available system memory on the CPU)."""
+        try:
+            with open("/proc/meminfo") as fh:
+                for line in fh:
+                    if line.startswith("MemAvailable:"):
+                        return int(line.split()[1]) / 2**20
+        except (OSError, ValueError):
+            pass
+        return float("inf")
+
     def set_deterministic(self, enabled: bool) -> None:
         torch.use_deterministic_algorithms(enabled, warn_only=False)
         for var, value in self.deterministic_env().items():

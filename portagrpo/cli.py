@@ -111,12 +111,21 @@ def cmd_doctor(args) -> int:
     return 0
 
 
+def cmd_bench(args) -> int:
+    from .bench import main_cli
+
+    return main_cli(args.rest)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="portagrpo", description="GRPO/DrGRPO trainer with the same numbers on every backend")
     sub = parser.add_subparsers(dest="command")
     _train_parser(sub)
     d = sub.add_parser("doctor", help="what this machine has, per backend")
     d.add_argument("--json", action="store_true")
+    b = sub.add_parser("bench", help="benchmarks: `portagrpo bench kernels --help`")
+    b.add_argument("suite", choices=["kernels"])
+    b.add_argument("rest", nargs=argparse.REMAINDER)
     return parser
 
 
@@ -141,7 +150,7 @@ def main(argv: list[str] | None = None) -> int:
         argv = ["train"]
     args = parser.parse_args(argv)
     args.argv = argv
-    commands = {"train": cmd_train, "doctor": cmd_doctor}
+    commands = {"train": cmd_train, "doctor": cmd_doctor, "bench": cmd_bench}
     try:
         return commands[args.command](args)
     except (UserError, FileNotFoundError) as err:
