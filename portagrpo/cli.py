@@ -111,10 +111,22 @@ def cmd_doctor(args) -> int:
     return 0
 
 
-def cmd_bench(args) -> int:
+def cmd_parity(argv: list[str]) -> int:
+    from .parity import main_cli
+
+    return main_cli(argv)
+
+
+def cmd_bench(argv: list[str]) -> int:
+    if not argv or argv[0] != "kernels":
+        print("usage: portagrpo bench kernels [--shapes NxHxV,...] [--json FILE] (see --help)", file=sys.stderr)
+        return 2
     from .bench import main_cli
 
-    return main_cli(args.rest)
+    return main_cli(argv[1:])
+
+
+PASSTHROUGH = {"parity": cmd_parity, "bench": cmd_bench}
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -123,9 +135,8 @@ def build_parser() -> argparse.ArgumentParser:
     _train_parser(sub)
     d = sub.add_parser("doctor", help="what this machine has, per backend")
     d.add_argument("--json", action="store_true")
-    b = sub.add_parser("bench", help="benchmarks: `portagrpo bench kernels --help`")
-    b.add_argument("suite", choices=["kernels"])
-    b.add_argument("rest", nargs=argparse.REMAINDER)
+    sub.add_parser("parity", help="compare this backend with the float64 golden (`portagrpo parity --help`)")
+    sub.add_parser("bench", help="benchmarks (`portagrpo bench kernels --help`)")
     return parser
 
 
@@ -148,9 +159,14 @@ def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if not argv:
         argv = ["train"]
+    if argv[0] in PASSTHROUGH:  # sub-commands with their own argument parsers
+        try:
+            return PASSTHROUGH[argv[0]](argv[1:])
+        except (UserError, FileNotFoundError) as err:
+            return _fail(err)
     args = parser.parse_args(argv)
     args.argv = argv
-    commands = {"train": cmd_train, "doctor": cmd_doctor, "bench": cmd_bench}
+    commands = {"train": cmd_train, "doctor": cmd_doctor}
     try:
         return commands[args.command](args)
     except (UserError, FileNotFoundError) as err:

@@ -10,6 +10,9 @@ Why the values:
   computed from bf16 hidden states and weights, even with fp32 accumulation, differ from the
   fp64 reference by a few 1e-3, hence 1e-2. Gradients pass through the same rounded inputs
   and a second rounding on output, hence 2e-2.
+- KL values are differences of two nearby log-distributions (policy vs reference): the
+  subtraction cancels leading digits, so their relative error is several times that of the
+  log-probs they come from; the `full` estimator also sums V such differences.
 """
 from __future__ import annotations
 
@@ -17,11 +20,11 @@ import torch
 
 TOLERANCES: dict[torch.dtype, dict[str, float]] = {
     torch.float64: {"logprob": 1e-12, "entropy": 1e-12, "grad": 1e-11, "advantage": 1e-12, "loss": 1e-12,
-                    "grad_norm": 1e-10, "params": 1e-10},
+                    "kl": 1e-11, "grad_norm": 1e-10, "params": 1e-10},
     torch.float32: {"logprob": 1e-5, "entropy": 1e-5, "grad": 1e-5, "advantage": 1e-6, "loss": 1e-5,
-                    "grad_norm": 1e-4, "params": 1e-5},
+                    "kl": 5e-5, "grad_norm": 1e-4, "params": 1e-5},
     torch.bfloat16: {"logprob": 1e-2, "entropy": 1e-2, "grad": 2e-2, "advantage": 1e-6, "loss": 2e-2,
-                     "grad_norm": 5e-2, "params": 1e-2},
+                     "kl": 3e-2, "grad_norm": 5e-2, "params": 1e-2},
 }
 
 

@@ -1,0 +1,301 @@
+"""The parity suite: a fixed scenario replayed on any backend and compared, stage by stage,
+with float64 CPU golden outputs stored in the package (`portagrpo/parity_data/`).
+
+No sampling enters: token ids, masks, rewards, old/reference log-probs and a tiny model's
+weights are fixtures. `python -m portagrpo.parity --regenerate` rebuilds them; the test suite
+checks that rebuilding reproduces the stored numbers.
+"""
+from __future__ import annotations
+
+import contextlib
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+
+from . import algo
+from .forward import ResponseScorer
+from .kernels import logprob_impl
+from .tolerances import relative_error, tolerance
+
+DATA_DIR = Path(__file__).resolve().parent / "parity_data"
+SCENARIO_FILE = "scenario.safetensors"
+GOLDEN_FILE = "golden.safetensors"
+DTYPES = {"fp64": torch.float64, "fp32": torch.float32, "bf16": torch.bfloat16}
+MODEL_CONFIG = dict(vocab_size=97, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                    num_key_value_heads=2, max_position_embeddings=64, tie_word_embeddings=False,
+                    bos_token_id=1, eos_token_id=2, pad_token_id=0)
+AGG_MODES = ["token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm"]
+KL_TYPES = ["k1", "abs", "k2", "k3", "full"]
+CLIP = dict(clip_low=0.2, clip_high=0.28, clip_c=3.0)
+TEMPERATURE = 0.9
+LOSS_SCALE = 7.0
+OPT_STEPS = 3
+
+
+def _quantity(stage: str) -> str:
+    head = stage.split("/")[0]
+    return {"adv": "advantage", "logprob": "logprob", "entropy": "entropy", "loss_policy": "loss", "kl": "kl",
+            "total_loss": "loss", "grad_norm": "grad_norm", "params_after_3_steps": "params"}[head]
+
+
+# ---------------------------------------------------------------- the scenario
+
+
+def build_scenario(seed: int = 1234) -> dict[str, torch.Tensor]:
+    """Deterministic inputs: 3 groups of 4 responses (untied, all tied, partly tied scores),
+    ragged left-padded prompts and right-padded responses, old/ref log-probs, policy and
+    reference weights."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    g = torch.Generator().manual_seed(seed)
+    b, p, t, v = 12, 6, 7, MODEL_CONFIG["vocab_size"]
+    prompt_len = torch.tensor([6, 6, 6, 6, 3, 3, 3, 3, 5, 5, 5, 5])
+    resp_len = torch.tensor([7, 1, 4, 6, 2, 7, 3, 5, 7, 7, 2, 4])
+    prompt_mask = (torch.arange(p).unsqueeze(0) >= (p - prompt_len).unsqueeze(1)).long()
+    response_mask = (torch.arange(t).unsqueeze(0) < resp_len.unsqueeze(1)).long()
+    prompt_ids = torch.randint(3, v, (b, p), generator=g) * prompt_mask
+    responses = torch.randint(3, v, (b, t), generator=g) * response_mask
+    scores = torch.tensor([1.0, 0.0, 0.5, 0.25, 1.0, 1.0, 1.0, 1.0, 0.0, 1.0, 1.0, 0.0], dtype=torch.float64)
+    uid = torch.arange(3).repeat_interleave(4)
+    out = {"prompt_ids": prompt_ids, "prompt_mask": prompt_mask, "responses": responses,
+           "response_mask": response_mask, "scores": scores, "uid": uid}
+    for name in ("policy", "ref"):
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(seed + (0 if name == "policy" else 1))
+            model = LlamaForCausalLM(LlamaConfig(**MODEL_CONFIG)).float()
+        for key, value in model.state_dict().items():
+            out[f"{name}.{key}"] = value.clone()
+    # old log-probs: the fp64 policy's, moved so that ratios leave the clip range on some tokens
+    logp, _ = _token_stats(_model(out, "policy", torch.device("cpu"), torch.float64), out, "reference",
+                           torch.device("cpu"), contextlib.nullcontext, entropy=False)
+    noise = torch.randn(b, t, generator=g, dtype=torch.float64) * 0.3
+    out["old_logp"] = (logp + noise) * response_mask
+    ref_logp, _ = _token_stats(_model(out, "ref", torch.device("cpu"), torch.float64), out, "reference",
+                               torch.device("cpu"), contextlib.nullcontext, entropy=False)
+    out["ref_logp"] = ref_logp * response_mask
+    return out
+
+
+def _model(scn: dict[str, torch.Tensor], name: str, device: torch.device, master: torch.dtype):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(**MODEL_CONFIG)
+    config._attn_implementation = "sdpa"
+    model = LlamaForCausalLM(config)
+    state = {k[len(name) + 1:]: v for k, v in scn.items() if k.startswith(name + ".")}
+    model.load_state_dict(state)
+    return model.to(device=device, dtype=master)
+
+
+def _scorer(model, kernel: str) -> ResponseScorer:
+    return ResponseScorer(model, logprob_impl(kernel))
+
+
+def _batch(scn, device, rows=None):
+    idx = slice(None) if rows is None else rows
+    prompt_ids, prompt_mask = scn["prompt_ids"][idx].to(device), scn["prompt_mask"][idx].to(device)
+    responses, rmask = scn["responses"][idx].to(device), scn["response_mask"][idx].to(device)
+    return (torch.cat([prompt_ids, responses], 1), torch.cat([prompt_mask, rmask], 1), responses, rmask.bool())
+
+
+def _token_stats(model, scn, kernel, device, autocast, entropy=True, vocab=False, rows=None):
+    ids, attn, responses, rmask = _batch(scn, device, rows)
+    logp, ent, logp_vocab = _scorer(model, kernel)(ids, attn, responses, rmask, TEMPERATURE, entropy, vocab, autocast)
+    return (logp, ent) if not vocab else (logp, ent, logp_vocab)
+
+
+# ---------------------------------------------------------------- the stages
+
+
+@dataclass
+class Setting:
+    device: torch.device
+    dtype: str  # fp64 | fp32 | bf16
+    kernel: str
+    autocast: Callable[[], Any]
+
+    @property
+    def master(self) -> torch.dtype:
+        return torch.float64 if self.dtype == "fp64" else torch.float32
+
+
+def _total_loss(model, scn, s: Setting, adv, rows=None, normalizers=None):
+    """Policy loss (token-mean) + 0.1 * k3 KL - 0.01 * entropy, on `rows` with the given global counts."""
+    mask = scn["response_mask"].to(s.device).to(s.master)
+    old, ref = scn["old_logp"].to(s.device, s.master), scn["ref_logp"].to(s.device, s.master)
+    if rows is not None:
+        mask, old, ref, adv = mask[rows], old[rows], ref[rows], adv[rows]
+    logp, ent = _token_stats(model, scn, s.kernel, s.device, s.autocast, rows=rows)
+    n_tok, n_seq = normalizers or algo.loss_normalizers(mask)
+    agg = dict(num_tokens=n_tok, num_seqs=n_seq, loss_scale_factor=LOSS_SCALE)
+    pg, _ = algo.clipped_policy_loss(logp, old, adv, mask, **CLIP)
+    kl = algo.kl_penalty("k3", logp, ref)
+    return (algo.aggregate_loss(pg, mask, "token-mean", **agg) + 0.1 * algo.aggregate_loss(kl, mask, "token-mean", **agg)
+            - 0.01 * algo.aggregate_loss(ent, mask, "token-mean", **agg))
+
+
+def compute_stages(scn: dict[str, torch.Tensor], s: Setting) -> dict[str, torch.Tensor]:
+    """Every compared quantity, as float64 CPU tensors."""
+    out: dict[str, torch.Tensor] = {}
+    mask = scn["response_mask"].to(s.device).to(s.master)
+    scores = scn["scores"].to(s.device, s.master)
+    uid = scn["uid"].to(s.device)
+    adv = algo.group_advantages(scores, uid, mask, norm_by_std=True)
+    out["adv/grpo"] = adv
+    out["adv/drgrpo"] = algo.group_advantages(scores, uid, mask, norm_by_std=False)
+    policy = _model(scn, "policy", s.device, s.master)
+    ref_model = _model(scn, "ref", s.device, s.master)
+    with torch.no_grad():
+        logp, ent = _token_stats(policy, scn, s.kernel, s.device, s.autocast)
+        out["logprob"], out["entropy"] = logp, ent
+        old = scn["old_logp"].to(s.device, s.master)
+        ref = scn["ref_logp"].to(s.device, s.master)
+        pg, _ = algo.clipped_policy_loss(logp, old, adv, mask, **CLIP)
+        for mode in AGG_MODES:
+            out[f"loss_policy/{mode}"] = algo.aggregate_loss(pg, mask, mode, loss_scale_factor=LOSS_SCALE)
+        _, _, logp_vocab = _token_stats(policy, scn, s.kernel, s.device, s.autocast, entropy=False, vocab=True)
+        _, _, ref_vocab = _token_stats(ref_model, scn, s.kernel, s.device, s.autocast, entropy=False, vocab=True)
+        for name in KL_TYPES:
+            kl = algo.kl_penalty(name, logp, ref, logp_vocab=logp_vocab, ref_logp_vocab=ref_vocab)
+            out[f"kl/{name}"] = kl * mask  # per token: a mean of k1 cancels and would inflate relative errors
+    loss = _total_loss(policy, scn, s, adv)
+    loss.backward()
+    out["total_loss"] = loss.detach()
+    grads = [p.grad for p in policy.parameters() if p.grad is not None]
+    out["grad_norm"] = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g.double()) for g in grads]))
+    out["params_after_3_steps"] = _train_steps(scn, s, adv)
+    return {k: v.detach().double().cpu() for k, v in out.items()}
+
+
+def _train_steps(scn, s: Setting, adv) -> torch.Tensor:
+    """3 AdamW steps, each accumulating 2 micro-batches with mini-batch normalisers, grad-clipped."""
+    model = _model(scn, "policy", s.device, s.master)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3, betas=(0.9, 0.99), weight_decay=0.01)
+    mask = scn["response_mask"].to(s.device).to(s.master)
+    counts = algo.loss_normalizers(mask)
+    halves = [torch.arange(0, 6), torch.arange(6, 12)]
+    for _ in range(OPT_STEPS):
+        opt.zero_grad()
+        for rows in halves:
+            _total_loss(model, scn, s, adv, rows=rows.to(s.device), normalizers=counts).backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+    return torch.cat([p.detach().double().reshape(-1).cpu() for p in model.parameters()])
+
+
+# ---------------------------------------------------------------- fixtures
+
+
+def load_fixture(name: str, data_dir: Path = DATA_DIR) -> dict[str, torch.Tensor]:
+    from safetensors.torch import load_file
+
+    path = Path(data_dir) / name
+    if not path.is_file():
+        raise FileNotFoundError(f"parity fixture {path} is missing; regenerate with `python -m portagrpo.parity --regenerate`.")
+    return load_file(str(path))
+
+
+def regenerate(data_dir: Path = DATA_DIR) -> dict[str, torch.Tensor]:
+    """Rebuild the scenario and its float64 CPU golden outputs into `data_dir`."""
+    from safetensors.torch import save_file
+
+    data_dir = Path(data_dir)
+    data_dir.mkdir(parents=True, exist_ok=True)
+    scn = build_scenario()
+    save_file({k: v.contiguous() for k, v in scn.items()}, str(data_dir / SCENARIO_FILE))
+    golden = compute_stages(load_fixture(SCENARIO_FILE, data_dir), reference_setting())
+    save_file({k: v.contiguous() for k, v in golden.items()}, str(data_dir / GOLDEN_FILE),
+              metadata={"what": "float64 CPU reference outputs of portagrpo.parity.compute_stages"})
+    return golden
+
+
+def reference_setting() -> Setting:
+    return Setting(torch.device("cpu"), "fp64", "reference", contextlib.nullcontext)
+
+
+# ---------------------------------------------------------------- running it
+
+
+@dataclass
+class ParityRow:
+    stage: str
+    error: float
+    tolerance: float
+
+    @property
+    def passed(self) -> bool:
+        return self.error <= self.tolerance
+
+
+def run_parity(device: str, dtype: str, kernel: str) -> tuple[str, list[ParityRow]]:
+    """Run the scenario on `device` with `dtype` and `kernel` (auto: the backend's); compare with the golden."""
+    from .backends import get_backend
+
+    backend = get_backend(device)
+    chosen = backend.kernel_implementation(kernel)
+    tdtype = DTYPES[dtype]
+    setting = Setting(backend.device(0), dtype, chosen, lambda: backend.autocast(tdtype))
+    backend.set_deterministic(False)
+    got = compute_stages(load_fixture(SCENARIO_FILE), setting)
+    golden = load_fixture(GOLDEN_FILE)
+    rows = [ParityRow(stage, relative_error(got[stage], golden[stage]), tolerance(tdtype, _quantity(stage)))
+            for stage in golden]
+    return chosen, rows
+
+
+def format_table(backend: str, dtype: str, kernel: str, rows: list[ParityRow]) -> str:
+    lines = [f"parity: device {backend}, dtype {dtype}, kernel {kernel}",
+             f"{'stage':34} {'rel. error':>11} {'tolerance':>10}  result"]
+    for r in rows:
+        lines.append(f"{r.stage:34} {r.error:11.3e} {r.tolerance:10.1e}  {'pass' if r.passed else 'FAIL'}")
+    failed = sum(not r.passed for r in rows)
+    lines.append(f"{len(rows) - failed} passed, {failed} failed")
+    return "\n".join(lines)
+
+
+def to_json(backend: str, dtype: str, kernel: str, rows: list[ParityRow]) -> dict[str, Any]:
+    from .backends.probe import package_versions, torch_build
+
+    return {"device": backend, "dtype": dtype, "kernel": kernel, "torch": torch_build(), "packages": package_versions(),
+            "passed": all(r.passed for r in rows),
+            "stages": [{"stage": r.stage, "error": r.error, "tolerance": r.tolerance, "passed": r.passed} for r in rows]}
+
+
+def main_cli(argv: list[str]) -> int:
+    import argparse
+
+    p = argparse.ArgumentParser(prog="portagrpo parity")
+    p.add_argument("--device", default="auto")
+    p.add_argument("--dtype", default="fp32", help="fp32, bf16 or fp64; comma-separated for several")
+    p.add_argument("--kernels", default="auto", help="auto, reference, chunked, triton; comma-separated for several")
+    p.add_argument("--json", dest="json_path", help="write the report(s) here")
+    args = p.parse_args(argv)
+    from .backends import get_backend
+
+    backend = get_backend(args.device).name
+    reports, ok = [], True
+    for dtype in args.dtype.split(","):
+        if dtype not in DTYPES:
+            raise ValueError(f"--dtype {dtype!r} is not one of {', '.join(DTYPES)}.")
+        for kernel in args.kernels.split(","):
+            chosen, rows = run_parity(backend, dtype, kernel)
+            print(format_table(backend, dtype, chosen, rows))
+            print()
+            reports.append(to_json(backend, dtype, chosen, rows))
+            ok &= all(r.passed for r in rows)
+    if args.json_path:
+        Path(args.json_path).write_text(json.dumps(reports if len(reports) > 1 else reports[0], indent=1))
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    import sys
+
+    if sys.argv[1:] == ["--regenerate"]:
+        regenerate()
+        print(f"wrote {DATA_DIR / SCENARIO_FILE} and {DATA_DIR / GOLDEN_FILE}")
+    else:
+        sys.exit(main_cli(sys.argv[1:]))
