@@ -126,7 +126,13 @@ def cmd_bench(argv: list[str]) -> int:
     return main_cli(argv[1:])
 
 
-PASSTHROUGH = {"parity": cmd_parity, "bench": cmd_bench}
+def cmd_replay(argv: list[str]) -> int:
+    from .replay import main_cli
+
+    return main_cli(argv)
+
+
+PASSTHROUGH = {"parity": cmd_parity, "bench": cmd_bench, "replay": cmd_replay}
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -137,6 +143,7 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--json", action="store_true")
     sub.add_parser("parity", help="compare this backend with the float64 golden (`portagrpo parity --help`)")
     sub.add_parser("bench", help="benchmarks (`portagrpo bench kernels --help`)")
+    sub.add_parser("replay", help="re-train a recorded run on another backend (`portagrpo replay --help`)")
     return parser
 
 

@@ -137,6 +137,7 @@ class TrainerConfig:
     progress_bar: bool = True
     tensorboard: bool = True
     plot: bool = True
+    record_rollouts: bool = False
     nproc_per_node: int = 1
     parallel: Literal["auto", "fsdp2", "ddp"] = "auto"
     dist_timeout_s: float = 600.0

@@ -41,6 +41,7 @@ DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp64": torch.float64}
 class StepOutput:
     metrics: dict[str, Any]
     batch: TrainBatch
+    info: dict[str, Any]
 
 
 def default_run_dir() -> Path:
@@ -82,7 +83,8 @@ class Trainer:
             self.run_dir.mkdir(parents=True, exist_ok=True)
             (self.run_dir / "config.yaml").write_text(to_yaml(cfg))
         self.strategy = make_strategy(cfg.trainer.parallel, self.backend.spec.default_parallel, self.comm)
-        self.kernel = logprob_impl(self.backend.kernel_implementation(cfg.kernels.logprob))
+        self.kernel_name = self.backend.kernel_implementation(cfg.kernels.logprob)
+        self.kernel = logprob_impl(self.kernel_name)
         self._setup_data()
         self._setup_models()
         self._setup_optimizer()
@@ -440,10 +442,60 @@ class Trainer:
         return TrainBatch(full_rb, adv, t["old"], t["ref"]), info
 
     def step(self) -> StepOutput:
-        step = self.step_done + 1
         t0 = time.perf_counter()
         self.backend.reset_peak_memory()
-        batch, info = self.make_batch(step)
+        batch, info = self.make_batch(self.step_done + 1)
+        out = self.train_on(batch, info, t0)
+        if self.cfg.trainer.record_rollouts:
+            self.record(out)
+        return out
+
+    def batch_from_record(self, rec: dict[str, Any]) -> tuple[TrainBatch, dict[str, Any]]:
+        """Rebuild a recorded step's global batch on this backend: log-probs and advantages are
+        recomputed here; rollout tokens and rewards are exactly the recorded ones."""
+        d = self.device
+        rb = RolloutBatch(prompt_ids=rec["prompt_ids"].to(d), prompt_mask=rec["prompt_mask"].to(d),
+                          responses=rec["responses"].to(d), response_mask=rec["response_mask"].to(d),
+                          uid=rec["uid"].to(d), prompt_index=rec["prompt_index"].to(d), response_text=[],
+                          ground_truth=[], data_source=[], extra_info=[])
+        old_logp, entropy = self.logprobs(self.scorer, rb, entropy=True)
+        ref_logp = self.logprobs(self.ref_scorer, rb, entropy=False)[0] if self.ref_scorer is not None else None
+        raw = rec["scores"].to(d)
+        scores, adv = self.advantages(rb, raw, old_logp, ref_logp)
+        info = {"raw_scores": raw, "scores": scores, "correct": rec["correct"].to(d), "entropy": entropy,
+                "reward_errors": 0.0, "t_gen": time.perf_counter()}
+        return TrainBatch(rb, adv, old_logp, ref_logp), info
+
+    def record(self, out: StepOutput) -> None:
+        """Save this step's rollout, metrics and parameter fingerprint (rank 0 writes)."""
+        fingerprint = self.param_fingerprint()
+        if not self.comm.is_main:
+            return
+        rb = out.batch.rollout
+        folder = self.run_dir / "rollouts"
+        folder.mkdir(exist_ok=True)
+        record = {k: v.detach().cpu() for k, v in rb.tensors().items() if torch.is_tensor(v)}
+        record.update(scores=out.info["raw_scores"].cpu(), correct=out.info["correct"].cpu(),
+                      metrics=out.metrics, fingerprint=fingerprint,
+                      setting={"device": self.backend.name, "dtype": self.cfg.model.dtype, "kernel": self.kernel_name})
+        tmp = folder / f".step_{out.metrics['step']:08d}.pt.tmp"
+        torch.save(record, tmp)
+        os.replace(tmp, folder / f"step_{out.metrics['step']:08d}.pt")
+
+    def param_fingerprint(self) -> dict[str, list[float]]:
+        """Per parameter tensor: (sum, sum of squares) in fp64. Both add up over shards, so the
+        fingerprint is exact under FSDP2 too; replay compares it to measure parameter drift."""
+        names, values = [], []
+        for name, p in self.scorer.named_parameters():
+            local = p.to_local() if hasattr(p, "to_local") else p
+            x = local.detach().double()
+            names.append(name.removeprefix("lm."))
+            values.append(torch.stack([x.sum(), (x * x).sum()]))
+        total = self.comm.all_reduce_sum(torch.stack(values)) if values else torch.zeros(0, 2)
+        return {n: v.tolist() for n, v in zip(names, total.cpu())}
+
+    def train_on(self, batch: TrainBatch, info: dict[str, Any], t0: float) -> StepOutput:
+        step = self.step_done + 1
         t_prep = time.perf_counter()
         upd = self.update(batch, step)
         self.scheduler.step()
@@ -483,7 +535,7 @@ class Trainer:
             "mem_peak_gb": float(self.comm.all_reduce_max(peak)),
             "world_size": self.comm.world_size,
         }
-        return StepOutput(metrics, batch)
+        return StepOutput(metrics, batch, info)
 
     # ------------------------------------------------------------ validation
 

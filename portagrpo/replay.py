@@ -1,0 +1,148 @@
+"""`portagrpo replay RUN_DIR --device Y`: re-train from the same initial weights on backend Y with
+exactly the rollouts a run recorded (`trainer.record_rollouts=true`), and report per step how
+loss, KL, entropy, grad norm and the parameters drift from the recorded run.
+
+No sampling happens, so every difference comes from the backend, dtype or kernel.
+"""
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from .config import load_config
+from .errors import UserError
+from .tolerances import TOLERANCES
+
+COMPARED = {"loss_policy": "loss", "loss_kl": "kl", "kl": "kl", "entropy": "entropy", "grad_norm": "grad_norm"}
+DTYPES = {"fp64": torch.float64, "fp32": torch.float32, "bf16": torch.bfloat16}
+
+
+def recorded_steps(run_dir: Path) -> list[Path]:
+    folder = Path(run_dir) / "rollouts"
+    steps = sorted(folder.glob("step_*.pt")) if folder.is_dir() else []
+    if not steps:
+        raise UserError(f"{run_dir} has no recorded rollouts; train it with trainer.record_rollouts=true first.")
+    return steps
+
+
+def _fingerprint_vector(fp: dict[str, list[float]]) -> torch.Tensor:
+    return torch.tensor([fp[k] for k in sorted(fp)], dtype=torch.float64).reshape(-1)
+
+
+def curve_error(replayed: list[float], recorded: list[float]) -> float:
+    """||a - b|| / ||b|| over the whole curve (a step's value near 0 cannot inflate it)."""
+    a, b = torch.tensor(replayed, dtype=torch.float64), torch.tensor(recorded, dtype=torch.float64)
+    denom = float(b.norm())
+    return float((a - b).norm()) / denom if denom > 0 else float((a - b).norm())
+
+
+def replay(run_dir: str | Path, device: str, steps: int | None, output_dir: str | Path | None,
+           overrides: list[str], log=print) -> dict[str, Any]:
+    from .trainer import Trainer
+
+    run_dir = Path(run_dir)
+    if not (run_dir / "config.yaml").is_file():
+        raise UserError(f"{run_dir} is not a portagrpo run directory (no config.yaml).")
+    files = recorded_steps(run_dir)
+    files = files[:steps] if steps else files
+    base = load_config(run_dir / "config.yaml", check_files=False)
+    model_path = base.model.path or str(run_dir / "init_model")
+    out_dir = Path(output_dir) if output_dir else run_dir / f"replay-{device}"
+    cfg = load_config(run_dir / "config.yaml", [
+        f"model.path={model_path}", f"trainer.device={device}", "trainer.record_rollouts=false",
+        "trainer.save_freq=0", "trainer.test_freq=0", "trainer.tensorboard=false", "trainer.plot=false",
+        "trainer.progress_bar=false", *overrides])
+    trainer = Trainer(cfg, run_dir=out_dir, log=log).setup()
+    rows, recorded_setting = [], None
+    try:
+        for path in files:
+            rec = torch.load(path, weights_only=False)
+            recorded_setting = recorded_setting or rec.get("setting")
+            batch, info = trainer.batch_from_record(rec)
+            import time
+
+            out = trainer.train_on(batch, info, time.perf_counter())
+            fp = _fingerprint_vector(trainer.param_fingerprint())
+            drift = float((fp - _fingerprint_vector(rec["fingerprint"])).norm() / _fingerprint_vector(rec["fingerprint"]).norm())
+            row = {"step": out.metrics["step"], "param_drift": drift}
+            for key in COMPARED:
+                row[key] = {"recorded": rec["metrics"][key], "replayed": out.metrics[key]}
+            rows.append(row)
+    finally:
+        trainer.close()
+    loosest = max((DTYPES[base.model.dtype], DTYPES[cfg.model.dtype]), key=lambda d: TOLERANCES[d]["loss"])
+    verdict = {}
+    for key, quantity in COMPARED.items():
+        err = curve_error([r[key]["replayed"] for r in rows], [r[key]["recorded"] for r in rows])
+        verdict[key] = {"error": err, "tolerance": TOLERANCES[loosest][quantity], "passed": err <= TOLERANCES[loosest][quantity]}
+    drift = max(r["param_drift"] for r in rows)
+    verdict["params"] = {"error": drift, "tolerance": TOLERANCES[loosest]["params"],
+                         "passed": drift <= TOLERANCES[loosest]["params"]}
+    report = {"run": str(run_dir),
+              "recorded": recorded_setting or {"device": base.trainer.device, "dtype": base.model.dtype,
+                                               "kernel": base.kernels.logprob},
+              "replayed": {"device": trainer.backend.name, "dtype": cfg.model.dtype, "kernel": trainer.kernel_name},
+              "steps": rows, "verdict": verdict, "passed": all(v["passed"] for v in verdict.values())}
+    out_dir.mkdir(parents=True, exist_ok=True)
+    (out_dir / "replay.json").write_text(json.dumps(report, indent=1))
+    plot_replay(rows, out_dir / "replay.png", report)
+    return report
+
+
+def format_report(report: dict[str, Any]) -> str:
+    rec, rep = report["recorded"], report["replayed"]
+    lines = [f"replay of {report['run']}: recorded {rec['device']}/{rec['dtype']}/{rec['kernel']} -> "
+             f"replayed {rep['device']}/{rep['dtype']}/{rep['kernel']}",
+             f"{'step':>4} " + " ".join(f"{k + ' diff':>16}" for k in COMPARED) + f" {'param drift':>12}"]
+    for r in report["steps"]:
+        diffs = " ".join(f"{r[k]['replayed'] - r[k]['recorded']:16.3e}" for k in COMPARED)
+        lines.append(f"{r['step']:>4} {diffs} {r['param_drift']:12.3e}")
+    lines.append("verdict (relative error over the run vs the tolerance table):")
+    for key, v in report["verdict"].items():
+        lines.append(f"  {key:12} {v['error']:10.3e} <= {v['tolerance']:.1e}  {'pass' if v['passed'] else 'FAIL'}")
+    lines.append("replay matches the recorded run" if report["passed"] else "replay DIVERGES from the recorded run")
+    return "\n".join(lines)
+
+
+def plot_replay(rows: list[dict[str, Any]], out: Path, report: dict[str, Any]) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    steps = [r["step"] for r in rows]
+    fig, axes = plt.subplots(2, 3, figsize=(12, 6))
+    rec, rep = report["recorded"], report["replayed"]
+    for ax, key in zip(axes.flat, list(COMPARED) + ["param_drift"]):
+        if key == "param_drift":
+            ax.semilogy(steps, [max(r[key], 1e-300) for r in rows], "o-", color="tab:purple")
+            ax.set_title("parameter drift (relative)")
+        else:
+            ax.plot(steps, [r[key]["recorded"] for r in rows], "o-", label=f"recorded ({rec['device']}/{rec['dtype']})")
+            ax.plot(steps, [r[key]["replayed"] for r in rows], "x--", label=f"replayed ({rep['device']}/{rep['dtype']})")
+            ax.set_title(key)
+            ax.legend(fontsize=7)
+        ax.set_xlabel("step")
+    fig.suptitle("portagrpo replay: " + ("match" if report["passed"] else "DIVERGES"))
+    fig.tight_layout()
+    fig.savefig(out, dpi=90)
+    plt.close(fig)
+
+
+def main_cli(argv: list[str]) -> int:
+    import argparse
+
+    p = argparse.ArgumentParser(prog="portagrpo replay")
+    p.add_argument("run_dir")
+    p.add_argument("--device", default="auto")
+    p.add_argument("--steps", type=int, default=None, help="replay only the first K recorded steps")
+    p.add_argument("--output-dir", default=None, help="default RUN_DIR/replay-<device>")
+    p.add_argument("overrides", nargs="*", help="e.g. model.dtype=bf16 kernels.logprob=chunked")
+    args = p.parse_intermixed_args(argv)
+    report = replay(args.run_dir, args.device, args.steps, args.output_dir, args.overrides)
+    print(format_report(report))
+    return 0 if report["passed"] else 1
