@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import sys
 import time
@@ -105,9 +106,16 @@ def cmd_train(args) -> int:
 
 
 def cmd_doctor(args) -> int:
-    from .doctor import run
+    from .doctor import collect, render
 
-    print(run(args.json))
+    info = collect()
+    print(json.dumps(info, indent=1, default=str) if args.json else render(info))
+    if args.require:
+        row = next((r for r in info["backends"] if r["backend"] == args.require), None)
+        if row is None or not row["available"]:
+            reason = row["reason"] if row else "it is not a known backend"
+            print(f"portagrpo: error: --require {args.require}: {reason}", file=sys.stderr)
+            return 1
     return 0
 
 
@@ -141,6 +149,7 @@ def build_parser() -> argparse.ArgumentParser:
     _train_parser(sub)
     d = sub.add_parser("doctor", help="what this machine has, per backend")
     d.add_argument("--json", action="store_true")
+    d.add_argument("--require", metavar="BACKEND", help="exit 1 unless this backend is usable (image health checks)")
     sub.add_parser("parity", help="compare this backend with the float64 golden (`portagrpo parity --help`)")
     sub.add_parser("bench", help="benchmarks (`portagrpo bench kernels --help`)")
     sub.add_parser("replay", help="re-train a recorded run on another backend (`portagrpo replay --help`)")

@@ -1,7 +1,6 @@
 """`portagrpo doctor`: what this machine has, per backend."""
 from __future__ import annotations
 
-import json
 import platform
 from typing import Any
 
@@ -36,7 +35,3 @@ def render(info: dict[str, Any]) -> str:
                      f"{r['dist_backend']:10} {bf16:5} {attn:26} {r['kernel'] or '-':9} {detail}")
     return "\n".join(lines)
 
-
-def run(as_json: bool) -> str:
-    info = collect()
-    return json.dumps(info, indent=1, default=str) if as_json else render(info)

@@ -1,0 +1,83 @@
+"""The CI material no runner here can execute: lint it and check that its pins agree."""
+import re
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+import yaml
+
+from portagrpo.backends import backend_names
+from portagrpo.parity import DTYPES
+
+ROOT = Path(__file__).resolve().parents[2]
+MATRIX = yaml.safe_load((ROOT / "ci" / "matrix.yaml").read_text())
+WORKFLOW = ROOT / ".github" / "workflows" / "parity.yml"
+
+
+def _arg_default(dockerfile: Path, name: str) -> str:
+    match = re.search(rf"^ARG {name}=(\S+)$", dockerfile.read_text(), re.M)
+    assert match, f"{dockerfile} has no ARG {name}=..."
+    return match.group(1)
+
+
+def test_matrix_entries_are_valid():
+    images = MATRIX["images"]
+    seen = set()
+    for row in MATRIX["matrix"]:
+        assert set(row) == {"backend", "dtype", "suite", "runner", "image"}, row
+        assert row["backend"] in backend_names() and row["dtype"] in DTYPES and row["image"] in images, row
+        assert row["suite"] in {"parity", "unit"}, row
+        seen.add(row["backend"])
+    assert seen == {"cpu", "cuda", "rocm", "npu"}
+
+
+@pytest.mark.parametrize("vendor", ["cuda", "rocm", "npu"])
+def test_dockerfile_pins_agree_with_the_matrix(vendor):
+    spec = MATRIX["images"][vendor]
+    dockerfile = ROOT / spec["dockerfile"]
+    assert dockerfile == ROOT / "backends" / vendor / "Dockerfile"
+    assert _arg_default(dockerfile, "BASE_IMAGE") == spec["base"]
+    text = dockerfile.read_text()
+    assert f'".[{spec["extra"]},test]"' in text  # installs portagrpo with the matching extra
+    assert f"doctor\", \"--require\", \"{vendor}\"" in text or f"doctor --require {vendor}" in text  # health check
+    assert "portagrpo" in text.split("ENTRYPOINT", 1)[1].splitlines()[0]
+    if vendor == "npu":
+        assert _arg_default(dockerfile, "TORCH_VERSION") == str(spec["torch"])
+        assert _arg_default(dockerfile, "TORCH_NPU_VERSION") == str(spec["torch_npu"])
+
+
+def test_workflow_runs_every_matrix_backend_on_its_runner():
+    wf = yaml.safe_load(WORKFLOW.read_text())
+    jobs = wf["jobs"]
+    assert jobs["cpu"]["runs-on"] == "ubuntu-latest"
+    assert any("bash .ci/run" in str(step.get("run", "")) for step in jobs["cpu"]["steps"])
+    accel = {entry["backend"] for entry in jobs["accelerator"]["strategy"]["matrix"]["include"]}
+    runners = {row["runner"] for row in MATRIX["matrix"] if row["backend"] != "cpu"}
+    assert accel == runners == {"cuda", "rocm", "npu"}
+    labels = yaml.safe_load((ROOT / ".github" / "actionlint.yaml").read_text())["self-hosted-runner"]["labels"]
+    assert set(labels) == runners
+    assert jobs["accelerator"]["runs-on"] == ["self-hosted", "${{ matrix.backend }}"]
+    uploads = [s for job in jobs.values() for s in job["steps"] if str(s.get("uses", "")).startswith("actions/upload-artifact")]
+    assert len(uploads) == 2
+
+
+@pytest.mark.skipif(shutil.which("actionlint") is None, reason="actionlint is not installed (test extra)")
+def test_actionlint_accepts_the_workflow():
+    res = subprocess.run(["actionlint", "-config-file", str(ROOT / ".github" / "actionlint.yaml"), str(WORKFLOW)],
+                         capture_output=True, text=True)
+    assert res.returncode == 0, res.stdout + res.stderr
+
+
+@pytest.mark.skipif(shutil.which("hadolint") is None, reason="hadolint is not installed (test extra)")
+@pytest.mark.parametrize("vendor", ["cuda", "rocm", "npu"])
+def test_hadolint_accepts_the_dockerfiles(vendor):
+    res = subprocess.run(["hadolint", str(ROOT / "backends" / vendor / "Dockerfile")], capture_output=True, text=True)
+    assert res.returncode == 0, res.stdout + res.stderr
+
+
+def test_parity_script_is_strict_bash():
+    text = (ROOT / "ci" / "parity.sh").read_text()
+    assert text.startswith("#!/usr/bin/env bash") and "set -euo pipefail" in text
+    if shutil.which("bash"):
+        assert subprocess.run(["bash", "-n", str(ROOT / "ci" / "parity.sh")]).returncode == 0
