@@ -14,6 +14,8 @@ import torch
 import triton
 import triton.language as tl
 
+from portagrpo.errors import UserError
+
 from .chunked import DEFAULT_CHUNK_ELEMENTS, LinearLogprob
 
 
@@ -151,6 +153,11 @@ def token_logprobs_triton(
     compute_entropy: bool = False,
     chunk_elements: int = DEFAULT_CHUNK_ELEMENTS,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """The chunked fused-linear path with the Triton row kernels: hidden [N, H], weight [V, H]."""
+    """The chunked fused-linear path with the Triton row kernels: hidden [N, H], weight [V, H].
+
+    The kernels compute in fp32, so float64 inputs (the parity reference) are refused.
+    """
+    if hidden.dtype == torch.float64 or weight.dtype == torch.float64:
+        raise UserError("kernels.logprob=triton computes in fp32; use reference or chunked for float64 models.")
     return LinearLogprob.apply(hidden, weight, bias, targets.long(), float(temperature), bool(compute_entropy),
                                int(chunk_elements), TritonRowOps())
