@@ -39,6 +39,16 @@ class TinyModelConfig:
 
 
 @dataclass(frozen=True)
+class LoraSettings:
+    """LoRA adapters through peft; rank 0 trains the full model."""
+
+    rank: int = 0
+    alpha: float = 16.0
+    dropout: float = 0.0
+    target_modules: list[str] = field(default_factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj"])
+
+
+@dataclass(frozen=True)
 class ModelConfig:
     path: Optional[str] = None
     ref_path: Optional[str] = None
@@ -47,6 +57,7 @@ class ModelConfig:
     attn_implementation: str = "auto"
     gradient_checkpointing: bool = False
     tiny: TinyModelConfig = field(default_factory=TinyModelConfig)
+    lora: LoraSettings = field(default_factory=LoraSettings)
 
 
 @dataclass(frozen=True)
@@ -454,6 +465,16 @@ def validate(cfg: Config, *, check_files: bool = True) -> list[str]:
     for name, value in (("trainer.save_freq", t.save_freq), ("trainer.test_freq", t.test_freq)):
         if value < 0:
             p.append(f"{name}={value} must be 0 (off) or positive.")
+    lora = cfg.model.lora
+    if lora.rank < 0:
+        p.append(f"model.lora.rank={lora.rank} must be 0 (off) or positive.")
+    if lora.rank > 0 and not 0 <= lora.dropout < 1:
+        p.append(f"model.lora.dropout={lora.dropout} must be in [0, 1).")
+    if lora.rank > 0 and cfg.model.ref_path:
+        p.append("model.ref_path is set but with LoRA the reference is the base model with adapters disabled "
+                 "(no second copy); remove model.ref_path or set model.lora.rank=0.")
+    if lora.rank > 0 and not lora.target_modules:
+        p.append("model.lora.target_modules is empty; name the modules to adapt, e.g. [q_proj, v_proj].")
     if t.nproc_per_node < 1:
         p.append(f"trainer.nproc_per_node={t.nproc_per_node} must be at least 1.")
     if t.dist_timeout_s <= 0:

@@ -86,3 +86,15 @@ def response_stats(
     logp, entropy, logp_vocab = scorer(batch.input_ids, batch.attention_mask, batch.responses,
                                        batch.response_mask.bool(), temperature, compute_entropy, vocab, autocast)
     return ResponseStats(logp, entropy, logp_vocab)
+
+
+class AdaptersOff:
+    """The reference policy of a LoRA run: the same scorer with its adapters disabled, so the
+    frozen base weights serve as the reference without a second copy in memory."""
+
+    def __init__(self, scorer: ResponseScorer) -> None:
+        self.scorer = scorer
+
+    def __call__(self, *args, **kwargs):
+        with self.scorer.lm.disable_adapter():
+            return self.scorer(*args, **kwargs)

@@ -121,3 +121,20 @@ def position_ids_from_mask(attention_mask: torch.Tensor) -> torch.Tensor:
     """Positions for left-padded rows, as transformers' generate computes them."""
     pos = attention_mask.long().cumsum(-1) - 1
     return pos.masked_fill(attention_mask == 0, 1)
+
+
+def apply_lora(model, lora):
+    """Wrap `model` with peft LoRA adapters; only adapter weights stay trainable."""
+    try:
+        from peft import LoraConfig, get_peft_model
+    except ImportError as err:
+        from .errors import UserError
+
+        raise UserError("model.lora.rank > 0 needs peft; `pip install portagrpo[lora]`.") from err
+    config = LoraConfig(r=lora.rank, lora_alpha=lora.alpha, lora_dropout=lora.dropout,
+                        target_modules=list(lora.target_modules), task_type="CAUSAL_LM")
+    return get_peft_model(model, config)
+
+
+def is_peft(model) -> bool:
+    return hasattr(model, "peft_config") and hasattr(model, "disable_adapter")

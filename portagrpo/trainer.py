@@ -26,10 +26,10 @@ from .batch import RolloutBatch, TrainBatch
 from .checkpoint import CheckpointError, latest_valid_checkpoint, load_checkpoint_state, save_checkpoint
 from .config import Config, ConfigError, to_yaml, validate_world
 from .data import PromptLoader, PromptRecord, filter_long_prompts, left_pad, load_records, task_records, tokenize_prompts
-from .forward import ResponseScorer, response_stats
+from .forward import AdaptersOff, ResponseScorer, response_stats
 from .kernels import logprob_impl
 from .metrics import MetricsLogger
-from .modeling import build_tiny_model, load_model, load_tokenizer
+from .modeling import apply_lora, build_tiny_model, load_model, load_tokenizer
 from .parallel import make_strategy
 from .rewards import RewardResolver, score_responses
 from .rollout import ROLLOUT_ENGINES, SamplingParams, decode_responses
@@ -150,12 +150,17 @@ class Trainer:
             self.policy = load_model(init_dir, attn)
             ref_path = cfg.model.ref_path or init_dir
         self.policy.to(device=self.device, dtype=self.master_dtype)
+        self.is_lora = cfg.model.lora.rank > 0
+        if self.is_lora:
+            self.policy = apply_lora(self.policy, cfg.model.lora).to(device=self.device, dtype=self.master_dtype)
         if cfg.model.gradient_checkpointing:
             self.policy.gradient_checkpointing_enable()
         self.policy.config.use_cache = True
         self.scorer = self.strategy.wrap(ResponseScorer(self.policy, self.kernel), trainable=True)
         self.ref = self.ref_scorer = None
-        if cfg.actor.use_kl_loss or cfg.algorithm.use_kl_in_reward:
+        if (cfg.actor.use_kl_loss or cfg.algorithm.use_kl_in_reward) and self.is_lora:
+            self.ref_scorer = AdaptersOff(self.scorer)
+        elif cfg.actor.use_kl_loss or cfg.algorithm.use_kl_in_reward:
             self.ref = load_model(ref_path, attn).to(device=self.device, dtype=self.master_dtype).eval()
             self.ref.requires_grad_(False)
             self.ref_scorer = self.strategy.wrap(ResponseScorer(self.ref, self.kernel), trainable=False)
@@ -226,13 +231,10 @@ class Trainer:
         state = {}
         for f in sorted(Path(parts["model_dir"]).glob("*.safetensors")):
             state.update(load_file(f))
-        expected = set(self.policy.state_dict())  # parameter names (sharded or not)
-        tied = {"lm_head.weight"} if getattr(self.policy.config, "tie_word_embeddings", False) else set()
-        missing = sorted(expected - set(state) - tied)
-        unexpected = sorted(set(state) - expected - {"lm_head.weight"})
-        if missing or unexpected:
-            raise CheckpointError(f"checkpoint {ckpt} does not fit the model (missing {missing[:3]}, unexpected {unexpected[:3]}).")
-        self.strategy.load_model_state(self.scorer, state)
+        if self.is_lora:
+            self._load_adapter(ckpt, state)
+        else:
+            self._load_full(ckpt, state)
         self.strategy.load_optimizer_state(self.scorer, self.optimizer, parts["optimizer"])
         self.scheduler.load_state_dict(parts["scheduler"])
         self.loader.load_state_dict(parts["state"]["loader"])
@@ -240,6 +242,23 @@ class Trainer:
         self.step_done = int(parts["state"]["step"])
         self.log(f"resumed from {ckpt} at step {self.step_done}")
         return self.step_done
+
+    def _load_adapter(self, ckpt: Path, state: dict[str, torch.Tensor]) -> None:
+        from peft import set_peft_model_state_dict
+
+        result = set_peft_model_state_dict(self.policy, state)
+        unexpected = [k for k in getattr(result, "unexpected_keys", []) if "lora_" in k]
+        if not state or unexpected:
+            raise CheckpointError(f"checkpoint {ckpt} does not hold this run's LoRA adapter (unexpected {unexpected[:3]}).")
+
+    def _load_full(self, ckpt: Path, state: dict[str, torch.Tensor]) -> None:
+        expected = set(self.policy.state_dict())  # parameter names (sharded or not)
+        tied = {"lm_head.weight"} if getattr(self.policy.config, "tie_word_embeddings", False) else set()
+        missing = sorted(expected - set(state) - tied)
+        unexpected = sorted(set(state) - expected - {"lm_head.weight"})
+        if missing or unexpected:
+            raise CheckpointError(f"checkpoint {ckpt} does not fit the model (missing {missing[:3]}, unexpected {unexpected[:3]}).")
+        self.strategy.load_model_state(self.scorer, state)
 
     # ------------------------------------------------------------ one step
 
