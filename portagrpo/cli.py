@@ -24,6 +24,8 @@ def _train_parser(sub) -> None:
     p.add_argument("--resume", help="run directory, checkpoint directory, or 'auto' (the --output-dir or the newest run)")
     p.add_argument("--print-config", action="store_true", help="print the merged config and exit")
     p.add_argument("--dry-run", action="store_true", help="resolve and validate everything, then exit without training")
+    p.add_argument("--ray", action="store_true", help="place training workers with Ray (trainer.nnodes x trainer.devices_per_node)")
+    p.add_argument("--ray-address", default=None, help="address of a running Ray cluster (default: start a local one)")
     p.add_argument("overrides", nargs="*", help="key=value overrides with dotted keys, e.g. actor.lr=1e-3")
 
 
@@ -83,6 +85,14 @@ def cmd_train(args) -> int:
             backend = f"not usable here ({err})"
         print(f"config OK: {config_path or 'built-in defaults'}; device {cfg.trainer.device} -> {backend}")
         return 0
+    if args.ray or args.ray_address:
+        from .ray_launcher import train_with_ray
+        from .trainer import default_run_dir
+
+        history = train_with_ray(cfg, run_dir or Path(cfg.trainer.output_dir or default_run_dir()),
+                                 str(resume) if resume else None, args.ray_address)
+        _summary(history, run_dir)
+        return 0
     from .trainer import Trainer
 
     main_rank = os.environ.get("RANK", "0") == "0"
@@ -96,13 +106,19 @@ def cmd_train(args) -> int:
         history = trainer.fit()
     finally:
         trainer.close()
-    if history and main_rank:
-        k = max(1, len(history) // 10)
-        first = sum(r["reward_mean"] for r in history[:k]) / k
-        last = sum(r["reward_mean"] for r in history[-k:]) / k
-        print(f"done in {time.time() - start:.0f}s: reward first 10% {first:.3f} -> last 10% {last:.3f}; "
-              f"outputs in {trainer.run_dir}")
+    if main_rank:
+        _summary(history, trainer.run_dir, time.time() - start)
     return 0
+
+
+def _summary(history: list[dict], run_dir, seconds: float | None = None) -> None:
+    if not history:
+        return
+    k = max(1, len(history) // 10)
+    first = sum(r["reward_mean"] for r in history[:k]) / k
+    last = sum(r["reward_mean"] for r in history[-k:]) / k
+    took = f" in {seconds:.0f}s" if seconds is not None else ""
+    print(f"done{took}: reward first 10% {first:.3f} -> last 10% {last:.3f}; outputs in {run_dir}")
 
 
 def cmd_doctor(args) -> int:

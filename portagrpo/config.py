@@ -150,6 +150,8 @@ class TrainerConfig:
     plot: bool = True
     record_rollouts: bool = False
     nproc_per_node: int = 1
+    nnodes: int = 1
+    devices_per_node: int = 1
     parallel: Literal["auto", "fsdp2", "ddp"] = "auto"
     dist_timeout_s: float = 600.0
 
@@ -477,6 +479,8 @@ def validate(cfg: Config, *, check_files: bool = True) -> list[str]:
         p.append("model.lora.target_modules is empty; name the modules to adapt, e.g. [q_proj, v_proj].")
     if t.nproc_per_node < 1:
         p.append(f"trainer.nproc_per_node={t.nproc_per_node} must be at least 1.")
+    if t.nnodes < 1 or t.devices_per_node < 1:
+        p.append(f"trainer.nnodes={t.nnodes} and trainer.devices_per_node={t.devices_per_node} must be at least 1.")
     if t.dist_timeout_s <= 0:
         p.append(f"trainer.dist_timeout_s={t.dist_timeout_s} must be positive.")
     if t.max_ckpt_to_keep < 1:

@@ -81,6 +81,40 @@ class HFRollout:
         return responses, mask
 
 
+@ROLLOUT_ENGINES.register("fixed")
+class FixedRollout:
+    """Deterministic pseudo-responses that depend only on the prompt's tokens and the sample's
+    index in its group, never on the model, the batch composition, the rank or the device.
+
+    For equivalence tests (1 process vs K processes vs Ray workers must see identical
+    rollouts) and for exercising the pipeline without sampling. Not for training a model.
+    """
+
+    def __init__(self, model, tokenizer, autocast, generate_kwargs: dict | None = None, n: int = 1) -> None:
+        eos = tokenizer.eos_token_id
+        self.eos_id = eos if isinstance(eos, int) else list(eos)[0]
+        self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else self.eos_id
+        self.vocab = len(tokenizer)
+        self.n = n
+
+    def generate(self, prompt_ids, prompt_mask, params: SamplingParams):
+        import zlib
+
+        rows, masks = [], []
+        for i, (ids, m) in enumerate(zip(prompt_ids.tolist(), prompt_mask.tolist())):
+            prompt = [t for t, keep in zip(ids, m) if keep]
+            key = zlib.crc32(bytes(str(prompt), "utf8")) * 31 + i % self.n
+            g = torch.Generator().manual_seed(key)
+            length = int(torch.randint(1, params.max_tokens + 1, (1,), generator=g))
+            tokens = torch.randint(4, self.vocab, (params.max_tokens,), generator=g)
+            if length < params.max_tokens:
+                tokens[length - 1] = self.eos_id
+            mask = (torch.arange(params.max_tokens) < length).float()
+            rows.append(torch.where(mask.bool(), tokens, torch.full_like(tokens, self.pad_id)))
+            masks.append(mask)
+        return torch.stack(rows).to(prompt_ids.device), torch.stack(masks).to(prompt_ids.device)
+
+
 def decode_responses(tokenizer, responses: torch.Tensor, mask: torch.Tensor) -> list[str]:
     out = []
     for row, m in zip(responses.tolist(), mask.tolist()):

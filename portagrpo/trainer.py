@@ -54,8 +54,10 @@ def _seed_for(seed: int, step: int, salt: int) -> int:
 
 class Trainer:
     def __init__(self, cfg: Config, *, run_dir: str | Path | None = None, resume: str | Path | None = None,
-                 log=print) -> None:
+                 log=print, own_outputs: bool = True) -> None:
+        """`own_outputs=False` leaves metrics files to a driver (Ray) that collects the metrics."""
         self.cfg = cfg
+        self.own_outputs = own_outputs
         self.log = log
         self.run_dir = Path(run_dir or cfg.trainer.output_dir or default_run_dir())
         self.resume_from = resume
@@ -88,11 +90,12 @@ class Trainer:
         self._setup_data()
         self._setup_models()
         self._setup_optimizer()
-        self.engine = ROLLOUT_ENGINES.get(cfg.rollout.engine, field="rollout.engine")(
-            self.scorer, self.tokenizer, self.autocast, self.strategy.generate_kwargs)
+        engine_cls = ROLLOUT_ENGINES.get(cfg.rollout.engine, field="rollout.engine")
+        extra = {"n": cfg.rollout.n} if cfg.rollout.engine == "fixed" else {}
+        self.engine = engine_cls(self.scorer, self.tokenizer, self.autocast, self.strategy.generate_kwargs, **extra)
         resume_step = self._maybe_resume()
         self.logger = (MetricsLogger(self.run_dir, tensorboard=cfg.trainer.tensorboard, resume_step=resume_step)
-                       if self.comm.is_main else None)
+                       if self.comm.is_main and self.own_outputs else None)
         return self
 
     def _set_threads(self) -> None:

@@ -1,7 +1,7 @@
 """One rank of the data-parallel equivalence check (run directly for 1 process, or by torchrun).
 
-Every rank replaces sampling with `FixedRollout`, whose responses depend only on the prompt and
-the sample's index in its group, so 1 process and K processes train on identical rollouts.
+Every rank uses the `fixed` rollout engine, whose responses depend only on the prompt and the
+sample's index in its group, so 1 process and K processes train on identical rollouts.
 Writes `result.pt` (metrics and the full state dict after the step) from rank 0.
 """
 import os
@@ -14,27 +14,6 @@ from portagrpo.config import load_config
 from portagrpo.trainer import Trainer
 
 
-class FixedRollout:
-    """Deterministic, ragged responses: a function of (prompt tokens, index in the group)."""
-
-    def __init__(self, pad_id: int, eos_id: int, vocab: int, n: int) -> None:
-        self.pad_id, self.eos_id, self.vocab, self.n = pad_id, eos_id, vocab, n
-
-    def generate(self, prompt_ids, prompt_mask, params):
-        rows, masks = [], []
-        for i, (ids, m) in enumerate(zip(prompt_ids.tolist(), prompt_mask.tolist())):
-            prompt = [t for t, k in zip(ids, m) if k]
-            g = torch.Generator().manual_seed(hash(tuple(prompt)) % 2**31 * 31 + i % self.n)
-            length = int(torch.randint(1, params.max_tokens + 1, (1,), generator=g))
-            tokens = torch.randint(4, self.vocab, (params.max_tokens,), generator=g)
-            if length < params.max_tokens:
-                tokens[length - 1] = self.eos_id
-            mask = (torch.arange(params.max_tokens) < length).float()
-            rows.append(torch.where(mask.bool(), tokens, torch.full_like(tokens, self.pad_id)))
-            masks.append(mask)
-        return torch.stack(rows), torch.stack(masks)
-
-
 def main() -> None:
     out, parallel, dtype = Path(sys.argv[1]), sys.argv[2], sys.argv[3]
     cfg = load_config(None, [
@@ -42,13 +21,9 @@ def main() -> None:
         "trainer.plot=false", f"trainer.parallel={parallel}", f"model.dtype={dtype}", "data.train_size=64",
         "data.train_batch_size=4", "rollout.n=4", "actor.ppo_mini_batch_size=8", "actor.micro_batch_size=2",
         "actor.ppo_epochs=2", "actor.loss_agg_mode=seq-mean-token-mean", "actor.kl_loss_coef=0.1",
-        "actor.warmup_steps=0", "model.tiny.hidden_size=32", "model.tiny.intermediate_size=64",
+        "actor.warmup_steps=0", "model.tiny.hidden_size=32", "model.tiny.intermediate_size=64", "rollout.engine=fixed",
     ])
     trainer = Trainer(cfg, run_dir=out / "run", log=lambda m: None).setup()
-    trainer.engine = type("Engine", (), {})()
-    fixed = FixedRollout(trainer.tokenizer.pad_token_id, trainer.tokenizer.eos_token_id, len(trainer.tokenizer),
-                         cfg.rollout.n)
-    trainer.engine.generate, trainer.engine.pad_id = fixed.generate, fixed.pad_id
     metrics = [trainer.step().metrics for _ in range(2)]
     state = trainer.strategy.model_state(trainer.scorer)
     if trainer.comm.is_main:

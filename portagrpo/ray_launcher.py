@@ -1,0 +1,214 @@
+"""`portagrpo train --ray`: training workers placed by Ray across nodes.
+
+The driver (this process) reserves a placement group of nnodes x devices_per_node bundles of
+the backend's Ray resource (`GPU` for CUDA and ROCm, `NPU` for Ascend, `CPU` on the CPU
+backend), starts one `TrainWorker` actor per bundle, hands each its torch.distributed rank,
+rank 0's address and a free port, and then runs the loop: every step it asks all workers to
+step (they roll out, score, gather and update together over the backend's collective) and
+collects the metrics, which it logs; checkpoints are written by rank 0 into the run
+directory, which must be on storage every node sees. A worker that dies is reported with its
+rank and node, and the run resumes from its last checkpoint with `--resume`.
+"""
+from __future__ import annotations
+
+import os
+import socket
+from dataclasses import replace
+from pathlib import Path
+from typing import Any, Callable
+
+from .config import Config, to_dict
+from .errors import UserError
+
+
+class TrainWorker:
+    """One rank. Created by Ray inside a placement-group bundle."""
+
+    def __init__(self, rank: int, visible_devices_env: tuple[str, ...], resource: str) -> None:
+        self.rank, self.trainer = rank, None
+        self.visible_devices_env, self.resource = visible_devices_env, resource
+
+    def node(self) -> dict[str, Any]:
+        import ray
+
+        ids = ray.get_runtime_context().get_accelerator_ids().get(self.resource, [])
+        return {"ip": ray.util.get_node_ip_address(), "host": socket.gethostname(), "pid": os.getpid(),
+                "accelerators": [str(i) for i in ids]}
+
+    def free_port(self) -> int:
+        with socket.socket() as s:
+            s.bind(("", 0))
+            return s.getsockname()[1]
+
+    def setup(self, cfg_dict: dict, run_dir: str, resume: str | None, env: dict[str, str]) -> dict[str, Any]:
+        import torch
+
+        from .config import _build
+        from .trainer import Trainer
+
+        os.environ.update(env)
+        from .cli import _quiet_libraries
+
+        _quiet_libraries()
+        cfg: Config = _build(Config, cfg_dict, "")
+        if cfg.trainer.num_threads is None and self.resource == "CPU":
+            torch.set_num_threads(1)  # one core per CPU bundle
+        log = print if self.rank == 0 else (lambda m: None)
+        self.trainer = Trainer(cfg, run_dir=run_dir, resume=resume, log=log, own_outputs=False).setup()
+        return {"step_done": self.trainer.step_done, "total_steps": self.trainer.total_steps,
+                "strategy": self.trainer.strategy.name, "backend": self.trainer.backend.name}
+
+    def step(self, validate: bool) -> dict[str, Any]:
+        metrics = self.trainer.step().metrics
+        if validate:
+            metrics.update(self.trainer.validate())
+        return metrics
+
+    def validate(self) -> dict[str, float]:
+        return self.trainer.validate()
+
+    def save(self) -> str | None:
+        path = self.trainer.save()
+        return None if path is None else str(path)
+
+    def close(self) -> None:
+        if self.trainer is not None:
+            self.trainer.close()
+
+
+def _bundle(resource: str) -> dict[str, float]:
+    return {"CPU": 1.0} if resource == "CPU" else {"CPU": 1.0, resource: 1.0}
+
+
+def _rank_env(ranks: list[dict], i: int, master: tuple[str, int], env_vars: tuple[str, ...]) -> dict[str, str]:
+    """torchrun-style variables for rank i; local ranks count the workers on the same node."""
+    same_node = [j for j, r in enumerate(ranks) if r["ip"] == ranks[i]["ip"]]
+    env = {"RANK": str(i), "WORLD_SIZE": str(len(ranks)), "LOCAL_RANK": str(same_node.index(i)),
+           "LOCAL_WORLD_SIZE": str(len(same_node)), "MASTER_ADDR": master[0], "MASTER_PORT": str(master[1])}
+    if ranks[i]["accelerators"]:
+        for var in env_vars:
+            env[var] = ",".join(ranks[i]["accelerators"])
+        env["LOCAL_RANK"] = "0"  # each worker sees exactly its own device
+    return env
+
+
+class RayRun:
+    def __init__(self, cfg: Config, run_dir: Path, resume: str | None, address: str | None, log=print) -> None:
+        self.cfg, self.run_dir, self.resume, self.address, self.log = cfg, Path(run_dir), resume, address, log
+        self.workers: list[Any] = []
+        self.nodes: list[dict] = []
+
+    def start(self) -> "RayRun":
+        try:
+            import ray
+            from ray.util.placement_group import placement_group
+            from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+        except ImportError as err:
+            raise UserError("--ray needs Ray; `pip install portagrpo[ray]`.") from err
+        from .backends import get_backend
+
+        t = self.cfg.trainer
+        spec = get_backend(t.device).spec if t.device != "auto" else get_backend("auto").spec
+        n = t.nnodes * t.devices_per_node
+        if self.address:
+            ray.init(address=self.address, log_to_driver=True)
+        else:
+            ray.init(num_cpus=max(n, os.cpu_count() or 1), include_dashboard=False, log_to_driver=True)
+        bundles = [_bundle(spec.ray_resource) for _ in range(n)]
+        pg = placement_group(bundles, strategy="PACK" if t.nnodes == 1 else "SPREAD")
+        try:
+            ray.get(pg.ready(), timeout=t.dist_timeout_s)
+        except ray.exceptions.GetTimeoutError as err:
+            raise UserError(f"Ray could not reserve {n} bundles of {bundles[0]} within trainer.dist_timeout_s="
+                            f"{t.dist_timeout_s:g}; the cluster has {ray.cluster_resources()}.") from err
+        actor = ray.remote(TrainWorker)
+        for i in range(n):
+            options = {"num_cpus": 1, "scheduling_strategy": PlacementGroupSchedulingStrategy(pg, i)}
+            if spec.ray_resource == "GPU":
+                options["num_gpus"] = 1
+            elif spec.ray_resource != "CPU":
+                options["resources"] = {spec.ray_resource: 1}
+            self.workers.append(actor.options(**options).remote(i, spec.visible_devices_env, spec.ray_resource))
+        self.nodes = self._call("node")
+        port = self._call_one(0, "free_port")
+        master = (self.nodes[0]["ip"], port)
+        cfg = replace(self.cfg, trainer=replace(self.cfg.trainer, output_dir=str(self.run_dir)))
+        infos = self._call("setup", per_rank=lambda i: (to_dict(cfg), str(self.run_dir), self.resume,
+                                                         _rank_env(self.nodes, i, master, spec.visible_devices_env)))
+        self.info = infos[0]
+        self.log(f"ray: {n} workers on {len({r['ip'] for r in self.nodes})} node(s), backend {self.info['backend']}, "
+                 f"{self.info['strategy']} parallel")
+        return self
+
+    def _call(self, method: str, *args, per_rank: Callable[[int], tuple] | None = None) -> list[Any]:
+        import ray
+
+        refs = [getattr(w, method).remote(*(per_rank(i) if per_rank else args)) for i, w in enumerate(self.workers)]
+        results = []
+        for i, ref in enumerate(refs):
+            try:
+                results.append(ray.get(ref))
+            except (ray.exceptions.RayActorError, ray.exceptions.RayTaskError) as err:
+                node = self.nodes[i] if i < len(self.nodes) else {"ip": "?", "host": "?"}
+                first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+                raise UserError(f"Ray worker rank {i} on node {node['host']} ({node['ip']}) failed during {method}: "
+                                f"{first}; resume from the last checkpoint with --resume {self.run_dir}.") from err
+        return results
+
+    def _call_one(self, i: int, method: str, *args) -> Any:
+        import ray
+
+        return ray.get(getattr(self.workers[i], method).remote(*args))
+
+    def stop(self) -> None:
+        import ray
+
+        try:
+            if self.workers:
+                ray.get([w.close.remote() for w in self.workers], timeout=60)
+        except Exception:  # noqa: BLE001 - shutting down after a failure must not mask it
+            pass
+        ray.shutdown()
+
+
+def train_with_ray(cfg: Config, run_dir: Path, resume: str | None = None, address: str | None = None, log=print,
+                   on_step: Callable[[RayRun, dict], None] | None = None) -> list[dict[str, Any]]:
+    """The driver loop. `on_step(run, metrics)` is called after every step (progress hooks, tests)."""
+    from tqdm.auto import tqdm
+
+    from .config import to_yaml
+    from .metrics import MetricsLogger
+
+    run_dir = Path(run_dir)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    (run_dir / "config.yaml").write_text(to_yaml(cfg))
+    run = RayRun(cfg, run_dir, resume, address, log)
+    t = cfg.trainer
+    history = []
+    try:
+        run.start()
+        done, total = run.info["step_done"], run.info["total_steps"]
+        logger = MetricsLogger(run_dir, tensorboard=t.tensorboard, resume_step=done)
+        bar = tqdm(total=total, initial=done, disable=not t.progress_bar, desc="grpo (ray)")
+        try:
+            while done < total:
+                done += 1
+                validate = bool(t.test_freq) and (done % t.test_freq == 0 or done == total)
+                metrics = run._call("step", validate)[0]
+                logger.log(metrics)
+                history.append(metrics)
+                bar.update(1)
+                bar.set_postfix(reward=f"{metrics['reward_mean']:.3f}", kl=f"{metrics['kl']:.4f}")
+                if t.save_freq and (done % t.save_freq == 0 or done == total):
+                    path = run._call("save")[0]
+                    log(f"saved checkpoint {path}")
+                if on_step is not None:
+                    on_step(run, metrics)
+        finally:
+            bar.close()
+            if t.plot:
+                logger.plot()
+            logger.close()
+    finally:
+        run.stop()
+    return history

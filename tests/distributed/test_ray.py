@@ -1,0 +1,61 @@
+"""Ray-placed workers: the same numbers as one process (and so as torchrun), and clear failures."""
+import pytest
+import torch
+
+ray = pytest.importorskip("ray")
+
+from portagrpo.config import load_config  # noqa: E402
+from portagrpo.errors import UserError  # noqa: E402
+from portagrpo.ray_launcher import _rank_env, train_with_ray  # noqa: E402
+
+COMMON = ["trainer.progress_bar=false", "trainer.test_freq=0", "trainer.tensorboard=false", "trainer.plot=false",
+          "data.train_size=64", "data.train_batch_size=4", "rollout.n=4", "actor.ppo_mini_batch_size=8",
+          "actor.micro_batch_size=2", "actor.ppo_epochs=2", "actor.warmup_steps=0", "rollout.engine=fixed",
+          "model.dtype=fp64", "model.tiny.hidden_size=32", "model.tiny.intermediate_size=64"]
+
+
+def test_two_ray_workers_match_one_process(tmp_path):
+    from portagrpo.trainer import Trainer
+
+    single = Trainer(load_config(None, [*COMMON, "trainer.total_steps=2", "trainer.save_freq=0"]),
+                     run_dir=tmp_path / "one", log=lambda m: None).setup()
+    expected = [single.step().metrics for _ in range(2)]
+    cfg = load_config(None, [*COMMON, "trainer.total_steps=2", "trainer.save_freq=2", "trainer.devices_per_node=2"])
+    got = train_with_ray(cfg, tmp_path / "ray", log=lambda m: None)
+    assert [m["world_size"] for m in got] == [2, 2]
+    for m1, m2 in zip(expected, got):
+        for key in ("loss_policy", "loss_kl", "kl", "grad_norm", "reward_mean", "entropy", "clipfrac"):
+            assert m2[key] == pytest.approx(m1[key], rel=1e-10, abs=1e-12), key
+    from safetensors.torch import load_file
+
+    saved = load_file(tmp_path / "ray" / "checkpoints" / "step_00000002" / "model" / "model.safetensors")
+    for name, p in single.policy.state_dict().items():
+        if name in saved:
+            rel = float((saved[name] - p).norm() / p.norm())
+            assert rel < 1e-10, name
+    assert (tmp_path / "ray" / "metrics.jsonl").read_text().count("\n") == 2  # the driver logs
+
+
+def test_dead_worker_is_reported_with_rank_and_node(tmp_path):
+    cfg = load_config(None, [*COMMON, "trainer.total_steps=4", "trainer.save_freq=0", "trainer.devices_per_node=2",
+                             "trainer.dist_timeout_s=30"])
+
+    def kill_rank_one(run, metrics):
+        if metrics["step"] == 1:
+            ray.kill(run.workers[1])
+
+    with pytest.raises(UserError, match=r"Ray worker rank \d on node .* failed during step.*--resume"):
+        train_with_ray(cfg, tmp_path / "ray", log=lambda m: None, on_step=kill_rank_one)
+    assert not ray.is_initialized()
+
+
+def test_rank_environment():
+    nodes = [{"ip": "10.0.0.1", "accelerators": []}, {"ip": "10.0.0.1", "accelerators": []},
+             {"ip": "10.0.0.2", "accelerators": []}]
+    env = _rank_env(nodes, 2, ("10.0.0.1", 29500), ())
+    assert env == {"RANK": "2", "WORLD_SIZE": "3", "LOCAL_RANK": "0", "LOCAL_WORLD_SIZE": "1",
+                   "MASTER_ADDR": "10.0.0.1", "MASTER_PORT": "29500"}
+    assert _rank_env(nodes, 1, ("10.0.0.1", 1), ())["LOCAL_RANK"] == "1"
+    gpu = [{"ip": "a", "accelerators": ["3"]}, {"ip": "a", "accelerators": ["5"]}]
+    env = _rank_env(gpu, 1, ("a", 1), ("ASCEND_RT_VISIBLE_DEVICES",))
+    assert env["ASCEND_RT_VISIBLE_DEVICES"] == "5" and env["LOCAL_RANK"] == "0"
