@@ -37,6 +37,7 @@ class BackendSpec:
     install_hint: str = ""
     # How data parallelism shards the policy: FSDP2 where the vendor runs it well, else replicated (DDP-style).
     default_parallel: str = "fsdp2"
+    rollout_engines: tuple[str, ...] = ("hf", "fixed", "vllm")
 
 
 @dataclass
@@ -214,6 +215,13 @@ class BaseBackend:
                 f"choose one of {', '.join(('auto',) + self.spec.kernel_choices)}."
             )
         return choice
+
+    def rollout_engine(self, requested: str) -> str:
+        if requested not in self.spec.rollout_engines:
+            raise BackendUnavailable(
+                f"rollout.engine={requested!r} does not run on --device {self.name}; use one of "
+                f"{', '.join(self.spec.rollout_engines)}.")
+        return requested
 
     def describe(self) -> dict[str, Any]:
         """One row of `portagrpo doctor`: availability, devices, collectives, attention and kernels."""

@@ -18,6 +18,7 @@ SPEC = BackendSpec(
     kernel_choices=("reference", "chunked"),
     default_kernel="chunked",
     default_parallel="ddp",  # gloo has no fast reduce-scatter; replicating a small CPU model is cheaper
+    rollout_engines=("hf", "fixed"),  # vLLM's wheels need a GPU build of torch
 )
 
 

@@ -82,6 +82,9 @@ class RolloutConfig:
     top_k: int = -1
     val_temperature: float = 0.0
     val_n: int = 1
+    vllm_gpu_memory_utilization: float = 0.5
+    vllm_weight_bucket_mb: int = 512
+    vllm_max_model_len: Optional[int] = None
 
 
 @dataclass(frozen=True)

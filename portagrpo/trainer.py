@@ -90,13 +90,47 @@ class Trainer:
         self._setup_data()
         self._setup_models()
         self._setup_optimizer()
-        engine_cls = ROLLOUT_ENGINES.get(cfg.rollout.engine, field="rollout.engine")
-        extra = {"n": cfg.rollout.n} if cfg.rollout.engine == "fixed" else {}
-        self.engine = engine_cls(self.scorer, self.tokenizer, self.autocast, self.strategy.generate_kwargs, **extra)
+        self.engine = self._make_engine()
         resume_step = self._maybe_resume()
+        if resume_step:
+            self.push_weights_to_engine()  # the engine loaded the initial weights
         self.logger = (MetricsLogger(self.run_dir, tensorboard=cfg.trainer.tensorboard, resume_step=resume_step)
                        if self.comm.is_main and self.own_outputs else None)
         return self
+
+    def _make_engine(self):
+        cfg = self.cfg
+        name = self.backend.rollout_engine(cfg.rollout.engine)
+        if name == "vllm":
+            from . import rollout_vllm  # noqa: F401 - registers the engine; imports vLLM only when built
+        engine_cls = ROLLOUT_ENGINES.get(name, field="rollout.engine")
+        extra: dict[str, Any] = {}
+        if name == "fixed":
+            extra = {"n": cfg.rollout.n}
+        elif name == "vllm":
+            r = cfg.rollout
+            extra = {"model_path": str(cfg.model.path or self.run_dir / "init_model"),
+                     "dtype": {"fp32": "float32", "bf16": "bfloat16", "fp64": "float32"}[cfg.model.dtype],
+                     "seed": cfg.trainer.seed + 7919 * self.comm.rank,
+                     "gpu_memory_utilization": r.vllm_gpu_memory_utilization, "bucket_mb": r.vllm_weight_bucket_mb,
+                     "max_model_len": r.vllm_max_model_len,
+                     "tied_embeddings": bool(getattr(self.policy.config, "tie_word_embeddings", False))}
+        return engine_cls(self.scorer, self.tokenizer, self.autocast, self.strategy.generate_kwargs, **extra)
+
+    def push_weights_to_engine(self) -> None:
+        """Engines that keep their own copy of the weights (vLLM) get the updated policy, with any
+        LoRA adapter merged in; gathering a sharded policy is a collective on every rank."""
+        if not hasattr(self.engine, "update_weights"):
+            return
+        merge = self.is_lora
+        if merge:
+            self.policy.merge_adapter()
+        try:
+            state = self.strategy.model_state_everywhere(self.scorer)
+        finally:
+            if merge:
+                self.policy.unmerge_adapter()
+        self.engine.update_weights(state)
 
     def _set_threads(self) -> None:
         threads = self.cfg.trainer.num_threads
@@ -521,6 +555,7 @@ class Trainer:
         t_prep = time.perf_counter()
         upd = self.update(batch, step)
         self.scheduler.step()
+        self.push_weights_to_engine()
         self.backend.synchronize()
         t_end = time.perf_counter()
         self.step_done = step
