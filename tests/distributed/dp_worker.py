@@ -14,15 +14,19 @@ from portagrpo.config import load_config
 from portagrpo.trainer import Trainer
 
 
+# Shared with tests/distributed/test_ray.py, so Ray, torchrun and one process train the same thing.
+OVERRIDES = [
+    "trainer.progress_bar=false", "trainer.test_freq=0", "trainer.save_freq=0", "trainer.tensorboard=false",
+    "trainer.plot=false", "data.train_size=64", "data.train_batch_size=4", "rollout.n=4",
+    "actor.ppo_mini_batch_size=8", "actor.micro_batch_size=2", "actor.ppo_epochs=2",
+    "actor.loss_agg_mode=seq-mean-token-mean", "actor.kl_loss_coef=0.1", "actor.warmup_steps=0",
+    "model.tiny.hidden_size=32", "model.tiny.intermediate_size=64", "rollout.engine=fixed",
+]
+
+
 def main() -> None:
     out, parallel, dtype = Path(sys.argv[1]), sys.argv[2], sys.argv[3]
-    cfg = load_config(None, [
-        "trainer.progress_bar=false", "trainer.test_freq=0", "trainer.save_freq=0", "trainer.tensorboard=false",
-        "trainer.plot=false", f"trainer.parallel={parallel}", f"model.dtype={dtype}", "data.train_size=64",
-        "data.train_batch_size=4", "rollout.n=4", "actor.ppo_mini_batch_size=8", "actor.micro_batch_size=2",
-        "actor.ppo_epochs=2", "actor.loss_agg_mode=seq-mean-token-mean", "actor.kl_loss_coef=0.1",
-        "actor.warmup_steps=0", "model.tiny.hidden_size=32", "model.tiny.intermediate_size=64", "rollout.engine=fixed",
-    ])
+    cfg = load_config(None, [*OVERRIDES, f"trainer.parallel={parallel}", f"model.dtype={dtype}"])
     trainer = Trainer(cfg, run_dir=out / "run", log=lambda m: None).setup()
     metrics = [trainer.step().metrics for _ in range(2)]
     state = trainer.strategy.model_state(trainer.scorer)

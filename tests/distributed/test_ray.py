@@ -8,31 +8,31 @@ from portagrpo.config import load_config  # noqa: E402
 from portagrpo.errors import UserError  # noqa: E402
 from portagrpo.ray_launcher import _rank_env, train_with_ray  # noqa: E402
 
-COMMON = ["trainer.progress_bar=false", "trainer.test_freq=0", "trainer.tensorboard=false", "trainer.plot=false",
-          "data.train_size=64", "data.train_batch_size=4", "rollout.n=4", "actor.ppo_mini_batch_size=8",
-          "actor.micro_batch_size=2", "actor.ppo_epochs=2", "actor.warmup_steps=0", "rollout.engine=fixed",
-          "model.dtype=fp64", "model.tiny.hidden_size=32", "model.tiny.intermediate_size=64"]
+from dp_worker import OVERRIDES  # noqa: E402
+from test_data_parallel import run_worker  # noqa: E402
+
+COMMON = [*OVERRIDES, "model.dtype=fp64"]
 
 
-def test_two_ray_workers_match_one_process(tmp_path):
-    from portagrpo.trainer import Trainer
-
-    single = Trainer(load_config(None, [*COMMON, "trainer.total_steps=2", "trainer.save_freq=0"]),
-                     run_dir=tmp_path / "one", log=lambda m: None).setup()
-    expected = [single.step().metrics for _ in range(2)]
+def test_two_ray_workers_match_torchrun_and_one_process(tmp_path):
+    """Same config and rollouts: 2 Ray workers == torchrun 2 ranks (and == 1 process), fp64."""
+    torchrun = run_worker(tmp_path / "torchrun", 2, "auto", "fp64")
+    single = run_worker(tmp_path / "one", 1, "auto", "fp64")
     cfg = load_config(None, [*COMMON, "trainer.total_steps=2", "trainer.save_freq=2", "trainer.devices_per_node=2"])
     got = train_with_ray(cfg, tmp_path / "ray", log=lambda m: None)
-    assert [m["world_size"] for m in got] == [2, 2]
-    for m1, m2 in zip(expected, got):
-        for key in ("loss_policy", "loss_kl", "kl", "grad_norm", "reward_mean", "entropy", "clipfrac"):
-            assert m2[key] == pytest.approx(m1[key], rel=1e-10, abs=1e-12), key
+    assert [m["world_size"] for m in got] == [2, 2] == [m["world_size"] for m in torchrun["metrics"]]
+    for reference in (torchrun, single):
+        for m1, m2 in zip(reference["metrics"], got):
+            for key in ("loss_policy", "loss_kl", "kl", "grad_norm", "reward_mean", "entropy", "clipfrac"):
+                assert m2[key] == pytest.approx(m1[key], rel=1e-10, abs=1e-12), key
     from safetensors.torch import load_file
 
     saved = load_file(tmp_path / "ray" / "checkpoints" / "step_00000002" / "model" / "model.safetensors")
-    for name, p in single.policy.state_dict().items():
-        if name in saved:
-            rel = float((saved[name] - p).norm() / p.norm())
-            assert rel < 1e-10, name
+    for reference in (torchrun, single):
+        for name, p in reference["state"].items():
+            if name in saved:
+                rel = float((saved[name].double() - p.double()).norm() / p.double().norm())
+                assert rel < 1e-10, name
     assert (tmp_path / "ray" / "metrics.jsonl").read_text().count("\n") == 2  # the driver logs
 
 
