@@ -70,7 +70,11 @@ def cmd_train(args) -> int:
     config_path = args.config
     if resume is not None and config_path is None and (run_dir / "config.yaml").is_file():
         config_path = run_dir / "config.yaml"
-    cfg = load_config(config_path, overrides)
+    notices: list[str] = []
+    cfg = load_config(config_path, overrides, notices=notices)
+    if os.environ.get("RANK", "0") == "0":
+        for line in notices:
+            print(f"portagrpo: {line}")
     if cfg.trainer.nproc_per_node > 1 and "WORLD_SIZE" not in os.environ and not (args.print_config or args.dry_run):
         return _relaunch_with_torchrun(cfg.trainer.nproc_per_node, args.argv)
     if args.print_config:

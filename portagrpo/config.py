@@ -365,11 +365,39 @@ def read_yaml(path: str | Path) -> dict:
     return data
 
 
-def merge_raw(config_path: str | Path | None, overrides: list[str] | None) -> dict:
+def merge_raw(config_path: str | Path | None, overrides: list[str] | None, notices: list[str] | None = None) -> dict:
+    from .verl_compat import translate
+
     raw: dict = read_yaml(config_path) if config_path else {}
+    pairs = []
     for item in overrides or []:
         path, value = parse_override(item)
-        set_dotted(raw, path, value)
+        pairs.append((".".join(path), value))
+    pairs, verl_notices, rejected = translate(pairs)
+    if rejected:
+        raise ConfigError([f"verl key {k} has no portagrpo equivalent; remove it (docs/config.md lists the verl keys "
+                           f"portagrpo accepts)." for k in rejected])
+    if notices is not None:
+        notices.extend(verl_notices)
+    mini_prompts = None
+    for key, value in pairs:
+        if key == "__verl_mini_batch_prompts":
+            mini_prompts = value
+            continue
+        set_dotted(raw, key.split("."), value)
+    explicit = {k for k, _ in pairs}
+    # Giving files means training on them; giving epochs means counting steps by epochs.
+    if "data.train_files" in explicit and "data.task" not in explicit:
+        set_dotted(raw, ["data", "task"], None)
+    if "trainer.total_epochs" in explicit and "trainer.total_steps" not in explicit:
+        set_dotted(raw, ["trainer", "total_steps"], None)
+    if mini_prompts is not None:
+        n = (raw.get("rollout") or {}).get("n", RolloutConfig.n)
+        try:
+            set_dotted(raw, ["actor", "ppo_mini_batch_size"], int(mini_prompts) * int(n))
+        except (TypeError, ValueError):
+            raise ConfigError([f"actor_rollout_ref.actor.ppo_mini_batch_size={mini_prompts!r} and rollout.n={n!r} "
+                               f"must be integers."]) from None
     name = (raw.get("algorithm") or {}).get("name", "grpo") if isinstance(raw.get("algorithm"), dict) else "grpo"
     for section, values in PRESETS.get(name, {}).items():
         sec = raw.setdefault(section, {})
@@ -380,9 +408,11 @@ def merge_raw(config_path: str | Path | None, overrides: list[str] | None) -> di
 
 
 def load_config(
-    config_path: str | Path | None = None, overrides: list[str] | None = None, *, check_files: bool = True
+    config_path: str | Path | None = None, overrides: list[str] | None = None, *, check_files: bool = True,
+    notices: list[str] | None = None,
 ) -> Config:
-    cfg = _build(Config, merge_raw(config_path, overrides), "")
+    """`notices` collects one line per verl key that was mapped onto a portagrpo key."""
+    cfg = _build(Config, merge_raw(config_path, overrides, notices), "")
     problems = validate(cfg, check_files=check_files)
     if problems:
         raise ConfigError(problems)

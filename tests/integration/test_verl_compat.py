@@ -1,0 +1,59 @@
+"""A verl-style GRPO command line trains exactly like its portagrpo form."""
+import pytest
+
+from portagrpo.cli import main
+from portagrpo.config import ConfigError, load_config
+from portagrpo.data import write_jsonl
+from portagrpo.metrics import read_metrics
+from portagrpo.tasks import gsm8k_style_rows
+
+TIMING = {"time_step_s", "time_gen_s", "time_prep_s", "time_update_s", "tokens_per_s", "mem_peak_gb"}
+
+
+def test_verl_command_line_trains_like_portagrpo(tmp_path, tiny_model_dir, capsys):
+    train = write_jsonl(gsm8k_style_rows(64, seed=2), tmp_path / "train.jsonl")
+    val = write_jsonl(gsm8k_style_rows(8, seed=3), tmp_path / "val.jsonl")
+    common = ["trainer.progress_bar=false", "trainer.total_steps=2", "reward.function=gsm8k"]
+    verl = [  # as in verl's GRPO documentation
+        "algorithm.adv_estimator=grpo", f"data.train_files={train}", f"data.val_files={val}",
+        "data.train_batch_size=4", "data.max_prompt_length=200", "data.max_response_length=12",
+        f"actor_rollout_ref.model.path={tiny_model_dir}", "actor_rollout_ref.actor.optim.lr=1e-3",
+        "actor_rollout_ref.actor.ppo_mini_batch_size=2", "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=4",
+        "actor_rollout_ref.actor.use_kl_loss=True", "actor_rollout_ref.actor.kl_loss_coef=0.001",
+        "actor_rollout_ref.actor.kl_loss_type=low_var_kl", "actor_rollout_ref.actor.entropy_coeff=0",
+        "actor_rollout_ref.rollout.n=4", "actor_rollout_ref.rollout.temperature=1.0",
+        "algorithm.use_kl_in_reward=False", "trainer.save_freq=0", "trainer.test_freq=2",
+    ]
+    native = [
+        "algorithm.adv_estimator=grpo", f"data.train_files=[{train}]", f"data.val_files=[{val}]", "data.task=null",
+        "data.train_batch_size=4", "data.max_prompt_length=200", "data.max_response_length=12",
+        f"model.path={tiny_model_dir}", "actor.lr=1e-3", "actor.ppo_mini_batch_size=8", "actor.micro_batch_size=4",
+        "actor.use_kl_loss=true", "actor.kl_loss_coef=0.001", "actor.kl_loss_type=low_var_kl",
+        "actor.entropy_coeff=0", "rollout.n=4", "rollout.temperature=1.0", "algorithm.use_kl_in_reward=false",
+        "trainer.save_freq=0", "trainer.test_freq=2",
+    ]
+    assert load_config(None, [*verl, *common]) == load_config(None, [*native, *common])
+    assert main(["train", "--output-dir", str(tmp_path / "verl"), *verl, *common]) == 0
+    out = capsys.readouterr().out
+    assert "verl key actor_rollout_ref.actor.optim.lr -> portagrpo actor.lr" in out
+    assert "ppo_mini_batch_size (x rollout.n" in out
+    assert main(["train", "--output-dir", str(tmp_path / "native"), *native, *common]) == 0
+    a, b = read_metrics(tmp_path / "verl" / "metrics.jsonl"), read_metrics(tmp_path / "native" / "metrics.jsonl")
+    assert len(a) == 2 and "val/acc" in a[-1]
+    for ra, rb in zip(a, b):
+        assert {k: v for k, v in ra.items() if k not in TIMING} == {k: v for k, v in rb.items() if k not in TIMING}
+
+
+def test_unknown_verl_keys_are_listed_and_rejected():
+    with pytest.raises(ConfigError) as info:
+        load_config(None, ["trainer.logger=[console,wandb]", "trainer.project_name=x",
+                           "actor_rollout_ref.actor.fsdp_config.param_offload=True", "actor_rollout_ref.actor.optim.lr=1e-6"])
+    problems = info.value.problems
+    assert len(problems) == 3 and all("has no portagrpo equivalent" in p for p in problems)
+    assert any("fsdp_config.param_offload" in p for p in problems)
+
+
+def test_gpus_per_node_and_epochs():
+    cfg = load_config(None, ["trainer.n_gpus_per_node=2", "trainer.total_epochs=3"])
+    assert cfg.trainer.nproc_per_node == 2 and cfg.trainer.devices_per_node == 2
+    assert cfg.trainer.total_steps is None and cfg.trainer.total_epochs == 3
