@@ -547,10 +547,20 @@ def validate_world(cfg: Config, world_size: int) -> list[str]:
 
 def _missing_files(cfg: Config) -> list[str]:
     p = []
+    from .modeling import resolve_model_path
+
     for name in ("path", "ref_path", "tokenizer_path"):
         value = getattr(cfg.model, name)
-        if value and not Path(value).exists():
-            p.append(f"model.{name}={value!r} does not exist; give a local Hugging Face model directory (nothing is downloaded).")
+        if not value:
+            continue
+        try:
+            exists = resolve_model_path(value).exists()
+        except FileNotFoundError as err:
+            p.append(str(err))
+            continue
+        if not exists:
+            p.append(f"model.{name}={value!r} does not exist; give a local Hugging Face model directory or a .gguf "
+                     f"file (nothing is downloaded).")
     for name in ("train_files", "val_files"):
         for i, value in enumerate(getattr(cfg.data, name)):
             if not Path(value).is_file():

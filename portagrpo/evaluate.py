@@ -1,0 +1,131 @@
+"""`portagrpo eval --model PATH|RUN_DIR --data FILE [--n K]`: greedy accuracy, and pass@k /
+mean@k from k samples per prompt, on any backend, batched, with a JSON report."""
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+from typing import Any
+
+import torch
+
+
+def pass_at_k(n: int, c: int, k: int) -> float:
+    """Unbiased pass@k from n samples of which c are correct: 1 - C(n-c, k) / C(n, k)."""
+    if n - c < k:
+        return 1.0
+    return 1.0 - math.comb(n - c, k) / math.comb(n, k)
+
+
+def load_for_eval(model: str | Path):
+    """(model, tokenizer, description) from a model path, a .gguf, or a run directory's newest checkpoint."""
+    from .checkpoint import latest_valid_checkpoint
+    from .config import load_config
+    from .errors import UserError
+    from .modeling import load_model, load_tokenizer
+
+    path = Path(str(model))
+    if (path / "config.yaml").is_file() and (path / "checkpoints").is_dir() or (path / "init_model").is_dir():
+        ckpt = latest_valid_checkpoint(path, warn=print)
+        cfg = load_config(path / "config.yaml", check_files=False)
+        base = cfg.model.path or str(path / "init_model")
+        if ckpt is None:
+            return load_model(base, "sdpa"), load_tokenizer(cfg.model.tokenizer_path or base), f"{base} (no checkpoint)"
+        model_dir = ckpt / "model"
+        if (model_dir / "adapter_config.json").is_file():
+            from peft import PeftModel
+
+            merged = PeftModel.from_pretrained(load_model(base, "sdpa"), str(model_dir)).merge_and_unload()
+            return merged, load_tokenizer(cfg.model.tokenizer_path or base), f"{model_dir} (LoRA merged)"
+        return load_model(model_dir, "sdpa"), load_tokenizer(str(model_dir)), str(model_dir)
+    if not str(model).startswith("pkg:") and not path.exists():
+        raise UserError(f"--model {str(model)!r} does not exist; give a model directory, a .gguf file or a run directory.")
+    return load_model(model, "sdpa"), load_tokenizer(str(model)), str(model)
+
+
+def evaluate(model_spec: str, data_files: list[str], *, n: int = 1, temperature: float = 1.0, top_p: float = 1.0,
+             max_new_tokens: int = 256, batch_size: int = 16, device: str = "auto", reward: str = "auto",
+             seed: int = 0, progress: bool = True, max_samples: int | None = None) -> dict[str, Any]:
+    from tqdm.auto import tqdm
+
+    from .backends import get_backend
+    from .data import left_pad, load_records, tokenize_prompts
+    from .rewards import RewardResolver, score_responses
+    from .rollout import HFRollout, SamplingParams, decode_responses
+
+    backend = get_backend(device)
+    model, tokenizer, described = load_for_eval(model_spec)
+    model.to(backend.device(0)).eval()
+    records = load_records(data_files)[:max_samples]
+    resolver = RewardResolver(reward)
+    resolver.check_sources({r.data_source for r in records})
+    engine = HFRollout(model, tokenizer, lambda: backend.autocast(torch.float32))
+    runs = [("greedy", 1, SamplingParams(max_new_tokens, 0.0, 1.0, -1))]
+    if n > 1:
+        runs.append(("sampled", n, SamplingParams(max_new_tokens, temperature, top_p, -1)))
+    report: dict[str, Any] = {"model": described, "data": [str(f) for f in data_files], "prompts": len(records),
+                              "device": backend.name, "n": n}
+    for name, k, params in runs:
+        backend.seed(seed)
+        correct, scores, examples = [], [], []
+        bar = tqdm(total=len(records), desc=f"eval ({name})", disable=not progress)
+        for start in range(0, len(records), batch_size):
+            chunk = records[start:start + batch_size]
+            ids = [x for x in tokenize_prompts(tokenizer, chunk) for _ in range(k)]
+            prompt_ids, prompt_mask = left_pad(ids, engine.pad_id)
+            dev = backend.device(0)
+            responses, mask = engine.generate(prompt_ids.to(dev), prompt_mask.to(dev), params)
+            texts = decode_responses(tokenizer, responses, mask)
+            rep = lambda xs: [x for x in xs for _ in range(k)]  # noqa: E731
+            scored = score_responses(resolver, texts, rep([r.ground_truth for r in chunk]),
+                                     rep([r.data_source for r in chunk]), rep([r.index for r in chunk]),
+                                     rep([r.extra_info for r in chunk]), max_error_frac=1.0)
+            for i, rec in enumerate(chunk):
+                correct.append(scored.correct[i * k:(i + 1) * k])
+                scores.append(scored.scores[i * k:(i + 1) * k])
+                if len(examples) < 10:
+                    examples.append({"index": rec.index, "ground_truth": rec.ground_truth, "response": texts[i * k],
+                                     "correct": scored.correct[i * k]})
+            bar.update(len(chunk))
+        bar.close()
+        summary = {"reward_mean": sum(map(sum, scores)) / max(1, sum(map(len, scores))),
+                   "examples": examples}
+        if name == "greedy":
+            summary["accuracy"] = sum(c[0] for c in correct) / max(1, len(correct))
+        else:
+            summary[f"mean@{k}"] = sum(sum(c) / k for c in correct) / max(1, len(correct))
+            summary["pass@1"] = sum(pass_at_k(k, sum(c), 1) for c in correct) / max(1, len(correct))
+            summary[f"pass@{k}"] = sum(pass_at_k(k, sum(c), k) for c in correct) / max(1, len(correct))
+            summary["temperature"] = temperature
+        report[name] = summary
+    return report
+
+
+def main_cli(argv: list[str]) -> int:
+    import argparse
+
+    p = argparse.ArgumentParser(prog="portagrpo eval")
+    p.add_argument("--model", required=True, help="model directory, .gguf file, pkg:PACKAGE/FILE, or run directory")
+    p.add_argument("--data", required=True, action="append", help="JSONL or Parquet in the training schema (repeatable)")
+    p.add_argument("--n", type=int, default=1, help="samples per prompt for pass@k / mean@k (greedy is always run)")
+    p.add_argument("--temperature", type=float, default=1.0)
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--max-new-tokens", type=int, default=256)
+    p.add_argument("--batch-size", type=int, default=16)
+    p.add_argument("--max-samples", type=int, default=None)
+    p.add_argument("--device", default="auto")
+    p.add_argument("--reward", default="auto", help="reward function (as reward.function)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--output", default="eval.json", help="the JSON report")
+    args = p.parse_args(argv)
+    report = evaluate(args.model, args.data, n=args.n, temperature=args.temperature, top_p=args.top_p,
+                      max_new_tokens=args.max_new_tokens, batch_size=args.batch_size, device=args.device,
+                      reward=args.reward, seed=args.seed, max_samples=args.max_samples)
+    Path(args.output).write_text(json.dumps(report, indent=1))
+    g = report["greedy"]
+    line = f"greedy accuracy {g['accuracy']:.3f} (mean reward {g['reward_mean']:.3f}) on {report['prompts']} prompts"
+    if "sampled" in report:
+        s = report["sampled"]
+        line += f"; n={args.n}: pass@1 {s['pass@1']:.3f}, pass@{args.n} {s[f'pass@{args.n}']:.3f}, mean@{args.n} {s[f'mean@{args.n}']:.3f}"
+    print(line + f"; report in {args.output}")
+    return 0
