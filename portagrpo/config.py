@@ -91,6 +91,8 @@ class RolloutConfig:
 class RewardConfig:
     function: str = "auto"
     max_error_frac: float = 0.0
+    num_workers: int = 1
+    timeout_s: float = 10.0
 
 
 @dataclass(frozen=True)
@@ -491,6 +493,9 @@ def validate(cfg: Config, *, check_files: bool = True) -> list[str]:
         p.append(f"rollout.temperature={r.temperature} must be positive; use rollout.val_temperature=0 for greedy validation.")
     if not 0 < r.top_p <= 1:
         p.append(f"rollout.top_p={r.top_p} must be in (0, 1].")
+    if cfg.reward.num_workers < 0 or cfg.reward.timeout_s <= 0:
+        p.append(f"reward.num_workers={cfg.reward.num_workers} must be >= 0 and reward.timeout_s="
+                 f"{cfg.reward.timeout_s} positive.")
     if not 0 <= cfg.reward.max_error_frac <= 1:
         p.append(f"reward.max_error_frac={cfg.reward.max_error_frac} must be between 0 and 1.")
     if alg.use_kl_in_reward and a.use_kl_loss:

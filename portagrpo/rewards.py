@@ -33,27 +33,40 @@ REWARDS: Registry[RewardFn] = Registry("reward function")
 
 # ---------------------------------------------------------------- GSM8K-style answers
 
-_NUM = r"-?\$?\s*[\d,]*\.?\d+"
+_NUM = r"-?\$?\s*\d[\d,]*(?:\.\d+)?(?:\s*/\s*\d+)?|-?\$?\s*\.\d+"
 _HASH_RE = re.compile(r"####\s*(" + _NUM + ")")
 _ANSWER_IS_RE = re.compile(r"answer\s+is\s*:?\s*(" + _NUM + ")", re.IGNORECASE)
+_ANY_NUM_RE = re.compile(_NUM)
 
 
 def normalize_number(text: str) -> str | None:
-    """'1,234.50' -> '1234.5', '$42' -> '42', '7.' -> '7'; None when not a number."""
-    cleaned = text.replace(",", "").replace("$", "").replace(" ", "").rstrip(".")
+    """'1,234.50' -> '1234.5', '$42' -> '42', '7.' -> '7', '3/4' -> '0.75', '12%' -> '12';
+    None when not a number."""
+    cleaned = re.sub(r"[,$%\s]", "", text).rstrip(".")
     try:
-        value = Decimal(cleaned)
-    except InvalidOperation:
+        if "/" in cleaned:
+            num, den = cleaned.split("/", 1)
+            if Decimal(den) == 0:
+                return None
+            value = Decimal(num) / Decimal(den)
+        else:
+            value = Decimal(cleaned)
+    except (InvalidOperation, ValueError):
         return None
     if value == value.to_integral_value():
         return str(int(value))
     return format(value.normalize(), "f")
 
 
-def extract_gsm8k_answer(text: str) -> str | None:
-    """The final answer in the `#### 42` form, else the 'the answer is 42' form; normalised."""
+def extract_gsm8k_answer(text: str, flexible: bool = False) -> str | None:
+    """The final answer in the `#### 42` form, else the 'the answer is 42' form; with `flexible`,
+    else the last number in the text. Normalised; None when there is no answer."""
     for pattern in (_HASH_RE, _ANSWER_IS_RE):
         matches = pattern.findall(text)
+        if matches:
+            return normalize_number(matches[-1])
+    if flexible:
+        matches = _ANY_NUM_RE.findall(text)
         if matches:
             return normalize_number(matches[-1])
     return None
@@ -67,6 +80,42 @@ def gsm8k_reward(data_source: str, solution_str: str, ground_truth: str, extra_i
     return {"score": 1.0 if correct else 0.0, "correct": correct}
 
 
+@REWARDS.register("gsm8k_flexible")
+def gsm8k_flexible_reward(data_source: str, solution_str: str, ground_truth: str, extra_info: dict | None = None) -> dict:
+    """As `gsm8k`, but a response without the strict forms is judged by its last number."""
+    predicted = extract_gsm8k_answer(solution_str, flexible=True)
+    truth = normalize_number(str(ground_truth))
+    correct = predicted is not None and predicted == truth
+    return {"score": 1.0 if correct else 0.0, "correct": correct}
+
+
+@REWARDS.register("math")
+def math_reward(data_source: str, solution_str: str, ground_truth: str, extra_info: dict | None = None) -> dict:
+    """The last \\boxed{...} of the response, checked against the ground truth (math-verify when
+    installed, else a sympy/string fallback)."""
+    from .math_answers import extract_boxed, is_equivalent
+
+    predicted = extract_boxed(solution_str)
+    correct = predicted is not None and is_equivalent(predicted, str(ground_truth))
+    return {"score": 1.0 if correct else 0.0, "correct": correct}
+
+
+def _format(pattern: str):
+    regex = re.compile(pattern, re.DOTALL)
+
+    def reward(data_source: str, solution_str: str, ground_truth: str, extra_info: dict | None = None) -> dict:
+        ok = bool(regex.search(solution_str))
+        return {"score": 1.0 if ok else 0.0, "correct": ok}
+
+    return reward
+
+
+# Format rewards: 1 when the response has the required shape, whatever the answer.
+REWARDS.register("format_answer")(_format(r"(####\s*\S|answer\s+is\s*:?\s*-?\$?\d)"))
+REWARDS.register("format_boxed")(_format(r"\\boxed\{"))
+REWARDS.register("format_think")(_format(r"^\s*<think>.+?</think>\s*\S"))
+
+
 @REWARDS.register("repeat")
 def repeat_task_reward(data_source: str, solution_str: str, ground_truth: str, extra_info: dict | None = None) -> dict:
     score = repeat_reward(solution_str, str(ground_truth))
@@ -77,9 +126,41 @@ def repeat_task_reward(data_source: str, solution_str: str, ground_truth: str, e
 DATA_SOURCE_REWARDS = {
     "openai/gsm8k": "gsm8k",
     "gsm8k": "gsm8k",
+    "hendrycks/math": "math",
+    "lighteval/MATH": "math",
+    "math": "math",
     "portagrpo/arith": "gsm8k",
     "portagrpo/repeat": "repeat",
 }
+
+
+def parse_weighted(spec: str) -> list[tuple[str, float]] | None:
+    """'gsm8k*1.0 + format_answer*0.1' -> [('gsm8k', 1.0), ('format_answer', 0.1)]; None if not a sum."""
+    if "+" not in spec and "*" not in spec:
+        return None
+    terms = []
+    for part in spec.split("+"):
+        name, _, weight = part.strip().partition("*")
+        try:
+            terms.append((name.strip(), float(weight) if weight else 1.0))
+        except ValueError:
+            raise RewardSpecError(f"reward.function={spec!r}: {weight!r} is not a weight; write name*weight + ...") from None
+    return terms
+
+
+class WeightedReward:
+    """A weighted sum of registered rewards; `correct` is the first term's."""
+
+    def __init__(self, terms: list[tuple[str, float]]) -> None:
+        self.terms = [(REWARDS.get(name, field="reward.function"), w) for name, w in terms]
+
+    def __call__(self, data_source, solution_str, ground_truth, extra_info=None):
+        total, correct = 0.0, None
+        for fn, weight in self.terms:
+            score, ok = _as_score(fn(data_source, solution_str, ground_truth, extra_info))
+            total += weight * score
+            correct = ok if correct is None else correct
+        return {"score": total, "correct": bool(correct)}
 
 
 def load_user_function(spec: str) -> RewardFn:
@@ -105,7 +186,10 @@ class RewardResolver:
     def __init__(self, spec: str) -> None:
         self.spec = spec
         self.fixed: RewardFn | None = None
-        if spec != "auto":
+        weighted = parse_weighted(spec) if ":" not in spec else None
+        if weighted:
+            self.fixed = WeightedReward(weighted)
+        elif spec != "auto":
             self.fixed = load_user_function(spec) if ":" in spec else REWARDS.get(spec, field="reward.function")
 
     def check_sources(self, sources: set[str]) -> None:
@@ -156,6 +240,70 @@ def _as_score(result: Any) -> tuple[float, bool | None]:
     return score, (bool(correct) if correct is not None else None)
 
 
+def _score_one(resolver: RewardResolver, data_source: str, text: str, truth: str, extra: dict) -> tuple:
+    """(score, correct, error message or None) for one sample; never raises."""
+    try:
+        score, correct = _as_score(resolver(data_source)(data_source, text, truth, extra))
+        return score, correct, None
+    except Exception as err:  # noqa: BLE001 - a user function may raise anything; we report it
+        return 0.0, False, f"{type(err).__name__}: {err}"
+
+
+_WORKER_RESOLVER: RewardResolver | None = None
+
+
+def _worker_init(spec: str) -> None:
+    global _WORKER_RESOLVER
+    _WORKER_RESOLVER = RewardResolver(spec)
+
+
+def _worker_score(args: tuple) -> tuple:
+    return _score_one(_WORKER_RESOLVER, *args)
+
+
+class RewardPool:
+    """Scores samples in worker processes with a per-sample timeout, so a pathological answer
+    (or a hanging user function) cannot stall a step: a sample that runs past `timeout_s` is a
+    failure, its worker is killed, and the pool is rebuilt for the remaining samples."""
+
+    def __init__(self, spec: str, num_workers: int, timeout_s: float) -> None:
+        self.spec, self.num_workers, self.timeout_s = spec, num_workers, timeout_s
+        self._pool = None
+
+    def _start(self):
+        import multiprocessing as mp
+
+        # spawn, not fork: the trainer process holds torch threads that a forked child must not inherit
+        self._pool = mp.get_context("spawn").Pool(self.num_workers, initializer=_worker_init, initargs=(self.spec,))
+
+    def score(self, items: list[tuple]) -> list[tuple]:
+        results: list[tuple | None] = [None] * len(items)
+        pending = list(range(len(items)))
+        while pending:
+            if self._pool is None:
+                self._start()
+            handles = {i: self._pool.apply_async(_worker_score, (items[i],)) for i in pending}
+            pending = []
+            for i, handle in handles.items():
+                if results[i] is not None:
+                    continue
+                try:
+                    results[i] = handle.get(timeout=self.timeout_s)
+                except __import__("multiprocessing").TimeoutError:
+                    results[i] = (0.0, False, f"TimeoutError: the reward took longer than reward.timeout_s="
+                                              f"{self.timeout_s:g}s")
+                    self.close()  # the stuck worker cannot be reused
+                    pending = [j for j in handles if results[j] is None and j != i]
+                    break
+        return results  # type: ignore[return-value]
+
+    def close(self) -> None:
+        if self._pool is not None:
+            self._pool.terminate()
+            self._pool.join()
+            self._pool = None
+
+
 def score_responses(
     resolver: RewardResolver,
     responses: list[str],
@@ -165,18 +313,17 @@ def score_responses(
     extra_infos: list[dict] | None = None,
     *,
     max_error_frac: float = 0.0,
+    pool: RewardPool | None = None,
 ) -> ScoredBatch:
-    """Score every response; a failure scores 0 and is recorded. More failures than
-    `max_error_frac` of the batch stop the run with the first failure's details."""
+    """Score every response (in `pool` when given); a failure or timeout scores 0 and is recorded.
+    More failures than `max_error_frac` of the batch stop the run with the first failure's details."""
     out = ScoredBatch([], [])
-    for i, text in enumerate(responses):
-        fn = resolver(data_sources[i])
-        try:
-            result = fn(data_sources[i], text, ground_truths[i], (extra_infos or [{}] * len(responses))[i])
-            score, correct = _as_score(result)
-        except Exception as err:  # noqa: BLE001 - a user function may raise anything; we report it
-            out.failures.append(RewardFailure(i, prompt_ids[i], f"{type(err).__name__}: {err}"))
-            score, correct = 0.0, False
+    extras = extra_infos or [{}] * len(responses)
+    items = [(data_sources[i], text, ground_truths[i], extras[i]) for i, text in enumerate(responses)]
+    results = pool.score(items) if pool is not None else [_score_one(resolver, *item) for item in items]
+    for i, (score, correct, error) in enumerate(results):
+        if error is not None:
+            out.failures.append(RewardFailure(i, prompt_ids[i], error))
         out.scores.append(score)
         out.correct.append(score >= 1.0 if correct is None else correct)
     if out.failures and len(out.failures) > max_error_frac * len(responses):

@@ -51,17 +51,17 @@ NAMES = ["tom", "ana", "li", "sam", "mia", "raj", "eva", "kim"]
 ITEMS = ["apples", "books", "coins", "pens", "cards", "eggs"]
 
 
-def arith_problem(rng: random.Random) -> tuple[str, str]:
-    """A one-step word problem and its integer answer."""
+def arith_problem(rng: random.Random, small: bool = False) -> tuple[str, str]:
+    """A one-step word problem and its integer answer (`small`: single-digit operands)."""
     name, item = rng.choice(NAMES), rng.choice(ITEMS)
-    a, b = rng.randrange(2, 50), rng.randrange(1, 30)
+    a, b = (rng.randrange(2, 10), rng.randrange(1, 10)) if small else (rng.randrange(2, 50), rng.randrange(1, 30))
     kind = rng.randrange(3)
     if kind == 0:
         return f"{name} has {a} {item} and gets {b} more. how many {item} does {name} have?", str(a + b)
     if kind == 1:
         a = a + b
         return f"{name} has {a} {item} and gives away {b}. how many {item} are left?", str(a - b)
-    a, b = rng.randrange(2, 12), rng.randrange(2, 10)
+    a, b = (rng.randrange(2, 6), rng.randrange(2, 6)) if small else (rng.randrange(2, 12), rng.randrange(2, 10))
     return f"{name} buys {a} boxes with {b} {item} each. how many {item} in total?", str(a * b)
 
 
@@ -73,6 +73,17 @@ def arith_task(size: int, seed: int) -> list[dict]:
     for i in range(size):
         q, a = arith_problem(rng)
         rows.append(_row(q + " end with: the answer is N.", a, "portagrpo/arith", i))
+    return rows
+
+
+@TASKS.register("arith_small")
+def arith_small_task(size: int, seed: int) -> list[dict]:
+    """As `arith`, with single-digit operands: within reach of a 135M-parameter model."""
+    rng = random.Random(seed)
+    rows = []
+    for i in range(size):
+        q, a = arith_problem(rng, small=True)
+        rows.append(_row(q + " Answer with: The answer is N.", a, "portagrpo/arith", i))
     return rows
 
 

@@ -31,7 +31,7 @@ from .kernels import logprob_impl
 from .metrics import MetricsLogger
 from .modeling import apply_lora, build_tiny_model, load_model, load_tokenizer, resolve_model_path
 from .parallel import make_strategy
-from .rewards import RewardResolver, score_responses
+from .rewards import RewardPool, RewardResolver, score_responses
 from .rollout import ROLLOUT_ENGINES, SamplingParams, decode_responses
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp64": torch.float64}
@@ -167,6 +167,8 @@ class Trainer:
             self.log(f"dropped {dropped} train and {dropped_val} val prompts longer than data.max_prompt_length="
                      f"{cfg.data.max_prompt_length} tokens")
         self.reward = RewardResolver(cfg.reward.function)
+        self.reward_pool = (RewardPool(cfg.reward.function, cfg.reward.num_workers, cfg.reward.timeout_s)
+                            if cfg.reward.num_workers > 0 else None)
         self.reward.check_sources({r.data_source for r in train + val})
         self.loader = PromptLoader(train, cfg.data.train_batch_size, cfg.trainer.seed, cfg.data.shuffle)
         self.val_records = val
@@ -329,7 +331,7 @@ class Trainer:
     def score(self, batch: RolloutBatch):
         return score_responses(
             self.reward, batch.response_text, batch.ground_truth, batch.data_source, batch.prompt_index.tolist(),
-            batch.extra_info, max_error_frac=self.cfg.reward.max_error_frac,
+            batch.extra_info, max_error_frac=self.cfg.reward.max_error_frac, pool=self.reward_pool,
         )
 
     @torch.no_grad()
@@ -658,6 +660,8 @@ class Trainer:
         self.initial_val = val
 
     def close(self) -> None:
+        if getattr(self, "reward_pool", None) is not None:
+            self.reward_pool.close()
         if getattr(self, "logger", None) is not None:
             if self.cfg.trainer.plot:
                 self.logger.plot()
