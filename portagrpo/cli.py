@@ -172,7 +172,13 @@ def cmd_eval(argv: list[str]) -> int:
     return main_cli(argv)
 
 
-PASSTHROUGH = {"parity": cmd_parity, "bench": cmd_bench, "replay": cmd_replay, "export": cmd_export, "eval": cmd_eval}
+def cmd_data(argv: list[str]) -> int:
+    from .prepare import main_cli
+
+    return main_cli(argv)
+
+
+PASSTHROUGH = {"data": cmd_data, "parity": cmd_parity, "bench": cmd_bench, "replay": cmd_replay, "export": cmd_export, "eval": cmd_eval}
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -185,6 +191,7 @@ def build_parser() -> argparse.ArgumentParser:
     sub.add_parser("parity", help="compare this backend with the float64 golden (`portagrpo parity --help`)")
     sub.add_parser("bench", help="benchmarks (`portagrpo bench kernels --help`)")
     sub.add_parser("replay", help="re-train a recorded run on another backend (`portagrpo replay --help`)")
+    sub.add_parser("data", help="convert GSM8K / MATH files to the training schema (`portagrpo data --help`)")
     sub.add_parser("eval", help="greedy accuracy and pass@k of a model or run (`portagrpo eval --help`)")
     sub.add_parser("export", help="write the trained policy as a Hugging Face model (`portagrpo export --help`)")
     return parser

@@ -49,7 +49,11 @@ def normalize_latex(answer: str) -> str:
 
 
 def _to_sympy(s: str):
-    import sympy
+    from sympy.parsing.sympy_parser import (
+        implicit_multiplication_application,
+        parse_expr,
+        standard_transformations,
+    )
 
     expr = s
     for _ in range(5):  # nested fractions and roots
@@ -57,8 +61,7 @@ def _to_sympy(s: str):
         expr = re.sub(r"\\sqrt\{([^{}]*)\}", r"sqrt(\1)", expr)
     expr = expr.replace("\\cdot", "*").replace("\\times", "*").replace("\\pi", "pi").replace("^", "**")
     expr = expr.replace("{", "(").replace("}", ")")
-    expr = re.sub(r"(\d)\(", r"\1*(", expr)
-    return sympy.sympify(expr)
+    return parse_expr(expr, transformations=standard_transformations + (implicit_multiplication_application,))
 
 
 def is_equivalent(predicted: str, truth: str) -> bool:
