@@ -47,6 +47,41 @@ def _resolve_resume(resume: str | None, output_dir: str | None) -> tuple[Path | 
     return run_dir, target
 
 
+def _dry_run(config_path, overrides: list[str]) -> int:
+    """Resolve and check everything a run needs without a device: types, choices, batch divisions
+    for the configured world size, names in every registry, the reward function. Files this
+    machine lacks (models, datasets) are listed, not errors: a recipe is usually checked
+    away from the cluster that holds them."""
+    from .backends import get_backend
+    from .config import ConfigError, _missing_files, load_config, validate_world
+    from .rewards import RewardResolver
+
+    notices: list[str] = []
+    cfg = load_config(config_path, overrides, check_files=False, notices=notices)
+    for line in notices:
+        print(f"portagrpo: {line}")
+    t = cfg.trainer
+    world = t.nnodes * t.devices_per_node if t.nnodes > 1 else t.nproc_per_node
+    problems = validate_world(cfg, world)
+    if ":" not in cfg.reward.function:
+        try:
+            RewardResolver(cfg.reward.function)
+        except UserError as err:
+            problems.append(str(err))
+    if problems:
+        raise ConfigError(problems)
+    try:
+        backend = get_backend(t.device)
+        device = f"{backend.name} (usable here)"
+        backend.rollout_engine(cfg.rollout.engine)
+    except UserError as err:
+        device = f"{t.device}: not usable on this machine ({err})"
+    print(f"config OK: {config_path or 'built-in defaults'}; {world} rank(s); device {device}")
+    for missing in _missing_files(cfg):
+        print(f"  to provide before training: {missing}")
+    return 0
+
+
 def _relaunch_with_torchrun(nproc: int, argv: list[str]) -> int:
     """`trainer.nproc_per_node=K` starts K local ranks exactly as `torchrun --nproc-per-node K` would."""
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
@@ -71,23 +106,16 @@ def cmd_train(args) -> int:
     if resume is not None and config_path is None and (run_dir / "config.yaml").is_file():
         config_path = run_dir / "config.yaml"
     notices: list[str] = []
+    if args.dry_run:
+        return _dry_run(config_path, overrides)
     cfg = load_config(config_path, overrides, notices=notices)
     if os.environ.get("RANK", "0") == "0":
         for line in notices:
             print(f"portagrpo: {line}")
-    if cfg.trainer.nproc_per_node > 1 and "WORLD_SIZE" not in os.environ and not (args.print_config or args.dry_run):
+    if cfg.trainer.nproc_per_node > 1 and "WORLD_SIZE" not in os.environ and not args.print_config:
         return _relaunch_with_torchrun(cfg.trainer.nproc_per_node, args.argv)
     if args.print_config:
         print(to_yaml(cfg), end="")
-        return 0
-    if args.dry_run:
-        from .backends import get_backend
-
-        try:
-            backend = get_backend(cfg.trainer.device).name
-        except Exception as err:  # noqa: BLE001 - a dry run reports, it does not need the device
-            backend = f"not usable here ({err})"
-        print(f"config OK: {config_path or 'built-in defaults'}; device {cfg.trainer.device} -> {backend}")
         return 0
     if args.ray or args.ray_address:
         from .ray_launcher import train_with_ray
