@@ -613,17 +613,23 @@ class Trainer:
         weights = [1.0] * len(mine) + [0.0] * (per - len(mine))
         mine = mine + [self.val_records[0]] * (per - len(mine))  # equal work per rank; padding weighs 0
         bs = max(cfg.data.train_batch_size // world, 1)
-        totals = torch.zeros(3, dtype=torch.float64)
+        k = cfg.rollout.val_n
+        totals = torch.zeros(4, dtype=torch.float64)  # score sum, correct sum, samples, prompts solved (pass@k)
         for start in range(0, per, bs):
             records = mine[start:start + bs]
-            rb = self.rollout(records, cfg.rollout.val_n, params, uid_base=0, prompt_width=self.prompt_width(records))
+            rb = self.rollout(records, k, params, uid_base=0, prompt_width=self.prompt_width(records))
             s = self.score(rb)
-            w = torch.tensor([x for x in weights[start:start + bs] for _ in range(cfg.rollout.val_n)], dtype=torch.float64)
-            totals += torch.stack([(w * torch.tensor(s.scores, dtype=torch.float64)).sum(),
-                                   (w * torch.tensor(s.correct, dtype=torch.float64)).sum(), w.sum()])
+            w = torch.tensor(weights[start:start + bs], dtype=torch.float64)
+            scores = torch.tensor(s.scores, dtype=torch.float64).view(-1, k)
+            correct = torch.tensor(s.correct, dtype=torch.float64).view(-1, k)
+            totals += torch.stack([(w[:, None] * scores).sum(), (w[:, None] * correct).sum(), w.sum() * k,
+                                   (w * correct.max(dim=1).values).sum()])
         torch.set_rng_state(state)
-        score_sum, correct_sum, count = self.comm.all_reduce_sum(totals.to(self.device)).tolist()
-        return {"val/reward_mean": score_sum / count, "val/acc": correct_sum / count}
+        score_sum, correct_sum, count, solved = self.comm.all_reduce_sum(totals.to(self.device)).tolist()
+        out = {"val/reward_mean": score_sum / count, "val/acc": correct_sum / count}
+        if k > 1:
+            out[f"val/pass@{k}"] = solved / (count / k)
+        return out
 
     # ------------------------------------------------------------ the run
 

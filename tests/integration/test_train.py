@@ -227,3 +227,10 @@ def test_chunked_kernel_trains_like_the_reference(tmp_path, dtype):
         for (name, a), b in zip(ref.policy.named_parameters(), fused.policy.parameters()):
             rel = float((a - b).norm() / b.norm())
             assert rel < TOLERANCES[tdtype]["params"], (name, rel)
+
+
+def test_validation_reports_pass_at_k(tmp_path):
+    assert train(tmp_path, "trainer.total_steps=1", "trainer.test_freq=1", "rollout.val_n=3",
+                 "rollout.val_temperature=1.0") == 0
+    (row,) = read_metrics(tmp_path / "metrics.jsonl")
+    assert 0 <= row["val/acc"] <= row["val/pass@3"] <= 1
