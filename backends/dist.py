@@ -90,6 +90,12 @@ class ProcessGroupCollectives(Collectives):
         try:
             return fn(*args)
         except (RuntimeError, dist.DistError) as err:
+            # Tear the broken group down now: a gloo group left to interpreter shutdown can abort
+            # the process ("terminate called without an active exception") instead of exiting cleanly.
+            try:
+                dist.destroy_process_group()
+            except (RuntimeError, dist.DistError, ValueError):
+                pass
             raise PeerFailure(
                 f"rank {self.rank} of {self.world_size}: the collective {op} failed ({str(err).splitlines()[0]}); "
                 f"another rank has died or stopped answering within trainer.dist_timeout_s={self.timeout_s:g}. "
