@@ -6,7 +6,6 @@ portagrpo is imported.
 """
 from __future__ import annotations
 
-import os
 from typing import Any, Callable
 
 import torch
@@ -117,10 +116,3 @@ class NPUBackend(AcceleratorBackend):
 
     def deterministic_env(self) -> dict[str, str]:
         return {"HCCL_DETERMINISTIC": "true"}
-
-    def set_device(self, local_rank: int) -> None:
-        self.module.set_device(local_rank)
-
-
-def visible_devices() -> str | None:
-    return os.environ.get("ASCEND_RT_VISIBLE_DEVICES")

@@ -225,21 +225,13 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def _quiet_libraries() -> None:
-    try:
-        from transformers.utils import logging as hf_logging
-
-        hf_logging.disable_progress_bar()
-        hf_logging.set_verbosity_error()
-    except ImportError:  # pragma: no cover
-        pass
-
-
 def main(argv: list[str] | None = None) -> int:
     from .backends.npu_env import guard_torch_import
 
     guard_torch_import()  # must run before torch is imported (see backends/npu_env.py)
-    _quiet_libraries()
+    from .modeling import quiet_transformers
+
+    quiet_transformers()
     parser = build_parser()
     argv = list(sys.argv[1:] if argv is None else argv)
     if not argv:

@@ -25,7 +25,8 @@ def load_for_eval(model: str | Path):
     from .modeling import load_model, load_tokenizer
 
     path = Path(str(model))
-    if (path / "config.yaml").is_file() and (path / "checkpoints").is_dir() or (path / "init_model").is_dir():
+    is_run = (path / "config.yaml").is_file() and ((path / "checkpoints").is_dir() or (path / "init_model").is_dir())
+    if is_run:
         ckpt = latest_valid_checkpoint(path, warn=print)
         cfg = load_config(path / "config.yaml", check_files=False)
         base = cfg.model.path or str(path / "init_model")

@@ -19,6 +19,14 @@ CHAT_TEMPLATE = (
 CHARS = string.digits + string.ascii_lowercase + string.ascii_uppercase + " \n.,:;!?+-*/=#()<>'\"$%_\\{}^[]|&@~`"
 
 
+def quiet_transformers() -> None:
+    """No per-file progress bars or info logs from transformers in CLI runs and workers."""
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()
+    hf_logging.set_verbosity_error()
+
+
 def build_char_tokenizer():
     """A character-level tokenizer built locally (no download), with a chat template."""
     from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers

@@ -47,9 +47,9 @@ class TrainWorker:
         from .trainer import Trainer
 
         os.environ.update(env)
-        from .cli import _quiet_libraries
+        from .modeling import quiet_transformers
 
-        _quiet_libraries()
+        quiet_transformers()
         cfg: Config = _build(Config, cfg_dict, "")
         if cfg.trainer.num_threads is None and self.resource == "CPU":
             torch.set_num_threads(1)  # one core per CPU bundle

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import importlib.util
 import math
+import multiprocessing
 import re
 from dataclasses import dataclass, field
 from decimal import Decimal, InvalidOperation
@@ -271,10 +272,8 @@ class RewardPool:
         self._pool = None
 
     def _start(self):
-        import multiprocessing as mp
-
         # spawn, not fork: the trainer process holds torch threads that a forked child must not inherit
-        self._pool = mp.get_context("spawn").Pool(self.num_workers, initializer=_worker_init, initargs=(self.spec,))
+        self._pool = multiprocessing.get_context("spawn").Pool(self.num_workers, initializer=_worker_init, initargs=(self.spec,))
 
     def score(self, items: list[tuple]) -> list[tuple]:
         results: list[tuple | None] = [None] * len(items)
@@ -289,7 +288,7 @@ class RewardPool:
                     continue
                 try:
                     results[i] = handle.get(timeout=self.timeout_s)
-                except __import__("multiprocessing").TimeoutError:
+                except multiprocessing.TimeoutError:
                     results[i] = (0.0, False, f"TimeoutError: the reward took longer than reward.timeout_s="
                                               f"{self.timeout_s:g}s")
                     self.close()  # the stuck worker cannot be reused

@@ -24,6 +24,17 @@ class AdvantageEstimator(Protocol):
 ADV_ESTIMATORS: Registry[AdvantageEstimator] = Registry("advantage estimator")
 
 
+def _groups(scores: torch.Tensor, uid: torch.Tensor) -> tuple[torch.Tensor, int, torch.Tensor]:
+    """(group index [B], number of groups, tied [G]: whether a group's scores are all equal)."""
+    _, group = torch.unique(uid, return_inverse=True)
+    num_groups = int(group.max()) + 1 if group.numel() else 0
+    gmax = torch.full((num_groups,), float("-inf"), dtype=scores.dtype, device=scores.device)
+    gmin = torch.full((num_groups,), float("inf"), dtype=scores.dtype, device=scores.device)
+    gmax = gmax.scatter_reduce(0, group, scores, reduce="amax")
+    gmin = gmin.scatter_reduce(0, group, scores, reduce="amin")
+    return group, num_groups, gmax == gmin
+
+
 @ADV_ESTIMATORS.register("grpo")
 def group_advantages(
     scores: torch.Tensor, uid: torch.Tensor, mask: torch.Tensor, *, norm_by_std: bool = True, eps: float = ADV_EPS
@@ -35,8 +46,7 @@ def group_advantages(
     `A_i = (s_i - mean_g) / (std_g + eps)` with the unbiased std, or `s_i - mean_g` when
     `norm_by_std` is False (DrGRPO). Groups of one and groups of equal scores give 0.
     """
-    _, group = torch.unique(uid, return_inverse=True)
-    num_groups = int(group.max()) + 1 if group.numel() else 0
+    group, num_groups, tied = _groups(scores, uid)
     dtype = scores.dtype
     count = torch.zeros(num_groups, dtype=dtype, device=scores.device).index_add_(0, group, torch.ones_like(scores))
     total = torch.zeros(num_groups, dtype=dtype, device=scores.device).index_add_(0, group, scores)
@@ -45,12 +55,8 @@ def group_advantages(
     sq = torch.zeros(num_groups, dtype=dtype, device=scores.device).index_add_(0, group, centered * centered)
     var = sq / (count - 1).clamp(min=1)
     std = var.sqrt()
-    gmax = torch.full((num_groups,), float("-inf"), dtype=dtype, device=scores.device)
-    gmin = torch.full((num_groups,), float("inf"), dtype=dtype, device=scores.device)
-    gmax = gmax.scatter_reduce(0, group, scores, reduce="amax")
-    gmin = gmin.scatter_reduce(0, group, scores, reduce="amin")
     # Ties and singletons carry no signal: force an exact 0 instead of rounding noise / NaN.
-    no_signal = (count < 2) | (gmax == gmin)
+    no_signal = (count < 2) | tied
     adv = centered / (std[group] + eps) if norm_by_std else centered
     adv = torch.where(no_signal[group], torch.zeros_like(adv), adv)
     return adv.unsqueeze(-1) * mask.to(dtype)
@@ -58,13 +64,7 @@ def group_advantages(
 
 def zero_std_group_fraction(scores: torch.Tensor, uid: torch.Tensor) -> torch.Tensor:
     """Fraction of groups whose scores are all equal (no learning signal). scores, uid: [B]."""
-    _, group = torch.unique(uid, return_inverse=True)
-    num_groups = int(group.max()) + 1 if group.numel() else 0
-    gmax = torch.full((num_groups,), float("-inf"), dtype=scores.dtype, device=scores.device)
-    gmin = torch.full((num_groups,), float("inf"), dtype=scores.dtype, device=scores.device)
-    gmax = gmax.scatter_reduce(0, group, scores, reduce="amax")
-    gmin = gmin.scatter_reduce(0, group, scores, reduce="amin")
-    return (gmax == gmin).to(scores.dtype).mean()
+    return _groups(scores, uid)[2].to(scores.dtype).mean()
 
 
 def clip_scores(scores: torch.Tensor, clip: float) -> torch.Tensor:

@@ -230,3 +230,9 @@ def test_doctor_json(capsys):
     assert info["packages"]["torch"] == torch.__version__
     assert main(["doctor"]) == 0
     assert "collective" in capsys.readouterr().out
+
+
+def test_cli_module_does_not_import_torch():
+    """The CANN guard in main() must run before torch is imported."""
+    code = "import sys, portagrpo.cli; sys.exit(1 if 'torch' in sys.modules else 0)"
+    assert subprocess.run([sys.executable, "-c", code], cwd="/").returncode == 0
