@@ -17,7 +17,38 @@ def register_backend(name: str, factory: Callable[[], BaseBackend]) -> None:
     _FACTORIES[name] = factory
 
 
+ENTRY_POINT_GROUP = "portagrpo.backends"
+_PLUGINS_LOADED = False
+
+
+def load_plugins() -> None:
+    """Register the backends that installed packages declare in the `portagrpo.backends`
+    entry-point group (name = the `--device` value, object = a factory returning a backend).
+    Only the entry points are read here; a plugin's module is imported when its backend is built."""
+    global _PLUGINS_LOADED
+    if _PLUGINS_LOADED:
+        return
+    _PLUGINS_LOADED = True
+    from importlib.metadata import entry_points
+
+    for ep in entry_points(group=ENTRY_POINT_GROUP):
+        if ep.name not in _FACTORIES:
+            register_backend(ep.name, _lazy_factory(ep))
+
+
+def _lazy_factory(ep) -> Callable[[], BaseBackend]:
+    def build() -> BaseBackend:
+        try:
+            factory = ep.load()
+        except Exception as err:  # noqa: BLE001 - a broken plugin must not hide the others
+            raise BackendUnavailable(f"the backend plugin {ep.name!r} ({ep.value}) failed to import: {err}") from err
+        return factory()
+
+    return build
+
+
 def backend_names() -> list[str]:
+    load_plugins()
     return list(_FACTORIES)
 
 
@@ -32,6 +63,7 @@ AUTO_ORDER = ("npu", "cuda", "rocm", "cpu")
 
 
 def all_backends() -> list[BaseBackend]:
+    load_plugins()
     return [factory() for factory in _FACTORIES.values()]
 
 
@@ -41,6 +73,8 @@ def get_backend(name: str | None = None, factories: dict[str, Callable[[], BaseB
     `auto` (also when `name` is None and PORTAGRPO_DEVICE is unset) picks npu > cuda/rocm > cpu
     by what is really usable. `factories` lets tests inject backends built on fake probes.
     """
+    if factories is None:
+        load_plugins()
     table = factories or _FACTORIES
     requested = (name if name not in (None, "") else None) or os.environ.get("PORTAGRPO_DEVICE") or "auto"
     if requested == "auto":
@@ -66,5 +100,6 @@ __all__ = [
     "all_backends",
     "backend_names",
     "get_backend",
+    "load_plugins",
     "register_backend",
 ]

@@ -37,7 +37,10 @@ class BackendSpec:
     install_hint: str = ""
     # How data parallelism shards the policy: FSDP2 where the vendor runs it well, else replicated (DDP-style).
     default_parallel: str = "fsdp2"
+    parallel_choices: tuple[str, ...] = ("ddp", "fsdp2")
     rollout_engines: tuple[str, ...] = ("hf", "fixed", "vllm")
+    # dtypes the collective library reduces; None = any. HCCL on Atlas A2/A3 refuses float64.
+    collective_dtypes: tuple[torch.dtype, ...] | None = None
 
 
 @dataclass
@@ -214,6 +217,32 @@ class BaseBackend:
                 f"kernels.logprob={requested!r} is not available on --device {self.name}; "
                 f"choose one of {', '.join(('auto',) + self.spec.kernel_choices)}."
             )
+        return choice
+
+    def check_collective(self, tensor: torch.Tensor, op: str) -> None:
+        """Refuse, with the vendor's reason, a tensor the collective library would refuse: one on
+        another device than this backend's, or of a dtype it does not reduce."""
+        if tensor.device.type != self.device_type:
+            raise RuntimeError(f"{op}: the {self.dist_backend} collective of --device {self.name} takes "
+                               f"{self.device_type} tensors, got one on {tensor.device} (a placement bug).")
+        allowed = self.spec.collective_dtypes
+        if allowed is not None and tensor.dtype not in allowed:
+            raise RuntimeError(f"{op}: the {self.dist_backend} collective of --device {self.name} does not support "
+                               f"{tensor.dtype} (Unsupported data type); reduce in float32/int64 or on the host.")
+
+    def to_collective(self, tensor: torch.Tensor) -> torch.Tensor:
+        """The tensor the collective library is handed (the same one, except for host-staged backends)."""
+        return tensor
+
+    def from_collective(self, result: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+        return result
+
+    def parallel_strategy(self, requested: str) -> str:
+        choice = self.spec.default_parallel if requested == "auto" else requested
+        if choice not in self.spec.parallel_choices:
+            raise BackendUnavailable(
+                f"trainer.parallel={requested!r} does not run on --device {self.name}; use one of "
+                f"{', '.join(('auto',) + self.spec.parallel_choices)}.")
         return choice
 
     def rollout_engine(self, requested: str) -> str:

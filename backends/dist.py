@@ -71,6 +71,18 @@ class Collectives:
         """Concatenate equal-shaped tensors from every rank along dim 0, in rank order."""
         return tensor
 
+    def sum_on_host(self, values: torch.Tensor) -> torch.Tensor:
+        """Exact float64 sum over ranks of `values`, returned on the host.
+
+        Collective libraries differ in what they reduce (HCCL refuses float64), so the float64
+        values travel as their int64 bit patterns through an all-gather, and every rank adds them
+        up on the host in rank order: the same bits everywhere, on every vendor."""
+        return values.detach().to("cpu", torch.float64).clone()
+
+    def broadcast_(self, tensor: torch.Tensor, src: int = 0) -> None:
+        """Overwrite `tensor` in place with rank `src`'s."""
+        return None
+
     def broadcast_object(self, obj: Any, src: int = 0) -> Any:
         return obj
 
@@ -102,20 +114,37 @@ class ProcessGroupCollectives(Collectives):
                 f"The run is stopped; fix the failing rank and continue with --resume."
             ) from err
 
+    def _reduce(self, tensor: torch.Tensor, op, label: str) -> torch.Tensor:
+        self.backend.check_collective(tensor, label)
+        out = self.backend.to_collective(tensor.clone())
+        self._run(label, dist.all_reduce, out, op)
+        return self.backend.from_collective(out, like=tensor)
+
     def all_reduce_sum(self, tensor: torch.Tensor) -> torch.Tensor:
-        out = tensor.clone()
-        self._run("all_reduce(sum)", dist.all_reduce, out, dist.ReduceOp.SUM)
-        return out
+        return self._reduce(tensor, dist.ReduceOp.SUM, "all_reduce(sum)")
 
     def all_reduce_max(self, tensor: torch.Tensor) -> torch.Tensor:
-        out = tensor.clone()
-        self._run("all_reduce(max)", dist.all_reduce, out, dist.ReduceOp.MAX)
-        return out
+        return self._reduce(tensor, dist.ReduceOp.MAX, "all_reduce(max)")
 
     def all_gather_cat(self, tensor: torch.Tensor) -> torch.Tensor:
-        parts = [torch.empty_like(tensor) for _ in range(self.world_size)]
-        self._run("all_gather", dist.all_gather, parts, tensor.contiguous())
-        return torch.cat(parts, dim=0)
+        self.backend.check_collective(tensor, "all_gather")
+        staged = self.backend.to_collective(tensor.contiguous())
+        parts = [torch.empty_like(staged) for _ in range(self.world_size)]
+        self._run("all_gather", dist.all_gather, parts, staged)
+        return self.backend.from_collective(torch.cat(parts, dim=0), like=tensor)
+
+    def sum_on_host(self, values: torch.Tensor) -> torch.Tensor:
+        bits = values.detach().to(torch.float64).reshape(-1).view(torch.int64)
+        device = self.backend.device(self.env.local_rank)
+        gathered = self.all_gather_cat(bits.to(device).unsqueeze(0)).cpu()  # [world, n] int64
+        return gathered.view(torch.float64).sum(dim=0).reshape(values.shape)
+
+    def broadcast_(self, tensor: torch.Tensor, src: int = 0) -> None:
+        self.backend.check_collective(tensor, "broadcast")
+        staged = self.backend.to_collective(tensor)
+        self._run("broadcast", dist.broadcast, staged, src)
+        if staged is not tensor:
+            tensor.copy_(self.backend.from_collective(staged, like=tensor))
 
     def broadcast_object(self, obj: Any, src: int = 0) -> Any:
         box = [obj]

@@ -27,6 +27,9 @@ SPEC = BackendSpec(
     attention_choices=(NPU_ATTENTION, "sdpa", "eager"),
     kernel_choices=("reference", "chunked"),
     default_kernel="chunked",
+    # HCCL on Atlas A2/A3 answers "Unsupported data type" for float64.
+    collective_dtypes=(torch.float32, torch.float16, torch.bfloat16, torch.int64, torch.int32, torch.int16,
+                       torch.int8, torch.uint8, torch.bool),
     install_hint=("install the CANN toolkit and the torch_npu release matching your torch "
                   "(`pip install torch-npu==<torch version>`), then `" + SET_ENV_HINT + "`"),
 )

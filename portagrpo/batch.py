@@ -68,7 +68,8 @@ class TrainBatch:
     ref_logp: torch.Tensor | None  # [B, T] float32
 
     def select(self, idx: torch.Tensor | list[int]) -> "TrainBatch":
-        idx_t = torch.as_tensor(idx, dtype=torch.long)
+        # Indices often come from the host (randperm with a CPU generator, arange): move them to the data.
+        idx_t = torch.as_tensor(idx, dtype=torch.long).to(self.advantages.device)
         return TrainBatch(
             rollout=self.rollout.select(idx_t),
             advantages=self.advantages.index_select(0, idx_t),
