@@ -77,11 +77,9 @@ class Replicated(SingleProcess):
         return {}
 
     def wrap(self, scorer: torch.nn.Module, *, trainable: bool) -> torch.nn.Module:
-        import torch.distributed as dist
-
         with torch.no_grad():
             for tensor in list(scorer.parameters()) + list(scorer.buffers()):
-                dist.broadcast(tensor.data, src=0)  # identical starting weights everywhere
+                self.comm.broadcast_(tensor.data, src=0)  # identical starting weights everywhere
         return scorer
 
     def sync_grads(self, params: list[torch.nn.Parameter]) -> None:
@@ -125,8 +123,8 @@ class FSDP2(SingleProcess):
 STRATEGIES = {"none": SingleProcess, "ddp": Replicated, "fsdp2": FSDP2}
 
 
-def make_strategy(requested: str, default: str, comm: Collectives):
+def make_strategy(name: str, comm: Collectives):
+    """`name` is the backend's answer to trainer.parallel (see `BaseBackend.parallel_strategy`)."""
     if comm.world_size == 1:
         return SingleProcess(comm)
-    name = default if requested == "auto" else requested
     return STRATEGIES[name](comm)

@@ -95,9 +95,10 @@ def _scorer(model, kernel: str) -> ResponseScorer:
 
 
 def _batch(scn, device, rows=None):
+    # Fixtures live on the host; move them first, then index with `rows` (which is on `device`).
     idx = slice(None) if rows is None else rows
-    prompt_ids, prompt_mask = scn["prompt_ids"][idx].to(device), scn["prompt_mask"][idx].to(device)
-    responses, rmask = scn["responses"][idx].to(device), scn["response_mask"][idx].to(device)
+    prompt_ids, prompt_mask = scn["prompt_ids"].to(device)[idx], scn["prompt_mask"].to(device)[idx]
+    responses, rmask = scn["responses"].to(device)[idx], scn["response_mask"].to(device)[idx]
     return (torch.cat([prompt_ids, responses], 1), torch.cat([prompt_mask, rmask], 1), responses, rmask.bool())
 
 

@@ -5,12 +5,14 @@ trainer updates the policy, wakes before generation, and receives the updated we
 every optimizer step, gathered from the (possibly sharded) policy and streamed in buckets
 without touching the disk. vLLM is imported only when this engine is chosen.
 
-Written against vLLM's documented public API (`LLM`, `SamplingParams`, `TokensPrompt`,
-`LLM.sleep`/`wake_up`, `LLM.apply_model`); the pure parts (sampling-parameter mapping,
-weight-name mapping, bucketing) are tested without vLLM.
+Written against vLLM's V1 engine (`LLM`, `SamplingParams`, `TokensPrompt`, `LLM.sleep`/`wake_up` with
+tags, the in-process model runner); see SUPPORTED_VLLM. Not yet run against a real vLLM: the tests use a
+stand-in that models the semantics that decide correctness (per-request seeds, sleep/wake pool states,
+in-process model access, device placement), read from vLLM's source.
 """
 from __future__ import annotations
 
+import os
 from typing import Any, Iterable, Iterator
 
 import torch
@@ -67,7 +69,14 @@ def bucket_tensors(named: Iterable[tuple[str, torch.Tensor]], bucket_bytes: int)
         yield bucket
 
 
+SUPPORTED_VLLM = ">=0.10,<0.12"  # V1 engine: sleep-mode tags, external_launcher, in-process model access
+
+
 def _import_vllm():
+    # In-process engine core: the policy's weights are loaded into vLLM's model object directly, as TRL's
+    # colocate mode and verl do. With V1's default multiprocessing the model lives in another process and a
+    # Python callable cannot reach it (`LLM.apply_model` pickles through msgpack, which refuses closures).
+    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
     try:
         import vllm
         from vllm.inputs import TokensPrompt
@@ -77,49 +86,93 @@ def _import_vllm():
     return vllm, TokensPrompt
 
 
+class SleepState:
+    """Which of vLLM's memory pools are offloaded. vLLM's executor ignores `sleep` while any pool still
+    sleeps, and a tag-less `wake_up` remaps every pool, mapped or not; so every call here names exactly
+    the pools that are asleep, and `sleep` is only called when all of them are awake."""
+
+    POOLS = ("weights", "kv_cache")
+
+    def __init__(self) -> None:
+        self.asleep: set[str] = set()
+
+    def to_wake(self, wanted: tuple[str, ...]) -> list[str]:
+        return [p for p in wanted if p in self.asleep]
+
+
 @ROLLOUT_ENGINES.register("vllm")
 class VLLMRollout:
+    """Colocated vLLM (V1) engine, one per training rank.
+
+    Under torchrun each rank's engine is built with `distributed_executor_backend="external_launcher"`, which
+    places it on the rank's own device (LOCAL_RANK) and reuses the launcher's process group; a single process
+    uses the in-process uni executor. Lifecycle per step: generate (weights and KV cache awake) -> sleep(1) ->
+    training -> weights pushed (weights pool woken, KV cache still asleep) -> next generate wakes the KV cache.
+    """
+
     def __init__(self, model, tokenizer, autocast, generate_kwargs: dict | None = None, *, model_path: str,
                  dtype: str = "bfloat16", seed: int = 0, gpu_memory_utilization: float = 0.5,
-                 bucket_mb: int = 512, max_model_len: int | None = None, tied_embeddings: bool = False) -> None:
+                 bucket_mb: int = 512, max_model_len: int | None = None, tied_embeddings: bool = False,
+                 eos_ids: list[int] | None = None, empty_cache=None, world_size: int = 1) -> None:
         vllm, self._tokens_prompt = _import_vllm()
         self._sampling_cls = vllm.SamplingParams
         eos = tokenizer.eos_token_id
-        self.eos_ids = [eos] if isinstance(eos, int) else list(eos)
+        self.eos_ids = list(eos_ids) if eos_ids else ([eos] if isinstance(eos, int) else list(eos))
         self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else self.eos_ids[0]
         self.seed, self.bucket_bytes, self.tied = seed, bucket_mb * 2**20, tied_embeddings
+        self.empty_cache = empty_cache or (lambda: None)
         self.calls = 0
+        extra = {"distributed_executor_backend": "external_launcher"} if world_size > 1 else {}
         self.llm = vllm.LLM(model=model_path, tokenizer=model_path, dtype=dtype, seed=seed,
                             gpu_memory_utilization=gpu_memory_utilization, enable_sleep_mode=True,
-                            max_model_len=max_model_len)
-        self.llm.sleep(level=1)  # hand the memory to training until the first rollout
-        self.awake = False
+                            max_model_len=max_model_len, tensor_parallel_size=1, **extra)
+        self.state = SleepState()
+        self._sleep()  # hand the memory to training until the first rollout
 
-    def _wake(self, tags: list[str] | None = None) -> None:
-        self.llm.wake_up(tags=tags) if tags else self.llm.wake_up()
+    def _sleep(self) -> None:
+        self.llm.sleep(level=1)
+        self.state.asleep = set(SleepState.POOLS)
+
+    def _wake(self, pools: tuple[str, ...]) -> None:
+        tags = self.state.to_wake(pools)
+        if not tags:
+            return
+        self.empty_cache()  # training's cached blocks go back to the driver before vLLM maps its pools
+        self.llm.wake_up(tags=tags)
+        self.state.asleep -= set(tags)
+
+    def _model(self):
+        """vLLM's model object in this process (the path verl and TRL's colocate mode use)."""
+        return self.llm.llm_engine.model_executor.driver_worker.worker.model_runner.model
 
     def update_weights(self, state: dict[str, torch.Tensor]) -> int:
-        """Push a full state dict into the sleeping engine, bucket by bucket. Returns the bucket count."""
-        self._wake(["weights"])  # weights only: no KV cache while training memory is in use
-        count = 0
+        """Load a full state dict into the engine, bucket by bucket. Returns the bucket count. The weights
+        stay mapped (the next thing the engine does is generate); the KV cache stays asleep."""
+        self._wake(("weights",))
+        model, count = self._model(), 0
         for bucket in bucket_tensors(vllm_weight_names(state, tied_embeddings=self.tied), self.bucket_bytes):
-            self.llm.apply_model(lambda model, b=bucket: model.load_weights(weights=b))
+            model.load_weights(weights=bucket)
             count += 1
-        self.llm.sleep(level=1)
         return count
+
+    def request_seeds(self, count: int) -> list[int]:
+        """One seed per request: a group's n copies of a prompt must be independent draws, and vLLM seeds
+        each request's sampler from its own SamplingParams.seed."""
+        base = (self.seed * 1_000_003 + self.calls * 2**20) % 2**31
+        self.calls += 1
+        return [(base + i) % 2**31 for i in range(count)]
 
     @torch.no_grad()
     def generate(self, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, params: SamplingParams):
-        self._wake()
+        self._wake(SleepState.POOLS)
         try:
             prompts = [self._tokens_prompt(prompt_token_ids=[t for t, m in zip(ids, mask) if m])
                        for ids, mask in zip(prompt_ids.tolist(), prompt_mask.tolist())]
-            # a distinct seed per call keeps sampling reproducible without repeating itself
-            kwargs = sampling_kwargs(params, seed=self.seed + self.calls, stop_token_ids=self.eos_ids)
-            self.calls += 1
-            outputs = self.llm.generate(prompts, self._sampling_cls(**kwargs), use_tqdm=False)
+            sampling = [self._sampling_cls(**sampling_kwargs(params, seed=s, stop_token_ids=self.eos_ids))
+                        for s in self.request_seeds(len(prompts))]
+            outputs = self.llm.generate(prompts, sampling, use_tqdm=False)
         finally:
-            self.llm.sleep(level=1)
+            self._sleep()
         rows = []
         for out in outputs:
             tokens = list(out.outputs[0].token_ids)[: params.max_tokens]

@@ -84,7 +84,7 @@ class Trainer:
         if self.comm.is_main:
             self.run_dir.mkdir(parents=True, exist_ok=True)
             (self.run_dir / "config.yaml").write_text(to_yaml(cfg))
-        self.strategy = make_strategy(cfg.trainer.parallel, self.backend.spec.default_parallel, self.comm)
+        self.strategy = make_strategy(self.backend.parallel_strategy(cfg.trainer.parallel), self.comm)
         self.kernel_name = self.backend.kernel_implementation(cfg.kernels.logprob)
         self.kernel = logprob_impl(self.kernel_name)
         self._setup_data()
@@ -113,8 +113,9 @@ class Trainer:
                      "dtype": {"fp32": "float32", "bf16": "bfloat16", "fp64": "float32"}[cfg.model.dtype],
                      "seed": cfg.trainer.seed + 7919 * self.comm.rank,
                      "gpu_memory_utilization": r.vllm_gpu_memory_utilization, "bucket_mb": r.vllm_weight_bucket_mb,
-                     "max_model_len": r.vllm_max_model_len,
-                     "tied_embeddings": bool(getattr(self.policy.config, "tie_word_embeddings", False))}
+                     "max_model_len": r.vllm_max_model_len or cfg.data.max_prompt_length + cfg.data.max_response_length,
+                     "tied_embeddings": bool(getattr(self.policy.config, "tie_word_embeddings", False)),
+                     "empty_cache": self.backend.empty_cache, "world_size": self.comm.world_size}
         return engine_cls(self.scorer, self.tokenizer, self.autocast, self.strategy.generate_kwargs, **extra)
 
     def push_weights_to_engine(self) -> None:
@@ -426,8 +427,9 @@ class Trainer:
             order = torch.randperm(batch.rollout.size, generator=g)
             for mini_idx in order.split(a.ppo_mini_batch_size):
                 mine = batch.select(mini_idx[self.comm.rank * per_rank:(self.comm.rank + 1) * per_rank])
-                n_tok, n_seq = algo.loss_normalizers(mine.rollout.response_mask)
-                n_tok, n_seq = self.comm.all_reduce_sum(n_tok), self.comm.all_reduce_sum(n_seq)
+                # Counts are whole numbers: reduced exactly as int64 (no vendor reduces float64 everywhere).
+                counts = torch.stack(algo.loss_normalizers(mine.rollout.response_mask)).round().long()
+                n_tok, n_seq = self.comm.all_reduce_sum(counts).to(torch.float64).unbind()
                 self.optimizer.zero_grad(set_to_none=True)
                 for micro_idx in torch.arange(per_rank).split(a.micro_batch_size):
                     micro = mine.select(micro_idx)
@@ -453,8 +455,8 @@ class Trainer:
 
     def _reduce_update_metrics(self, sums, n_updates: int, grad_norms: list[float]) -> dict[str, float]:
         keys = sorted(sums)
-        values = torch.stack([torch.as_tensor(sums[k], dtype=torch.float64) for k in keys]).to(self.device)
-        total = dict(zip(keys, self.comm.all_reduce_sum(values).tolist()))
+        values = torch.stack([torch.as_tensor(sums[k], dtype=torch.float64, device=self.device) for k in keys])
+        total = dict(zip(keys, self.comm.sum_on_host(values).tolist()))  # exact fp64, never an fp64 collective
         out = {}
         for k, v in total.items():
             if k.endswith("/w"):
@@ -549,8 +551,8 @@ class Trainer:
             x = local.detach().double()
             names.append(name.removeprefix("lm."))
             values.append(torch.stack([x.sum(), (x * x).sum()]))
-        total = self.comm.all_reduce_sum(torch.stack(values)) if values else torch.zeros(0, 2)
-        return {n: v.tolist() for n, v in zip(names, total.cpu())}
+        total = self.comm.sum_on_host(torch.stack(values)) if values else torch.zeros(0, 2, dtype=torch.float64)
+        return {n: v.tolist() for n, v in zip(names, total)}
 
     def train_on(self, batch: TrainBatch, info: dict[str, Any], t0: float) -> StepOutput:
         step = self.step_done + 1
@@ -564,7 +566,7 @@ class Trainer:
         rb, adv, raw = batch.rollout, batch.advantages, info["raw_scores"]
         mask = rb.response_mask
         resp_tokens = float(mask.sum())
-        peak = torch.tensor(self.backend.peak_memory_gb(), dtype=torch.float64, device=self.device)
+        peak = torch.tensor(self.backend.peak_memory_gb(), dtype=torch.float32, device=self.device)
         metrics = {
             "step": step,
             "reward_mean": float(raw.mean()),
@@ -625,7 +627,7 @@ class Trainer:
             totals += torch.stack([(w[:, None] * scores).sum(), (w[:, None] * correct).sum(), w.sum() * k,
                                    (w * correct.max(dim=1).values).sum()])
         torch.set_rng_state(state)
-        score_sum, correct_sum, count, solved = self.comm.all_reduce_sum(totals.to(self.device)).tolist()
+        score_sum, correct_sum, count, solved = self.comm.sum_on_host(totals).tolist()
         out = {"val/reward_mean": score_sum / count, "val/acc": correct_sum / count}
         if k > 1:
             out[f"val/pass@{k}"] = solved / (count / k)

@@ -42,37 +42,79 @@ def test_bucketing_respects_the_limit():
 
 
 class _FakeModel:
-    def __init__(self, log):
-        self.log = log
+    def __init__(self, llm):
+        self.llm = llm
 
     def load_weights(self, weights):
-        self.log.append(("load", [(n, t.clone()) for n, t in weights]))
+        if "weights" in self.llm.asleep:  # weights offloaded: loading into unmapped memory would fault
+            raise RuntimeError("load_weights while the weights pool is asleep")
+        self.llm.log.append(("load", [(n, t.clone()) for n, t in weights]))
 
 
 class _FakeLLM:
-    """Records what portagrpo asks of vllm.LLM; generates digits then EOS."""
+    """A stand-in for vllm.LLM (V1) that models what decides correctness, as vLLM's source defines it:
+
+    - sleep mode (vllm/v1/executor/abstract.py + device_allocator/cumem.py): `sleep` while any pool is
+      still asleep is ignored ("Executor is already sleeping"); `wake_up(tags)` remaps exactly those pools,
+      and a tag-less `wake_up()` remaps every pool, so waking a pool that is mapped faults;
+    - sampling: each request's generator is seeded from its own SamplingParams.seed (same seed, same
+      prompt -> same tokens); seed=None draws from the engine's generator seeded by LLM(seed=);
+    - V1 multiprocessing (the default) keeps the model in another process: `apply_model` with a closure
+      fails in msgpack, and the model runner is reachable only with VLLM_ENABLE_V1_MULTIPROCESSING=0;
+    - placement: the uni executor uses device 0; external_launcher uses the launcher's LOCAL_RANK.
+    """
 
     instances = []
 
     def __init__(self, **kwargs):
+        import os
+
         self.kwargs, self.log = kwargs, []
+        self.asleep: set = set()
+        self.multiprocessing = os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING", "1") != "0"
+        launcher = kwargs.get("distributed_executor_backend") == "external_launcher"
+        self.device_index = int(os.environ.get("LOCAL_RANK", "0")) if launcher else 0
+        self.rng = torch.Generator().manual_seed(kwargs.get("seed", 0))
+        model = _FakeModel(self)
+        runner = types.SimpleNamespace(model=model)
+        executor = types.SimpleNamespace(driver_worker=types.SimpleNamespace(worker=types.SimpleNamespace(
+            model_runner=runner)))
+        self.llm_engine = types.SimpleNamespace() if self.multiprocessing else types.SimpleNamespace(
+            model_executor=executor)
         _FakeLLM.instances.append(self)
 
     def sleep(self, level):
+        if self.asleep:
+            self.log.append(("sleep-ignored", level))
+            return
+        self.asleep = {"weights", "kv_cache"}
         self.log.append(("sleep", level))
 
     def wake_up(self, tags=None):
+        wanted = set(tags) if tags else {"weights", "kv_cache"}
+        mapped = wanted - self.asleep
+        if mapped:
+            raise RuntimeError(f"cuMemMap on already-mapped memory ({sorted(mapped)})")
+        self.asleep -= wanted
         self.log.append(("wake", tuple(tags) if tags else None))
 
     def apply_model(self, fn):
-        return fn(_FakeModel(self.log))
+        if self.multiprocessing:
+            raise TypeError("Object of type function is not msgpack serializable")
+        return fn(self.llm_engine.model_executor.driver_worker.worker.model_runner.model)
 
     def generate(self, prompts, sampling, use_tqdm=False):
-        self.log.append(("generate", len(prompts), sampling.kwargs))
+        if self.asleep:
+            raise RuntimeError(f"generate while {sorted(self.asleep)} asleep")
+        params = sampling if isinstance(sampling, list) else [sampling] * len(prompts)
+        assert len(params) == len(prompts)
+        self.log.append(("generate", len(prompts), params[0].kwargs, [p.kwargs["seed"] for p in params]))
         out = []
-        for i, p in enumerate(prompts):
-            n = 1 + (len(p["prompt_token_ids"]) + i) % 5
-            ids = [5 + i % 10] * n + [2]
+        for p, sp in zip(prompts, params):
+            seed = sp.kwargs["seed"]
+            g = self.rng if seed is None else torch.Generator().manual_seed(seed + sum(p["prompt_token_ids"]))
+            n = int(torch.randint(1, 6, (1,), generator=g))
+            ids = torch.randint(5, 15, (n,), generator=g).tolist() + [2]
             out.append(types.SimpleNamespace(outputs=[types.SimpleNamespace(token_ids=ids)]))
         return out
 
@@ -94,23 +136,32 @@ def fake_vllm(monkeypatch):
     return _FakeLLM
 
 
-def test_trainer_drives_the_engine(tmp_path, fake_vllm):
+def _trainer(tmp_path, *extra):
     from portagrpo.config import load_config
     from portagrpo.trainer import Trainer
 
     cfg = load_config(None, ["rollout.engine=vllm", "trainer.test_freq=0", "data.train_batch_size=4", "rollout.n=4",
                              "actor.ppo_mini_batch_size=16", "actor.micro_batch_size=8", "data.train_size=32",
-                             "rollout.vllm_weight_bucket_mb=0", "rollout.temperature=0.8", "rollout.top_k=20"])
-    t = Trainer(cfg, run_dir=tmp_path, log=lambda m: None).setup()
+                             "rollout.vllm_weight_bucket_mb=0", "rollout.temperature=0.8", "rollout.top_k=20", *extra])
+    return Trainer(cfg, run_dir=tmp_path, log=lambda m: None).setup()
+
+
+def test_trainer_drives_the_engine(tmp_path, fake_vllm, monkeypatch):
+    monkeypatch.delenv("VLLM_ENABLE_V1_MULTIPROCESSING", raising=False)
+    t = _trainer(tmp_path)
     (llm,) = fake_vllm.instances
     assert llm.kwargs["model"] == str(tmp_path / "init_model") and llm.kwargs["enable_sleep_mode"] is True
+    assert not llm.multiprocessing  # the engine core runs in-process, so weights can be loaded directly
+    assert llm.kwargs["max_model_len"] == t.cfg.data.max_prompt_length + t.cfg.data.max_response_length
     assert llm.log == [("sleep", 1)]  # asleep until the first rollout
     metrics = t.step().metrics
     kinds = [e[0] for e in llm.log]
-    # wake, generate, sleep, then after the optimizer step: wake weights only, load, sleep
+    # wake everything, generate, sleep; after the optimizer step the weights pool alone wakes and is loaded
     assert kinds[:4] == ["sleep", "wake", "generate", "sleep"] and llm.log[4] == ("wake", ("weights",))
+    assert "sleep-ignored" not in kinds
     gen = next(e for e in llm.log if e[0] == "generate")
     assert gen[1] == 16 and gen[2]["temperature"] == 0.8 and gen[2]["top_k"] == 20 and gen[2]["max_tokens"] == 10
+    assert len(set(gen[3])) == 16  # one seed per request
     loads = [e[1] for e in llm.log if e[0] == "load"]
     assert all(len(b) == 1 for b in loads)  # 0 MiB buckets: one tensor each
     pushed = dict(pair for b in loads for pair in b)
@@ -118,9 +169,42 @@ def test_trainer_drives_the_engine(tmp_path, fake_vllm):
     assert "lm_head.weight" not in pushed  # tied embeddings
     for name, tensor in pushed.items():
         assert torch.equal(tensor, state[name]), name  # the weights after the update
-    assert kinds[-1] == "sleep" and metrics["response_len_mean"] > 1
-    t.step()
+    assert llm.asleep == {"kv_cache"} and metrics["response_len_mean"] > 1
+    t.step()  # the next rollout wakes only the KV cache (a tag-less wake would remap the weights and fault)
+    assert [e for e in llm.log if e[0] == "wake"][2] == ("wake", ("kv_cache",))
     assert sum(1 for e in llm.log if e[0] == "generate") == 2
+
+
+def test_samples_of_a_group_differ(tmp_path, fake_vllm):
+    """The trainer repeats each prompt n times; with one seed for all requests vLLM returns n identical
+    samples and GRPO sees zero advantage. Each request now carries its own seed."""
+    t = _trainer(tmp_path)
+    rb = t.rollout(t.loader.next_batch(), 4, SamplingParams(8, 0.8), uid_base=0)
+    groups = rb.responses.view(4, 4, -1)
+    for g in groups:
+        assert len({tuple(r.tolist()) for r in g}) > 1
+
+
+def test_engine_lands_on_the_ranks_device(tmp_path, fake_vllm, monkeypatch):
+    from portagrpo.rollout_vllm import VLLMRollout
+
+    monkeypatch.setenv("LOCAL_RANK", "1")
+    tok = types.SimpleNamespace(eos_token_id=2, pad_token_id=0)
+    VLLMRollout(None, tok, None, model_path="m", world_size=2)
+    VLLMRollout(None, tok, None, model_path="m", world_size=1)
+    assert [llm.device_index for llm in fake_vllm.instances] == [1, 0]
+
+
+def test_waking_empties_the_training_cache_first(fake_vllm):
+    from portagrpo.rollout_vllm import VLLMRollout
+
+    events = []
+    tok = types.SimpleNamespace(eos_token_id=2, pad_token_id=0)
+    engine = VLLMRollout(None, tok, None, model_path="m", empty_cache=lambda: events.append("empty"))
+    real_wake = engine.llm.wake_up
+    engine.llm.wake_up = lambda tags=None: (events.append(("wake", tuple(tags))), real_wake(tags))
+    engine.update_weights({"model.embed_tokens.weight": torch.zeros(2)})
+    assert events == ["empty", ("wake", ("weights",))]
 
 
 def test_missing_vllm_is_one_sentence(tmp_path, monkeypatch):
