@@ -100,6 +100,14 @@ def _rss_peak_gb() -> float:
         return 0.0
 
 
+def fsdp2_sum_reduction_available() -> bool:
+    try:
+        from torch.distributed.fsdp import FSDPModule
+    except ImportError:
+        return False
+    return hasattr(FSDPModule, "set_force_sum_reduction_for_comms")
+
+
 class BaseBackend:
     """Behaviour shared by every backend; vendor modules override what differs."""
 
@@ -239,6 +247,13 @@ class BaseBackend:
 
     def parallel_strategy(self, requested: str) -> str:
         choice = self.spec.default_parallel if requested == "auto" else requested
+        if choice == "fsdp2" and not fsdp2_sum_reduction_available():
+            if requested == "auto":
+                choice = "ddp"  # FSDP2 without plain-SUM comms would average gradients; replicate instead
+            else:
+                raise BackendUnavailable(
+                    f"trainer.parallel=fsdp2 needs torch >= 2.8 (FSDPModule.set_force_sum_reduction_for_comms); "
+                    f"torch {torch.__version__} is installed: upgrade torch or use trainer.parallel=ddp.")
         if choice not in self.spec.parallel_choices:
             raise BackendUnavailable(
                 f"trainer.parallel={requested!r} does not run on --device {self.name}; use one of "

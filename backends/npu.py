@@ -57,6 +57,11 @@ def npu_attention_forward(
         import torch_npu
 
         fused_op = torch_npu.npu_fusion_attention
+    # The fused op needs one dtype for q, k and v. Under autocast the projections come out in the autocast
+    # dtype but RoPE multiplies q and k by fp32 cos/sin, which promotes them back to fp32.
+    device_type = query.device.type
+    dtype = torch.get_autocast_dtype(device_type) if torch.is_autocast_enabled(device_type) else value.dtype
+    query, key, value = query.to(dtype), key.to(dtype), value.to(dtype)
     heads, q_len, kv_len = query.shape[1], query.shape[2], key.shape[2]
     if key.shape[1] != heads:  # grouped-query attention: give every query head its key/value head
         groups = heads // key.shape[1]
@@ -87,6 +92,15 @@ def register_npu_attention(fused_op: Callable[..., Any] | None = None) -> str:
     return NPU_ATTENTION
 
 
+def transformers_has_attention_masks() -> bool:
+    import importlib.util
+
+    try:
+        return importlib.util.find_spec("transformers.masking_utils") is not None
+    except (ImportError, ValueError):
+        return False
+
+
 class NPUBackend(AcceleratorBackend):
     def __init__(self, probe: RuntimeProbe | None = None, *, torch_npu_present: Callable[[], bool] = torch_npu_installed,
                  cann_present: Callable[[], bool] = cann_found) -> None:
@@ -105,6 +119,11 @@ class NPUBackend(AcceleratorBackend):
 
     def attention_implementation(self, requested: str, dtype: torch.dtype) -> str:
         choice = super().attention_implementation(requested, dtype)
+        if choice == NPU_ATTENTION and not transformers_has_attention_masks():
+            if requested == "auto":
+                return "sdpa"
+            raise BackendUnavailable("model.attn_implementation=npu_fusion needs transformers >= 4.53 "
+                                     "(transformers.masking_utils); upgrade transformers or use sdpa.")
         if choice == NPU_ATTENTION:
             register_npu_attention()
         return choice

@@ -85,9 +85,11 @@ def _rank_env(ranks: list[dict], i: int, master: tuple[str, int], env_vars: tupl
     same_node = [j for j, r in enumerate(ranks) if r["ip"] == ranks[i]["ip"]]
     env = {"RANK": str(i), "WORLD_SIZE": str(len(ranks)), "LOCAL_RANK": str(same_node.index(i)),
            "LOCAL_WORLD_SIZE": str(len(same_node)), "MASTER_ADDR": master[0], "MASTER_PORT": str(master[1])}
-    if ranks[i]["accelerators"]:
-        for var in env_vars:
-            env[var] = ",".join(ranks[i]["accelerators"])
+    if ranks[i]["accelerators"] and env_vars:
+        # Only the backend's primary variable: Ray's ids index the list that variable filters. On ROCm,
+        # ROCR_VISIBLE_DEVICES filters first and HIP_VISIBLE_DEVICES then indexes what is left, so
+        # setting both to k would ask HIP for device k of a one-device list (no device at all).
+        env[env_vars[0]] = ",".join(ranks[i]["accelerators"])
         env["LOCAL_RANK"] = "0"  # each worker sees exactly its own device
     return env
 

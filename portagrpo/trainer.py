@@ -551,7 +551,13 @@ class Trainer:
             x = local.detach().double()
             names.append(name.removeprefix("lm."))
             values.append(torch.stack([x.sum(), (x * x).sum()]))
-        total = self.comm.sum_on_host(torch.stack(values)) if values else torch.zeros(0, 2, dtype=torch.float64)
+        sharded = any(hasattr(p, "to_local") for p in self.scorer.parameters())
+        if not values:
+            total = torch.zeros(0, 2, dtype=torch.float64)
+        elif sharded:  # FSDP2 shards add up to the whole tensor
+            total = self.comm.sum_on_host(torch.stack(values))
+        else:  # every rank holds the whole model: summing over ranks would count it world_size times
+            total = torch.stack(values).cpu()
         return {n: v.tolist() for n, v in zip(names, total)}
 
     def train_on(self, batch: TrainBatch, info: dict[str, Any], t0: float) -> StepOutput:

@@ -24,11 +24,34 @@ OVERRIDES = [
 ]
 
 
+def use_hccl_rules() -> None:
+    """The CPU backend with HCCL's collective rules (Atlas A2/A3 refuse float64), so gloo runs fail
+    exactly where a multi-NPU run would."""
+    from dataclasses import replace
+
+    from portagrpo.backends import cpu, npu, register_backend
+
+    def build():
+        backend = cpu.CPUBackend()
+        backend.spec = replace(backend.spec, collective_dtypes=npu.SPEC.collective_dtypes)
+        return backend
+
+    register_backend("cpu", build)
+
+
 def main() -> None:
     out, parallel, dtype = Path(sys.argv[1]), sys.argv[2], sys.argv[3]
-    cfg = load_config(None, [*OVERRIDES, f"trainer.parallel={parallel}", f"model.dtype={dtype}"])
+    hccl = os.environ.get("PORTAGRPO_TEST_HCCL_RULES") == "1"
+    if hccl:
+        use_hccl_rules()
+    extra = ["data.val_size=6", "rollout.val_n=2", "rollout.val_temperature=1.0"] if hccl else []
+    cfg = load_config(None, [*OVERRIDES, *extra, f"trainer.parallel={parallel}", f"model.dtype={dtype}",
+                             "trainer.device=cpu"])
     trainer = Trainer(cfg, run_dir=out / "run", log=lambda m: None).setup()
     metrics = [trainer.step().metrics for _ in range(2)]
+    if hccl:  # every reduction a step, validation and a rollout recording make
+        metrics.append(trainer.validate())
+        metrics.append({"fingerprint": trainer.param_fingerprint()})
     state = trainer.strategy.model_state(trainer.scorer)
     if trainer.comm.is_main:
         torch.save({"metrics": metrics, "state": state, "world": trainer.comm.world_size}, out / "result.pt")

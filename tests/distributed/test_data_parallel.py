@@ -19,14 +19,14 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def run_worker(out: Path, nproc: int, parallel: str, dtype: str) -> dict:
+def run_worker(out: Path, nproc: int, parallel: str, dtype: str, env: dict | None = None) -> dict:
     out.mkdir(parents=True, exist_ok=True)
     if nproc == 1:
         cmd = [sys.executable, str(HERE / "dp_worker.py"), str(out), parallel, dtype]
     else:
         cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc), "--master-port",
                str(_free_port()), str(HERE / "dp_worker.py"), str(out), parallel, dtype]
-    res = subprocess.run(cmd, env=ENV, capture_output=True, text=True, timeout=600, cwd="/")
+    res = subprocess.run(cmd, env={**ENV, **(env or {})}, capture_output=True, text=True, timeout=600, cwd="/")
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
     return torch.load(out / "result.pt", weights_only=False)
 
@@ -55,6 +55,23 @@ def test_two_processes_match_one(tmp_path, single, parallel, dtype, tol):
     for name, p1 in one["state"].items():
         assert relative_error(two["state"][name], p1) < tol, name
     assert one["metrics"][1]["loss_policy"] != one["metrics"][0]["loss_policy"]  # a real second step
+
+
+def test_no_float64_collective_under_hccl_rules(tmp_path):
+    """HCCL on Atlas A2/A3 refuses float64 all-reduces. With its rules on gloo, two ranks run a step's update
+    metrics, token counts, peak memory, validation totals and the parameter fingerprint without one, and the
+    float64 sums still match one process (they travel as exact bit patterns and add up on the host)."""
+    hccl = {"PORTAGRPO_TEST_HCCL_RULES": "1"}
+    two = run_worker(tmp_path / "two", 2, "ddp", "fp32", hccl)
+    one = run_worker(tmp_path / "one", 1, "ddp", "fp32", hccl)
+    for key in ("loss_policy", "grad_norm", "kl"):
+        assert two["metrics"][1][key] == pytest.approx(one["metrics"][1][key], rel=2e-5, abs=1e-7), key
+    val = two["metrics"][2]  # validation reduced its totals (samples differ by rank, so no equality here)
+    assert set(val) == {"val/reward_mean", "val/acc", "val/pass@2"} and all(0 <= v <= 1 for v in val.values())
+    fp1, fp2 = one["metrics"][3]["fingerprint"], two["metrics"][3]["fingerprint"]
+    assert fp1.keys() == fp2.keys()
+    for k in fp1:  # (sum, sum of squares): a sum near 0 needs an absolute bound
+        assert fp2[k][0] == pytest.approx(fp1[k][0], abs=1e-4) and fp2[k][1] == pytest.approx(fp1[k][1], rel=2e-5), k
 
 
 def _spawn_pair(mode: str, timeout: float):

@@ -59,3 +59,15 @@ def test_rank_environment():
     gpu = [{"ip": "a", "accelerators": ["3"]}, {"ip": "a", "accelerators": ["5"]}]
     env = _rank_env(gpu, 1, ("a", 1), ("ASCEND_RT_VISIBLE_DEVICES",))
     assert env["ASCEND_RT_VISIBLE_DEVICES"] == "5" and env["LOCAL_RANK"] == "0"
+
+
+def test_rocm_rank_sees_its_device():
+    """ROCR_VISIBLE_DEVICES filters before HIP_VISIBLE_DEVICES; both set to 3 leave HIP no device 3."""
+    from portagrpo.backends.rocm import SPEC
+
+    env = _rank_env([{"ip": "a", "accelerators": ["3"]}], 0, ("a", 1), SPEC.visible_devices_env)
+    visible = list(range(8))  # what the node's ROCr runtime exposes
+    if "ROCR_VISIBLE_DEVICES" in env:
+        visible = [visible[int(k)] for k in env["ROCR_VISIBLE_DEVICES"].split(",")]
+    hip = [visible[int(k)] for k in env["HIP_VISIBLE_DEVICES"].split(",") if int(k) < len(visible)]
+    assert hip == [3] and env["LOCAL_RANK"] == "0"

@@ -158,6 +158,8 @@ def test_cann_search_uses_library_path(tmp_path, monkeypatch):
 def _doc_fused_attention(query, key, value, head_num, input_layout, *, atten_mask=None, scale=1.0, keep_prob=1.0, **kw):
     """The computation Ascend documents for npu_fusion_attention (BNSD; mask True = not attended)."""
     assert input_layout == "BNSD" and head_num == query.shape[1] and keep_prob == 1.0
+    if not query.dtype == key.dtype == value.dtype:  # Ascend: query, key and value must share one dtype
+        raise RuntimeError(f"npu_fusion_attention: dtypes differ ({query.dtype}, {key.dtype}, {value.dtype})")
     scores = (query @ key.transpose(-1, -2)) * scale
     scores = scores.masked_fill(atten_mask, -10000.0)
     out = torch.softmax(scores.float(), dim=-1).to(query.dtype) @ value
@@ -226,7 +228,11 @@ def test_doctor_json(capsys):
     info = json.loads(capsys.readouterr().out)
     rows = {r["backend"]: r for r in info["backends"]}
     assert rows["cpu"]["available"] and rows["cpu"]["dist_backend"] == "gloo"
-    assert set(rows) == {"cpu", "cuda", "rocm", "npu"}
+    assert {"cpu", "cuda", "rocm", "npu"} <= set(rows)
+    from importlib.metadata import entry_points
+
+    plugins = {ep.name for ep in entry_points(group="portagrpo.backends")}
+    assert set(rows) == {"cpu", "cuda", "rocm", "npu"} | plugins  # entry-point backends are listed too
     assert info["packages"]["torch"] == torch.__version__
     assert main(["doctor"]) == 0
     assert "collective" in capsys.readouterr().out
@@ -236,3 +242,27 @@ def test_cli_module_does_not_import_torch():
     """The CANN guard in main() must run before torch is imported."""
     code = "import sys, portagrpo.cli; sys.exit(1 if 'torch' in sys.modules else 0)"
     assert subprocess.run([sys.executable, "-c", code], cwd="/").returncode == 0
+
+
+def test_fsdp2_needs_sum_reduction(monkeypatch):
+    """FSDP2 without set_force_sum_reduction_for_comms (torch < 2.8) would average gradients."""
+    from portagrpo.backends import base
+    from portagrpo.backends.cpu import CPUBackend
+
+    backend = CPUBackend()
+    assert backend.parallel_strategy("fsdp2") == "fsdp2"
+    monkeypatch.setattr(base, "fsdp2_sum_reduction_available", lambda: False)
+    with pytest.raises(BackendUnavailable, match="needs torch >= 2.8"):
+        backend.parallel_strategy("fsdp2")
+    backend.spec = __import__("dataclasses").replace(backend.spec, default_parallel="fsdp2")
+    assert backend.parallel_strategy("auto") == "ddp"
+
+
+def test_npu_attention_needs_masking_utils(monkeypatch):
+    from portagrpo.backends import npu
+
+    monkeypatch.setattr(npu, "transformers_has_attention_masks", lambda: False)
+    backend = npu.NPUBackend()
+    assert backend.attention_implementation("auto", torch.bfloat16) == "sdpa"
+    with pytest.raises(BackendUnavailable, match="transformers >= 4.53"):
+        backend.attention_implementation(NPU_ATTENTION, torch.bfloat16)

@@ -20,7 +20,6 @@ backend when `--device emu` is chosen.
 """
 from __future__ import annotations
 
-import os
 import weakref
 from typing import Any
 
@@ -40,7 +39,9 @@ _CPU_INDEX_OK = {aten.index.Tensor, aten.index_put.default, aten.index_put_.defa
 
 
 def device_count() -> int:
-    return int(os.environ.get("PORTAGRPO_EMU_DEVICES", "2"))
+    # PyTorch's Python device guard reports one device to the autograd engine (deviceCount() == 1), so a
+    # second emulated device could not run backward: one device per process, as with one visible GPU.
+    return 1
 
 
 class _State:
@@ -63,8 +64,7 @@ class _State:
             device = torch.device(device)
             idx = self.current if device.index is None else device.index
         if not 0 <= idx < len(self.generators):
-            raise RuntimeError(f"{NAME} device {idx} is out of range: {len(self.generators)} devices are visible "
-                               f"(PORTAGRPO_EMU_DEVICES).")
+            raise RuntimeError(f"{NAME} device {idx} is out of range: {len(self.generators)} device(s) visible.")
         return idx
 
     def track(self, inner: torch.Tensor, idx: int) -> None:
