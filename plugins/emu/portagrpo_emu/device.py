@@ -395,6 +395,9 @@ def install() -> None:
         raise RuntimeError(f"the PrivateUse1 device is already taken by {current!r} in this process; "
                            f"the emulated device cannot be installed beside it.")
     STATE = _State()
+    # A C++ backend's tensors take `param.data = moved` in Module.to(), which keeps tied weights (embedding and
+    # LM head) one Parameter. A Python wrapper cannot, so swap tensors in place to keep the same identity.
+    torch.__future__.set_swap_module_params_on_conversion(True)
     _setup_privateuseone_for_python_backend(NAME, backend_module=EmuModule())
     lib = torch.library.Library("_", "IMPL")
     lib.fallback(_factory_fallback, dispatch_key="PrivateUse1")
