@@ -141,7 +141,7 @@ def _common_index(func, args, kwargs) -> int:
                 raise _mismatch(func, torch.device(NAME, index), t.device)
     if func in _TRANSFER_OPS:
         return index
-    for pos, t in enumerate(flat):
+    for t in flat:
         if isinstance(t, torch.Tensor) and not isinstance(t, EmuTensor):
             if t.dim() == 0 and t.device.type == "cpu":
                 continue  # a CPU scalar tensor is read as a number
