@@ -64,7 +64,7 @@ class TrainBatch:
 
     rollout: RolloutBatch
     advantages: torch.Tensor  # [B, T] float32
-    old_logp: torch.Tensor  # [B, T] float32
+    old_logp: torch.Tensor | None  # [B, T] float32; None on a fully on-policy step (the update's own, detached)
     ref_logp: torch.Tensor | None  # [B, T] float32
 
     def select(self, idx: torch.Tensor | list[int]) -> "TrainBatch":
@@ -73,6 +73,6 @@ class TrainBatch:
         return TrainBatch(
             rollout=self.rollout.select(idx_t),
             advantages=self.advantages.index_select(0, idx_t),
-            old_logp=self.old_logp.index_select(0, idx_t),
+            old_logp=None if self.old_logp is None else self.old_logp.index_select(0, idx_t),
             ref_logp=None if self.ref_logp is None else self.ref_logp.index_select(0, idx_t),
         )

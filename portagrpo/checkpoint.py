@@ -140,3 +140,33 @@ def load_checkpoint_state(path: Path) -> dict[str, Any]:
         "state": json.loads((path / "trainer_state.json").read_text()),
         "model_dir": path / "model",
     }
+
+
+# Hugging Face config fields that fix the shape of the weights.
+SHAPE_KEYS = ("model_type", "vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
+              "num_attention_heads", "num_key_value_heads", "tie_word_embeddings")
+
+
+def check_checkpoint_fits(ckpt: Path, model_config, lora_rank: int) -> None:
+    """One sentence when a checkpoint cannot be this run's state: LoRA switched on or off, another
+    adapter rank, or another model shape (all of which fail deep inside loading otherwise)."""
+    model_dir = Path(ckpt) / "model"
+    adapter = model_dir / "adapter_config.json"
+    fix = "resume with the run's own model settings (its config.yaml) or start a new run"
+    if adapter.is_file() != (lora_rank > 0):
+        held = "a LoRA adapter" if adapter.is_file() else "a full model"
+        asked = "trains the full model" if lora_rank == 0 else "asks for a LoRA adapter"
+        raise CheckpointError(f"checkpoint {ckpt} holds {held} but model.lora.rank={lora_rank} {asked}; {fix}.")
+    if adapter.is_file():
+        saved_rank = json.loads(adapter.read_text()).get("r")
+        if saved_rank != lora_rank:
+            raise CheckpointError(f"checkpoint {ckpt} holds a rank-{saved_rank} LoRA adapter but model.lora.rank="
+                                  f"{lora_rank}; {fix}.")
+        return
+    config_file = model_dir / "config.json"
+    saved = json.loads(config_file.read_text()) if config_file.is_file() else {}
+    for key in SHAPE_KEYS:
+        ours = getattr(model_config, key, None)
+        if key in saved and ours is not None and saved[key] != ours:
+            raise CheckpointError(f"checkpoint {ckpt} was trained with {key}={saved[key]} but this run's model has "
+                                  f"{key}={ours}; {fix}.")

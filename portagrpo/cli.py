@@ -4,6 +4,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import signal
 import sys
 import time
 from pathlib import Path
@@ -27,24 +28,6 @@ def _train_parser(sub) -> None:
     p.add_argument("--ray", action="store_true", help="place training workers with Ray (trainer.nnodes x trainer.devices_per_node)")
     p.add_argument("--ray-address", default=None, help="address of a running Ray cluster (default: start a local one)")
     p.add_argument("overrides", nargs="*", help="key=value overrides with dotted keys, e.g. actor.lr=1e-3")
-
-
-def _resolve_resume(resume: str | None, output_dir: str | None) -> tuple[Path | None, Path | None]:
-    """Returns (run_dir, resume target)."""
-    if resume is None:
-        return (Path(output_dir) if output_dir else None), None
-    if resume == "auto":
-        if output_dir:
-            return Path(output_dir), Path(output_dir)
-        runs = sorted((p for p in Path("runs").glob("*") if (p / "checkpoints").is_dir()), key=lambda p: p.stat().st_mtime)
-        if not runs:
-            raise FileNotFoundError("--resume auto found no run with checkpoints under runs/; pass the run directory.")
-        return runs[-1], runs[-1]
-    target = Path(resume)
-    if not target.exists():
-        raise FileNotFoundError(f"--resume {resume!r} does not exist; pass a run directory or a checkpoint directory.")
-    run_dir = target.parent.parent if target.name.startswith("step_") else target
-    return run_dir, target
 
 
 def _dry_run(config_path, overrides: list[str]) -> int:
@@ -85,13 +68,25 @@ def _dry_run(config_path, overrides: list[str]) -> int:
 def _relaunch_with_torchrun(nproc: int, argv: list[str]) -> int:
     """`trainer.nproc_per_node=K` starts K local ranks exactly as `torchrun --nproc-per-node K` would."""
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
-    from torch.distributed.run import main as torchrun_main
+    from torch.distributed.run import parse_args, run
 
+    from torch.distributed.elastic.multiprocessing.api import SignalException
+
+    from .procs import LAUNCHER_ENV
+
+    os.environ[LAUNCHER_ENV] = str(os.getpid())  # ranks stop when this launcher is gone (even kill -9)
     try:
-        torchrun_main(["--standalone", "--nproc-per-node", str(nproc), "--module", "portagrpo", *argv])
+        # `run`, not torchrun's `main`: main's error recorder prints each rank's failure a second time
+        run(parse_args(["--standalone", "--nproc-per-node", str(nproc), "--module", "portagrpo", *argv]))
     except ChildFailedError as err:
-        print(f"portagrpo: error: a rank failed (see its message above): {str(err).splitlines()[0]}", file=sys.stderr)
+        ranks = sorted(err.failures) if getattr(err, "failures", None) else []
+        which = f"rank {ranks[0]}" if len(ranks) == 1 else f"ranks {', '.join(map(str, ranks))}" if ranks else "a rank"
+        print(f"portagrpo: error: {which} of {nproc} failed; the first error is printed above.", file=sys.stderr)
         return 1
+    except SignalException as err:
+        print(f"portagrpo: stopped by signal {err.sigval.name}; every checkpoint written so far is whole (continue "
+              f"with --resume).", file=sys.stderr)
+        return 128 + int(err.sigval)
     return 0
 
 
@@ -101,7 +96,9 @@ def cmd_train(args) -> int:
     overrides = list(args.overrides)
     if args.device:
         overrides.append(f"trainer.device={args.device}")
-    run_dir, resume = _resolve_resume(args.resume, args.output_dir)
+    from .run_dir import resolve_run
+
+    run_dir, resume = resolve_run(args.output_dir, args.resume)
     config_path = args.config
     if resume is not None and config_path is None and (run_dir / "config.yaml").is_file():
         config_path = run_dir / "config.yaml"
@@ -113,6 +110,11 @@ def cmd_train(args) -> int:
         for line in notices:
             print(f"portagrpo: {line}")
     if cfg.trainer.nproc_per_node > 1 and "WORLD_SIZE" not in os.environ and not args.print_config:
+        from .config import ConfigError, validate_world
+
+        problems = validate_world(cfg, cfg.trainer.nproc_per_node)
+        if problems:  # once, here, instead of once per rank
+            raise ConfigError(problems)
         return _relaunch_with_torchrun(cfg.trainer.nproc_per_node, args.argv)
     if args.print_config:
         print(to_yaml(cfg), end="")
@@ -125,16 +127,22 @@ def cmd_train(args) -> int:
                                  str(resume) if resume else None, args.ray_address)
         _summary(history, run_dir)
         return 0
+    from .procs import LAUNCHER_ENV, exit_with_parent
     from .trainer import Trainer
 
     main_rank = os.environ.get("RANK", "0") == "0"
+    if os.environ.get(LAUNCHER_ENV):
+        exit_with_parent(int(os.environ[LAUNCHER_ENV]), f"rank {os.environ.get('RANK', '?')}")
     trainer = Trainer(cfg, run_dir=run_dir, resume=resume, log=print if main_rank else (lambda message: None))
     start = time.time()
-    trainer.setup()
-    if main_rank:
-        print(f"run directory: {trainer.run_dir} (device {trainer.backend.name}, {trainer.comm.world_size} "
-              f"process(es), {trainer.strategy.name} parallel, {trainer.total_steps} steps)")
-    try:
+    try:  # close (lock, reward workers, process group) however setup or training ends
+        trainer.setup()
+        if main_rank:
+            print(f"run directory: {trainer.run_dir} (device {trainer.backend.name}, {trainer.comm.world_size} "
+                  f"process(es), {trainer.strategy.name} parallel, {trainer.total_steps} steps)")
+        if main_rank and trainer.step_done >= trainer.total_steps:
+            print(f"nothing to do: the run is at step {trainer.step_done} of {trainer.total_steps}; raise "
+                  f"trainer.total_steps (or total_epochs) to train further.")
         history = trainer.fit()
     finally:
         trainer.close()
@@ -232,8 +240,24 @@ def main(argv: list[str] | None = None) -> int:
     from .modeling import quiet_transformers
 
     quiet_transformers()
+    from .procs import Stopped, stop_on_sigterm
+
+    previous = stop_on_sigterm()
     parser = build_parser()
     argv = list(sys.argv[1:] if argv is None else argv)
+    try:
+        return _dispatch(parser, argv)
+    except (KeyboardInterrupt, Stopped) as err:
+        what = "Ctrl-C" if isinstance(err, KeyboardInterrupt) else "SIGTERM"
+        print(f"portagrpo: stopped by {what}; every checkpoint written so far is whole (continue a training run with "
+              f"--resume).", file=sys.stderr)
+        return 130 if isinstance(err, KeyboardInterrupt) else 143
+    finally:
+        if previous is not None:
+            signal.signal(signal.SIGTERM, previous)
+
+
+def _dispatch(parser, argv: list[str]) -> int:
     if not argv:
         argv = ["train"]
     if argv[0] in PASSTHROUGH:  # sub-commands with their own argument parsers

@@ -80,6 +80,8 @@ class RolloutConfig:
     temperature: float = 1.0
     top_p: float = 1.0
     top_k: int = -1
+    min_p: float = 0.0
+    repetition_penalty: float = 1.0
     val_temperature: float = 0.0
     val_n: int = 1
     vllm_gpu_memory_utilization: float = 0.5
@@ -353,11 +355,13 @@ def set_dotted(raw: dict, path: list[str], value: Any) -> None:
 
 
 def read_yaml(path: str | Path) -> dict:
+    from .config_rules import UniqueKeyLoader
+
     p = Path(path)
     if not p.is_file():
         raise ConfigError([f"--config {str(path)!r} does not exist; pass the path of a YAML file (see configs/)."])
     try:
-        data = yaml.safe_load(p.read_text())
+        data = yaml.load(p.read_text(), Loader=UniqueKeyLoader)  # noqa: S506 - a SafeLoader subclass
     except yaml.YAMLError as err:
         raise ConfigError([f"--config {str(path)!r} is not valid YAML ({err}); fix the file."]) from err
     if data is None:
@@ -444,6 +448,7 @@ def validate(cfg: Config, *, check_files: bool = True) -> list[str]:
     """Cross-field rules. Returns one sentence per problem (empty when valid)."""
     from .algo import AGG_MODES, ADV_ESTIMATORS
     from .algo.losses import parse_kl_type
+    from .config_rules import value_problems
 
     p: list[str] = []
     a, d, r, alg, t = cfg.actor, cfg.data, cfg.rollout, cfg.algorithm, cfg.trainer
@@ -527,6 +532,7 @@ def validate(cfg: Config, *, check_files: bool = True) -> list[str]:
         p.append("data.train_files is empty and data.task is null; give a JSONL/Parquet file or a built-in task such as data.task=repeat.")
     if d.train_files and d.task:
         p.append(f"data.train_files and data.task={d.task!r} are both set; set data.task=null to train on the files.")
+    p.extend(value_problems(cfg))
     if check_files:
         p.extend(_missing_files(cfg))
     return p

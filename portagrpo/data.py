@@ -39,9 +39,13 @@ def _record_from_row(row: dict, index: int, where: str) -> PromptRecord:
                 raise DataError(f"{where}: 'prompt' messages need 'role' and 'content' keys.")
     elif not isinstance(prompt, str):
         raise DataError(f"{where}: 'prompt' must be a string or a list of chat messages.")
+    if not prompt or (isinstance(prompt, str) and not prompt.strip()):
+        raise DataError(f"{where}: 'prompt' is empty; remove the row or give it a prompt.")
     rm = row.get("reward_model") or {}
     if not isinstance(rm, dict) or "ground_truth" not in rm:
         raise DataError(f"{where}: the row has no 'reward_model.ground_truth' field.")
+    if rm["ground_truth"] is None:
+        raise DataError(f"{where}: 'reward_model.ground_truth' is null; give the expected answer (a string or number).")
     extra = row.get("extra_info") or {}
     return PromptRecord(index, prompt, str(rm["ground_truth"]), str(row.get("data_source", "unknown")),
                         dict(extra) if isinstance(extra, dict) else {})
@@ -54,12 +58,20 @@ def read_rows(path: str | Path) -> list[dict]:
     if path.suffix == ".parquet":
         import pyarrow.parquet as pq
 
-        return pq.read_table(path).to_pylist()
+        try:
+            return pq.read_table(path).to_pylist()
+        except Exception as err:  # noqa: BLE001 - pyarrow raises several types for a bad file
+            raise DataError(f"data file {str(path)!r} is not a readable Parquet file ({type(err).__name__}: "
+                            f"{str(err)[:120]}); convert it, or name a JSONL file .jsonl.") from None
     if path.suffix not in (".jsonl", ".json"):
         raise DataError(f"data file {str(path)!r} has an unknown extension; use .jsonl or .parquet.")
     rows = []
-    with path.open() as fh:
-        for lineno, line in enumerate(fh, 1):
+    with path.open("rb") as fh:
+        for lineno, raw in enumerate(fh, 1):
+            try:
+                line = raw.decode("utf-8")
+            except UnicodeDecodeError as err:
+                raise DataError(f"{path}:{lineno}: not UTF-8 (byte {err.start}); re-encode the file as UTF-8.") from None
             if not line.strip():
                 continue
             try:

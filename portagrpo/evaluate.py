@@ -17,7 +17,7 @@ def pass_at_k(n: int, c: int, k: int) -> float:
     return 1.0 - math.comb(n - c, k) / math.comb(n, k)
 
 
-def load_for_eval(model: str | Path):
+def load_for_eval(model: str | Path, allow_untrained: bool = False):
     """(model, tokenizer, description) from a model path, a .gguf, or a run directory's newest checkpoint."""
     from .checkpoint import latest_valid_checkpoint
     from .config import load_config
@@ -30,6 +30,9 @@ def load_for_eval(model: str | Path):
         ckpt = latest_valid_checkpoint(path, warn=print)
         cfg = load_config(path / "config.yaml", check_files=False)
         base = cfg.model.path or str(path / "init_model")
+        if ckpt is None and not allow_untrained:
+            raise UserError(f"--model {path} is a run with no whole checkpoint: evaluating it would measure the untrained "
+                            f"initial model; pass --untrained to do that on purpose, or train with trainer.save_freq > 0.")
         if ckpt is None:
             return load_model(base, "sdpa"), load_tokenizer(cfg.model.tokenizer_path or base), f"{base} (no checkpoint)"
         model_dir = ckpt / "model"
@@ -45,25 +48,31 @@ def load_for_eval(model: str | Path):
 
 
 def evaluate(model_spec: str, data_files: list[str], *, n: int = 1, temperature: float = 1.0, top_p: float = 1.0,
+             top_k: int = -1, min_p: float = 0.0, repetition_penalty: float = 1.0,
              max_new_tokens: int = 256, batch_size: int = 16, device: str = "auto", reward: str = "auto",
-             seed: int = 0, progress: bool = True, max_samples: int | None = None) -> dict[str, Any]:
+             seed: int = 0, progress: bool = True, max_samples: int | None = None,
+             allow_untrained: bool = False) -> dict[str, Any]:
     from tqdm.auto import tqdm
 
     from .backends import get_backend
+    from .errors import UserError
     from .data import left_pad, load_records, tokenize_prompts
     from .rewards import RewardResolver, score_responses
     from .rollout import HFRollout, SamplingParams, decode_responses
 
     backend = get_backend(device)
-    model, tokenizer, described = load_for_eval(model_spec)
-    model.to(backend.device(0)).eval()
     records = load_records(data_files)[:max_samples]
+    if not records:
+        raise UserError(f"--data {', '.join(map(str, data_files))} holds no prompts; give a file with rows.")
+    model, tokenizer, described = load_for_eval(model_spec, allow_untrained)
+    model.to(backend.device(0)).eval()
     resolver = RewardResolver(reward)
     resolver.check_sources({r.data_source for r in records})
     engine = HFRollout(model, tokenizer, lambda: backend.autocast(torch.float32))
-    runs = [("greedy", 1, SamplingParams(max_new_tokens, 0.0, 1.0, -1))]
+    # Exactly these settings: nothing is taken from the model's generation_config (see rollout.py).
+    runs = [("greedy", 1, SamplingParams(max_new_tokens, 0.0, repetition_penalty=repetition_penalty))]
     if n > 1:
-        runs.append(("sampled", n, SamplingParams(max_new_tokens, temperature, top_p, -1)))
+        runs.append(("sampled", n, SamplingParams(max_new_tokens, temperature, top_p, top_k, min_p, repetition_penalty)))
     report: dict[str, Any] = {"model": described, "data": [str(f) for f in data_files], "prompts": len(records),
                               "device": backend.name, "n": n}
     for name, k, params in runs:
@@ -97,9 +106,33 @@ def evaluate(model_spec: str, data_files: list[str], *, n: int = 1, temperature:
             summary[f"mean@{k}"] = sum(sum(c) / k for c in correct) / max(1, len(correct))
             summary["pass@1"] = sum(pass_at_k(k, sum(c), 1) for c in correct) / max(1, len(correct))
             summary[f"pass@{k}"] = sum(pass_at_k(k, sum(c), k) for c in correct) / max(1, len(correct))
-            summary["temperature"] = temperature
+            summary.update(temperature=temperature, top_p=top_p, top_k=top_k, min_p=min_p)
+        summary["repetition_penalty"] = repetition_penalty
         report[name] = summary
     return report
+
+
+def _check_args(args) -> None:
+    """Everything that would otherwise fail after the whole evaluation, or mid-way with a traceback."""
+    from .errors import UserError
+
+    for name in ("n", "batch_size", "max_new_tokens"):
+        if getattr(args, name) < 1:
+            raise UserError(f"--{name.replace('_', '-')}={getattr(args, name)} must be at least 1.")
+    if args.max_samples is not None and args.max_samples < 1:
+        raise UserError(f"--max-samples={args.max_samples} must be at least 1.")
+    if not (args.temperature > 0 and math.isfinite(args.temperature)):
+        raise UserError(f"--temperature={args.temperature} must be a positive number (greedy always runs).")
+    if not 0 < args.top_p <= 1:
+        raise UserError(f"--top-p={args.top_p} must be in (0, 1].")
+    if args.top_k < -1 or not 0 <= args.min_p < 1 or not args.repetition_penalty > 0:
+        raise UserError(f"--top-k={args.top_k} must be >= -1, --min-p={args.min_p} in [0, 1) and --repetition-penalty="
+                        f"{args.repetition_penalty} positive.")
+    out = Path(args.output)
+    if not out.parent.is_dir():
+        raise UserError(f"--output {out}: the directory {out.parent} does not exist; create it first.")
+    if out.is_dir():
+        raise UserError(f"--output {out} is a directory; name the JSON file to write.")
 
 
 def main_cli(argv: list[str]) -> int:
@@ -111,6 +144,9 @@ def main_cli(argv: list[str]) -> int:
     p.add_argument("--n", type=int, default=1, help="samples per prompt for pass@k / mean@k (greedy is always run)")
     p.add_argument("--temperature", type=float, default=1.0)
     p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--top-k", type=int, default=-1, help="-1 or 0: off (the model's generation_config is not used)")
+    p.add_argument("--min-p", type=float, default=0.0, help="0: off")
+    p.add_argument("--repetition-penalty", type=float, default=1.0, help="1: off (applies to greedy too)")
     p.add_argument("--max-new-tokens", type=int, default=256)
     p.add_argument("--batch-size", type=int, default=16)
     p.add_argument("--max-samples", type=int, default=None)
@@ -118,10 +154,13 @@ def main_cli(argv: list[str]) -> int:
     p.add_argument("--reward", default="auto", help="reward function (as reward.function)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--output", default="eval.json", help="the JSON report")
+    p.add_argument("--untrained", action="store_true", help="allow a run directory without a checkpoint (its init model)")
     args = p.parse_args(argv)
+    _check_args(args)
     report = evaluate(args.model, args.data, n=args.n, temperature=args.temperature, top_p=args.top_p,
+                      top_k=args.top_k, min_p=args.min_p, repetition_penalty=args.repetition_penalty,
                       max_new_tokens=args.max_new_tokens, batch_size=args.batch_size, device=args.device,
-                      reward=args.reward, seed=args.seed, max_samples=args.max_samples)
+                      reward=args.reward, seed=args.seed, max_samples=args.max_samples, allow_untrained=args.untrained)
     Path(args.output).write_text(json.dumps(report, indent=1))
     g = report["greedy"]
     line = f"greedy accuracy {g['accuracy']:.3f} (mean reward {g['reward_mean']:.3f}) on {report['prompts']} prompts"

@@ -1,12 +1,17 @@
 """`portagrpo export RUN_DIR [--merge]`: the trained policy as a plain Hugging Face model directory."""
 from __future__ import annotations
 
+import json
+import os
 import shutil
 from pathlib import Path
 
 from .checkpoint import CheckpointError, checkpoint_dir, latest_valid_checkpoint, verify_checkpoint
 from .config import load_config
 from .errors import UserError
+from .run_dir import remove_dead_temporaries, tmp_name
+
+MARKER = ".portagrpo-export.json"  # marks a directory an export may replace
 
 
 def export(run_dir: str | Path, output: str | Path | None = None, *, merge: bool = False, step: int | None = None,
@@ -22,16 +27,30 @@ def export(run_dir: str | Path, output: str | Path | None = None, *, merge: bool
         if ckpt is None:
             raise UserError(f"{run_dir} has no whole checkpoint to export; train with trainer.save_freq > 0.")
     out = Path(output) if output else run_dir / ("export-merged" if merge else "export")
-    model_dir = ckpt / "model"
-    is_adapter = (model_dir / "adapter_config.json").is_file()
-    if out.exists():
-        shutil.rmtree(out)
-    if not is_adapter:
-        shutil.copytree(model_dir, out)  # already a full Hugging Face model
-        return out
-    if not merge:
-        shutil.copytree(model_dir, out)  # a peft adapter directory; load it onto the base model
-        return out
+    check_destination(out)
+    tmp = tmp_name(out)
+    _write(run_dir, ckpt / "model", tmp, merge)
+    (tmp / MARKER).write_text(json.dumps({"run": str(run_dir.resolve()), "checkpoint": ckpt.name, "merged": merge}))
+    _replace(tmp, out)
+    return out
+
+
+def check_destination(out: Path) -> None:
+    """An export replaces only an earlier export: never a user's directory that merely exists."""
+    if out.exists() and not out.is_dir():
+        raise UserError(f"export --output {out} is a file; pass a new or empty directory.")
+    if out.is_dir() and any(out.iterdir()) and not (out / MARKER).is_file():
+        raise UserError(f"export --output {out} is not empty and is not an earlier portagrpo export; pass a new or "
+                        f"empty directory (nothing was written).")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    for prefix in (f".tmp_{out.name}_", f".tmp_old_{out.name}_"):  # left by killed exports
+        remove_dead_temporaries(out.parent, prefix=prefix)
+
+
+def _write(run_dir: Path, model_dir: Path, dest: Path, merge: bool) -> None:
+    if not (model_dir / "adapter_config.json").is_file() or not merge:
+        shutil.copytree(model_dir, dest)  # a full Hugging Face model, or a peft adapter for its base
+        return
     from peft import PeftModel
 
     from .modeling import load_model, load_tokenizer
@@ -40,9 +59,18 @@ def export(run_dir: str | Path, output: str | Path | None = None, *, merge: bool
     base_path = cfg.model.path or str(run_dir / "init_model")
     base = load_model(base_path, "sdpa")
     merged = PeftModel.from_pretrained(base, str(model_dir)).merge_and_unload()
-    merged.save_pretrained(out, safe_serialization=True)
-    load_tokenizer(cfg.model.tokenizer_path or base_path).save_pretrained(out)
-    return out
+    merged.save_pretrained(dest, safe_serialization=True)
+    load_tokenizer(cfg.model.tokenizer_path or base_path).save_pretrained(dest)
+
+
+def _replace(tmp: Path, out: Path) -> None:
+    """Put the finished export in place; an earlier export is moved aside first and removed only
+    once the new one is there, so a kill at any moment leaves one whole export (or the old one)."""
+    old = out.parent / f".tmp_old_{out.name}_{os.getpid()}"
+    if out.exists():
+        os.replace(out, old)
+    os.replace(tmp, out)
+    shutil.rmtree(old, ignore_errors=True)
 
 
 def main_cli(argv: list[str]) -> int:

@@ -98,3 +98,15 @@ class AdaptersOff:
     def __call__(self, *args, **kwargs):
         with self.scorer.lm.disable_adapter():
             return self.scorer(*args, **kwargs)
+
+
+@contextlib.contextmanager
+def eval_mode(scorer):
+    """Score without dropout, then restore the mode the policy was in (the update trains)."""
+    module = getattr(scorer, "scorer", scorer)  # AdaptersOff wraps the policy's scorer
+    was_training = module.training
+    module.eval()
+    try:
+        yield
+    finally:
+        module.train(was_training)

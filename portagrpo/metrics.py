@@ -3,30 +3,48 @@ from __future__ import annotations
 
 import json
 import math
+import os
 from pathlib import Path
 from typing import Any
 
 REQUIRED_KEYS = (
-    "step", "reward_mean", "reward_std", "adv_mean", "adv_std", "loss_policy", "loss_kl", "kl", "entropy",
-    "clipfrac", "grad_norm", "response_len_mean", "ratio_mean", "zero_std_group_frac", "time_step_s",
-    "tokens_per_s",
+    "step", "reward_mean", "reward_std", "adv_mean", "adv_std", "loss_policy", "entropy",
+    "clipfrac", "grad_norm", "response_len_mean", "response_clip_ratio", "ratio_mean", "zero_std_group_frac",
+    "time_step_s", "response_tokens_per_s", "tokens_per_s_per_device",
 )
 
 
-def read_metrics(path: Path) -> list[dict[str, Any]]:
+def read_metrics(path: Path, warn=None) -> list[dict[str, Any]]:
+    """The rows of a metrics.jsonl. A torn last line (the process was killed mid-write) is dropped
+    with a notice through `warn`; a damaged line anywhere else is an error naming it."""
+    from .errors import UserError
+
     path = Path(path)
     if not path.is_file():
         return []
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    lines = [(n, line) for n, line in enumerate(path.read_text(errors="replace").splitlines(), 1) if line.strip()]
+    rows = []
+    for i, (n, line) in enumerate(lines):
+        try:
+            rows.append(json.loads(line))
+        except json.JSONDecodeError:
+            if i < len(lines) - 1:
+                raise UserError(f"{path} line {n} is not JSON ({line[:40]!r}); repair or remove that line.") from None
+            if warn is not None:
+                warn(f"ignoring a torn last line of {path} (line {n}, written when the run was killed)")
+    return rows
 
 
 class MetricsLogger:
-    def __init__(self, run_dir: Path, *, tensorboard: bool, resume_step: int = 0) -> None:
+    def __init__(self, run_dir: Path, *, tensorboard: bool, resume_step: int = 0, warn=print) -> None:
         self.run_dir = Path(run_dir)
         self.path = self.run_dir / "metrics.jsonl"
-        # A resumed run drops rows written after its checkpoint, so every step appears once.
-        rows = [r for r in read_metrics(self.path) if r.get("step", 0) <= resume_step] if resume_step else []
-        self.path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+        # A resumed run drops rows written after its checkpoint, so every step appears once; the
+        # rewrite is atomic, so a kill here cannot lose the rows before the checkpoint.
+        rows = [r for r in read_metrics(self.path, warn) if r.get("step", 0) <= resume_step] if resume_step else []
+        tmp = self.path.with_name(f".tmp_metrics.jsonl_{os.getpid()}")
+        tmp.write_text("".join(json.dumps(r) + "\n" for r in rows))
+        os.replace(tmp, self.path)
         self.writer = None
         if tensorboard:
             try:
@@ -70,10 +88,13 @@ def plot_reward(metrics_path: Path, out: Path) -> Path | None:
         ax.plot(*zip(*val), "o--", label="val/reward_mean", color="tab:green")
     ax.set_xlabel("step")
     ax.set_ylabel("reward")
-    ax2 = ax.twinx()
-    ax2.plot(steps, [r["kl"] if r["kl"] is not None else float("nan") for r in rows], label="kl", color="tab:red", alpha=0.6)
-    ax2.set_ylabel("kl")
-    lines = ax.get_legend_handles_labels()[0] + ax2.get_legend_handles_labels()[0]
+    lines = ax.get_legend_handles_labels()[0]
+    if any(r.get("kl") is not None for r in rows):  # runs without a reference model log no kl
+        ax2 = ax.twinx()
+        ax2.plot(steps, [r["kl"] if r.get("kl") is not None else float("nan") for r in rows], label="kl",
+                 color="tab:red", alpha=0.6)
+        ax2.set_ylabel("kl")
+        lines += ax2.get_legend_handles_labels()[0]
     ax.legend(lines, [ln.get_label() for ln in lines], loc="upper left")
     ax.set_title("portagrpo: reward and KL per step")
     fig.tight_layout()

@@ -10,6 +10,7 @@ from pathlib import Path
 import torch
 
 from .config import ModelConfig
+from .errors import UserError
 
 PAD, BOS, EOS, UNK = "<pad>", "<bos>", "<eos>", "<unk>"
 CHAT_TEMPLATE = (
@@ -105,6 +106,25 @@ def build_tiny_model(cfg: ModelConfig, tokenizer, seed: int):
     return model.float()
 
 
+class ModelLoadError(UserError, RuntimeError):
+    """A model directory or file that cannot become a policy."""
+
+
+def check_tiny_matches(tiny, init_dir: Path) -> None:
+    """A resumed run loads its own init_model; `model.tiny` must still describe it."""
+    import json
+
+    from .config import ConfigError
+
+    saved = json.loads((Path(init_dir) / "config.json").read_text())
+    pairs = {"hidden_size": "hidden_size", "num_layers": "num_hidden_layers", "num_heads": "num_attention_heads",
+             "intermediate_size": "intermediate_size", "tie_word_embeddings": "tie_word_embeddings"}
+    for ours, theirs in pairs.items():
+        if theirs in saved and saved[theirs] != getattr(tiny, ours):
+            raise ConfigError([f"model.tiny.{ours}={getattr(tiny, ours)} but this run's init_model has {saved[theirs]}; "
+                               f"resume with the run's own model settings (its config.yaml) or start a new run."])
+
+
 def load_model(path: str | Path, attn_implementation: str):
     """Load a causal LM from a local directory (or a GGUF file, dequantized) in fp32 master weights."""
     from transformers import AutoModelForCausalLM
@@ -116,8 +136,17 @@ def load_model(path: str | Path, attn_implementation: str):
     where, extra = _hf_location(resolved)
     if extra:  # GGUF: transformers dequantizes into the dtype asked for
         extra["dtype"] = torch.float32
-    model = AutoModelForCausalLM.from_pretrained(where, local_files_only=True, attn_implementation=attn_implementation,
-                                                 **extra)
+    elif resolved.is_dir() and not (resolved / "config.json").is_file():
+        raise ModelLoadError(f"model path {str(path)!r} has no config.json; give a Hugging Face model directory "
+                             f"(config.json and *.safetensors) or a .gguf file.")
+    try:
+        model = AutoModelForCausalLM.from_pretrained(where, local_files_only=True,
+                                                     attn_implementation=attn_implementation, **extra)
+    except Exception as err:  # noqa: BLE001 - transformers, safetensors and gguf raise many types
+        first = (str(err).strip().splitlines() or [type(err).__name__])[0][:300]
+        raise ModelLoadError(f"model path {str(path)!r} cannot be loaded ({type(err).__name__}: {first}); check that it "
+                             f"holds a whole Hugging Face model (config.json and complete weight files) or a real "
+                             f".gguf file.") from None
     if extra:
         _forget_gguf_origin(model)
     return model.float()
@@ -184,7 +213,12 @@ def apply_lora(model, lora):
         raise UserError("model.lora.rank > 0 needs peft; `pip install portagrpo[lora]`.") from err
     config = LoraConfig(r=lora.rank, lora_alpha=lora.alpha, lora_dropout=lora.dropout,
                         target_modules=list(lora.target_modules), task_type="CAUSAL_LM")
-    return get_peft_model(model, config)
+    try:
+        return get_peft_model(model, config)
+    except ValueError as err:
+        names = sorted({n.rsplit(".", 1)[-1] for n, m in model.named_modules() if isinstance(m, torch.nn.Linear)})
+        raise ModelLoadError(f"model.lora.target_modules={list(lora.target_modules)} cannot be adapted ({str(err)[:120]}); "
+                             f"this model's linear layers are named {names}.") from None
 
 
 def is_peft(model) -> bool:

@@ -16,6 +16,7 @@ from typing import Any, Callable
 import torch
 
 from . import algo
+from .algo.objective import Objective, Shaping, shape_and_advantage, total_loss
 from .forward import ResponseScorer
 from .kernels import logprob_impl
 from .tolerances import relative_error, tolerance
@@ -123,19 +124,22 @@ class Setting:
         return torch.float64 if self.dtype == "fp64" else torch.float32
 
 
+# The objective the parity suite checks: policy (token-mean) + 0.1 x k3 KL - 0.01 x entropy, through
+# the same algo.objective functions the trainer calls.
+OBJECTIVE = Objective(**CLIP, loss_agg_mode="token-mean", loss_scale_factor=LOSS_SCALE, kl_loss_type="k3",
+                      kl_loss_coef=0.1, entropy_coeff=0.01)
+
+
 def _total_loss(model, scn, s: Setting, adv, rows=None, normalizers=None):
-    """Policy loss (token-mean) + 0.1 * k3 KL - 0.01 * entropy, on `rows` with the given global counts."""
+    """The trainer's total loss on `rows` with the given global counts."""
     mask = scn["response_mask"].to(s.device).to(s.master)
     old, ref = scn["old_logp"].to(s.device, s.master), scn["ref_logp"].to(s.device, s.master)
     if rows is not None:
         mask, old, ref, adv = mask[rows], old[rows], ref[rows], adv[rows]
     logp, ent = _token_stats(model, scn, s.kernel, s.device, s.autocast, rows=rows)
     n_tok, n_seq = normalizers or algo.loss_normalizers(mask)
-    agg = dict(num_tokens=n_tok, num_seqs=n_seq, loss_scale_factor=LOSS_SCALE)
-    pg, _ = algo.clipped_policy_loss(logp, old, adv, mask, **CLIP)
-    kl = algo.kl_penalty("k3", logp, ref)
-    return (algo.aggregate_loss(pg, mask, "token-mean", **agg) + 0.1 * algo.aggregate_loss(kl, mask, "token-mean", **agg)
-            - 0.01 * algo.aggregate_loss(ent, mask, "token-mean", **agg))
+    loss, _ = total_loss(logp, old, adv, mask, OBJECTIVE, num_tokens=n_tok, num_seqs=n_seq, ref_logp=ref, entropy=ent)
+    return loss
 
 
 def compute_stages(scn: dict[str, torch.Tensor], s: Setting) -> dict[str, torch.Tensor]:
@@ -144,9 +148,9 @@ def compute_stages(scn: dict[str, torch.Tensor], s: Setting) -> dict[str, torch.
     mask = scn["response_mask"].to(s.device).to(s.master)
     scores = scn["scores"].to(s.device, s.master)
     uid = scn["uid"].to(s.device)
-    adv = algo.group_advantages(scores, uid, mask, norm_by_std=True)
+    _, adv = shape_and_advantage(scores, uid, mask, Shaping(adv_estimator="grpo", norm_by_std=True))
     out["adv/grpo"] = adv
-    out["adv/drgrpo"] = algo.group_advantages(scores, uid, mask, norm_by_std=False)
+    out["adv/drgrpo"] = shape_and_advantage(scores, uid, mask, Shaping(adv_estimator="grpo", norm_by_std=False))[1]
     policy = _model(scn, "policy", s.device, s.master)
     ref_model = _model(scn, "ref", s.device, s.master)
     with torch.no_grad():

@@ -181,16 +181,19 @@ def train_with_ray(cfg: Config, run_dir: Path, resume: str | None = None, addres
     from .config import to_yaml
     from .metrics import MetricsLogger
 
+    from .run_dir import RunDir
+
     run_dir = Path(run_dir)
-    run_dir.mkdir(parents=True, exist_ok=True)
-    (run_dir / "config.yaml").write_text(to_yaml(cfg))
+    run_files = RunDir(run_dir)
+    run_files.claim(resuming=resume is not None, log=log)  # the driver is the run's one writer
+    run_files.config.write_text(to_yaml(cfg))
     run = RayRun(cfg, run_dir, resume, address, log)
     t = cfg.trainer
     history = []
     try:
         run.start()
         done, total = run.info["step_done"], run.info["total_steps"]
-        logger = MetricsLogger(run_dir, tensorboard=t.tensorboard, resume_step=done)
+        logger = MetricsLogger(run_dir, tensorboard=t.tensorboard, resume_step=done, warn=log)
         bar = tqdm(total=total, initial=done, disable=not t.progress_bar, desc="grpo (ray)")
         try:
             while done < total:
@@ -200,7 +203,7 @@ def train_with_ray(cfg: Config, run_dir: Path, resume: str | None = None, addres
                 logger.log(metrics)
                 history.append(metrics)
                 bar.update(1)
-                bar.set_postfix(reward=f"{metrics['reward_mean']:.3f}", kl=f"{metrics['kl']:.4f}")
+                bar.set_postfix(reward=f"{metrics['reward_mean']:.3f}", loss=f"{metrics['loss_policy']:.3f}")
                 if t.save_freq and (done % t.save_freq == 0 or done == total):
                     path = run._call("save")[0]
                     log(f"saved checkpoint {path}")
@@ -213,4 +216,5 @@ def train_with_ray(cfg: Config, run_dir: Path, resume: str | None = None, addres
             logger.close()
     finally:
         run.stop()
+        run_files.unlock()
     return history

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import math
+import time
 from pathlib import Path
 from typing import Any
 
@@ -62,10 +63,9 @@ def replay(run_dir: str | Path, device: str, steps: int | None, output_dir: str 
         for path in files:
             rec = torch.load(path, weights_only=False)
             recorded_setting = recorded_setting or rec.get("setting")
+            t0 = time.perf_counter()
             batch, info = trainer.batch_from_record(rec)
-            import time
-
-            out = trainer.train_on(batch, info, time.perf_counter())
+            out = trainer.train_on(batch, info, t0)
             fp = _fingerprint_vector(trainer.param_fingerprint())
             drift = float((fp - _fingerprint_vector(rec["fingerprint"])).norm() / _fingerprint_vector(rec["fingerprint"]).norm())
             row = {"step": out.metrics["step"], "param_drift": drift}

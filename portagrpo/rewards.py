@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import importlib.util
 import math
-import multiprocessing
 import re
 from dataclasses import dataclass, field
 from decimal import Decimal, InvalidOperation
@@ -174,7 +173,12 @@ def load_user_function(spec: str) -> RewardFn:
         raise RewardSpecError(f"reward.function={spec!r}: the file {file_part!r} does not exist.")
     module_spec = importlib.util.spec_from_file_location(f"portagrpo_user_reward_{path.stem}", path)
     module = importlib.util.module_from_spec(module_spec)
-    module_spec.loader.exec_module(module)
+    try:
+        module_spec.loader.exec_module(module)
+    except Exception as err:  # noqa: BLE001 - a user file may raise anything while it loads
+        where = f" (line {err.lineno})" if isinstance(err, SyntaxError) and err.lineno else ""
+        raise RewardSpecError(f"reward.function={spec!r}: {file_part!r} fails to load{where}: {type(err).__name__}: "
+                              f"{err}; fix the file.") from None
     fn = getattr(module, name, None)
     if not callable(fn):
         raise RewardSpecError(f"reward.function={spec!r}: {file_part!r} defines no function named {name!r}.")
@@ -250,59 +254,6 @@ def _score_one(resolver: RewardResolver, data_source: str, text: str, truth: str
         return 0.0, False, f"{type(err).__name__}: {err}"
 
 
-_WORKER_RESOLVER: RewardResolver | None = None
-
-
-def _worker_init(spec: str) -> None:
-    global _WORKER_RESOLVER
-    _WORKER_RESOLVER = RewardResolver(spec)
-
-
-def _worker_score(args: tuple) -> tuple:
-    return _score_one(_WORKER_RESOLVER, *args)
-
-
-class RewardPool:
-    """Scores samples in worker processes with a per-sample timeout, so a pathological answer
-    (or a hanging user function) cannot stall a step: a sample that runs past `timeout_s` is a
-    failure, its worker is killed, and the pool is rebuilt for the remaining samples."""
-
-    def __init__(self, spec: str, num_workers: int, timeout_s: float) -> None:
-        self.spec, self.num_workers, self.timeout_s = spec, num_workers, timeout_s
-        self._pool = None
-
-    def _start(self):
-        # spawn, not fork: the trainer process holds torch threads that a forked child must not inherit
-        self._pool = multiprocessing.get_context("spawn").Pool(self.num_workers, initializer=_worker_init, initargs=(self.spec,))
-
-    def score(self, items: list[tuple]) -> list[tuple]:
-        results: list[tuple | None] = [None] * len(items)
-        pending = list(range(len(items)))
-        while pending:
-            if self._pool is None:
-                self._start()
-            handles = {i: self._pool.apply_async(_worker_score, (items[i],)) for i in pending}
-            pending = []
-            for i, handle in handles.items():
-                if results[i] is not None:
-                    continue
-                try:
-                    results[i] = handle.get(timeout=self.timeout_s)
-                except multiprocessing.TimeoutError:
-                    results[i] = (0.0, False, f"TimeoutError: the reward took longer than reward.timeout_s="
-                                              f"{self.timeout_s:g}s")
-                    self.close()  # the stuck worker cannot be reused
-                    pending = [j for j in handles if results[j] is None and j != i]
-                    break
-        return results  # type: ignore[return-value]
-
-    def close(self) -> None:
-        if self._pool is not None:
-            self._pool.terminate()
-            self._pool.join()
-            self._pool = None
-
-
 def score_responses(
     resolver: RewardResolver,
     responses: list[str],
@@ -312,23 +263,27 @@ def score_responses(
     extra_infos: list[dict] | None = None,
     *,
     max_error_frac: float = 0.0,
-    pool: RewardPool | None = None,
+    pool=None,
 ) -> ScoredBatch:
     """Score every response (in `pool` when given); a failure or timeout scores 0 and is recorded.
     More failures than `max_error_frac` of the batch stop the run with the first failure's details."""
     out = ScoredBatch([], [])
     extras = extra_infos or [{}] * len(responses)
     items = [(data_sources[i], text, ground_truths[i], extras[i]) for i, text in enumerate(responses)]
-    results = pool.score(items) if pool is not None else [_score_one(resolver, *item) for item in items]
+    allowed = math.floor(max_error_frac * len(responses))
+    results = (pool.score(items, max_failures=allowed) if pool is not None
+               else [_score_one(resolver, *item) for item in items])
     for i, (score, correct, error) in enumerate(results):
         if error is not None:
             out.failures.append(RewardFailure(i, prompt_ids[i], error))
         out.scores.append(score)
         out.correct.append(score >= 1.0 if correct is None else correct)
-    if out.failures and len(out.failures) > max_error_frac * len(responses):
-        first = out.failures[0]
+    if len(out.failures) > allowed:
+        real = [f for f in out.failures if not f.message.startswith("NotScored")] or out.failures
+        first, skipped = real[0], len(out.failures) - len(real)
+        rest = f", {skipped} left unscored" if skipped else ""
         raise RewardFunctionError(
-            f"the reward function failed on {len(out.failures)} of {len(responses)} samples (first: sample "
+            f"the reward function failed on {len(real)} of {len(responses)} samples{rest} (first: sample "
             f"{first.sample}, prompt id {first.prompt_id}: {first.message}); fix the function or raise "
             f"reward.max_error_frac to tolerate (and zero-score) failures."
         )

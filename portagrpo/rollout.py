@@ -11,10 +11,72 @@ from .registry import Registry
 
 @dataclass(frozen=True)
 class SamplingParams:
+    """Every knob that shapes the sampled distribution. Engines apply exactly these and nothing
+    from the model's own generation_config, so the log-probs describe what was sampled."""
+
     max_tokens: int
     temperature: float = 1.0  # 0 means greedy
     top_p: float = 1.0
     top_k: int = -1  # -1 or 0: off
+    min_p: float = 0.0  # 0: off
+    repetition_penalty: float = 1.0  # 1: off
+
+
+def hf_model_of(model):
+    """The transformers model whose `generate` runs under wrappers (our scorer's `.lm`, peft)."""
+    lm = getattr(model, "lm", model)
+    return lm.get_base_model() if hasattr(lm, "get_base_model") else lm
+
+
+def stop_token_ids(tokenizer, model=None) -> list[int]:
+    """The tokenizer's EOS ids, then those of the model's generation_config (Qwen2.5-Instruct ends
+    a turn with <|im_end|> but its generation_config adds <|endoftext|>): a response ends at any."""
+    ids: list[int] = []
+    gen = getattr(hf_model_of(model), "generation_config", None) if model is not None else None
+    for source in (tokenizer.eos_token_id, getattr(gen, "eos_token_id", None)):
+        for e in ([source] if isinstance(source, int) else list(source or [])):
+            if e not in ids:
+                ids.append(int(e))
+    return ids
+
+
+def explicit_generation_config(params: SamplingParams, eos_ids: list[int], pad_id: int):
+    """A GenerationConfig with every sampling field set, to be used with the model's own
+    generation_config swapped for a blank one: transformers fills unset (None) fields from the
+    model's config first (top_k=20, repetition_penalty=1.1 on Qwen2.5-Instruct), then from its
+    global defaults (top_k=50)."""
+    from transformers import GenerationConfig
+
+    greedy = params.temperature <= 0
+    return GenerationConfig(
+        do_sample=not greedy, num_beams=1, max_new_tokens=params.max_tokens, min_new_tokens=0, min_length=0,
+        temperature=1.0 if greedy else params.temperature,
+        top_k=0 if greedy or params.top_k <= 0 else params.top_k,  # 0 is "off" to transformers
+        top_p=1.0 if greedy else params.top_p,
+        min_p=None if greedy or params.min_p <= 0 else params.min_p,
+        typical_p=1.0, epsilon_cutoff=0.0, eta_cutoff=0.0, no_repeat_ngram_size=0,
+        repetition_penalty=params.repetition_penalty, encoder_repetition_penalty=1.0,
+        eos_token_id=list(eos_ids), pad_token_id=pad_id,
+    )
+
+
+class blank_generation_config:
+    """Within the block the model's own generation_config is a blank one (nothing to inherit)."""
+
+    def __init__(self, model) -> None:
+        self.lm = hf_model_of(model)
+
+    def __enter__(self):
+        from transformers import GenerationConfig
+
+        self.saved = getattr(self.lm, "generation_config", None)
+        if self.saved is not None:
+            self.lm.generation_config = GenerationConfig()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if self.saved is not None:
+            self.lm.generation_config = self.saved
 
 
 class RolloutEngine(Protocol):
@@ -46,28 +108,16 @@ class HFRollout:
         `generate_kwargs` adds engine options such as `synced_gpus` for sharded models."""
         self.model, self.tokenizer, self.autocast = model, tokenizer, autocast
         self.generate_kwargs = dict(generate_kwargs or {})
-        eos = tokenizer.eos_token_id
-        self.eos_ids = [eos] if isinstance(eos, int) else list(eos)
+        self.eos_ids = stop_token_ids(tokenizer, model)
         self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else self.eos_ids[0]
 
     @torch.no_grad()
     def generate(self, prompt_ids, prompt_mask, params: SamplingParams):
-        from transformers import GenerationConfig
-
-        greedy = params.temperature <= 0
-        gen = GenerationConfig(
-            do_sample=not greedy,
-            temperature=None if greedy else params.temperature,
-            top_p=None if greedy else params.top_p,
-            top_k=None if greedy or params.top_k <= 0 else params.top_k,
-            max_new_tokens=params.max_tokens,
-            eos_token_id=self.eos_ids,
-            pad_token_id=self.pad_id,
-        )
+        gen = explicit_generation_config(params, self.eos_ids, self.pad_id)
         was_training = self.model.training
         self.model.eval()
         try:
-            with self.autocast():
+            with self.autocast(), blank_generation_config(self.model):
                 out = self.model.generate(input_ids=prompt_ids, attention_mask=prompt_mask, generation_config=gen,
                                           **self.generate_kwargs)
         finally:

@@ -31,6 +31,8 @@ def sampling_kwargs(params: SamplingParams, *, seed: int | None, stop_token_ids:
         "temperature": 0.0 if greedy else float(params.temperature),
         "top_p": 1.0 if greedy else float(params.top_p),
         "top_k": -1 if greedy or params.top_k <= 0 else int(params.top_k),
+        "min_p": 0.0 if greedy else float(params.min_p),
+        "repetition_penalty": float(params.repetition_penalty),
         "max_tokens": int(params.max_tokens),
         "seed": seed,
         "stop_token_ids": list(stop_token_ids),
@@ -125,7 +127,8 @@ class VLLMRollout:
         extra = {"distributed_executor_backend": "external_launcher"} if world_size > 1 else {}
         self.llm = vllm.LLM(model=model_path, tokenizer=model_path, dtype=dtype, seed=seed,
                             gpu_memory_utilization=gpu_memory_utilization, enable_sleep_mode=True,
-                            max_model_len=max_model_len, tensor_parallel_size=1, **extra)
+                            max_model_len=max_model_len, tensor_parallel_size=1,
+                            generation_config="vllm", **extra)  # no sampling defaults from the model's file
         self.state = SleepState()
         self._sleep()  # hand the memory to training until the first rollout
 

@@ -18,21 +18,25 @@ import numpy as np
 import torch
 
 from . import algo
-from .algo.advantages import scores_to_token_rewards, zero_std_group_fraction
+from .algo.advantages import zero_std_group_fraction
 from .algo.losses import masked_mean
+from .algo.objective import Objective, Shaping, shape_and_advantage, total_loss
 from .backends import BaseBackend, get_backend
 from .backends.dist import Collectives, init_collectives
 from .batch import RolloutBatch, TrainBatch
-from .checkpoint import CheckpointError, latest_valid_checkpoint, load_checkpoint_state, save_checkpoint
+from .checkpoint import (CheckpointError, check_checkpoint_fits, latest_valid_checkpoint, load_checkpoint_state,
+                         save_checkpoint)
 from .config import Config, ConfigError, to_yaml, validate_world
 from .data import PromptLoader, PromptRecord, filter_long_prompts, left_pad, load_records, task_records, tokenize_prompts
-from .forward import AdaptersOff, ResponseScorer, response_stats
+from .forward import AdaptersOff, ResponseScorer, eval_mode, response_stats
 from .kernels import logprob_impl
 from .metrics import MetricsLogger
-from .modeling import apply_lora, build_tiny_model, load_model, load_tokenizer, resolve_model_path
+from .modeling import apply_lora, build_tiny_model, check_tiny_matches, load_model, load_tokenizer, resolve_model_path
 from .parallel import make_strategy
-from .rewards import RewardPool, RewardResolver, score_responses
-from .rollout import ROLLOUT_ENGINES, SamplingParams, decode_responses
+from .reward_pool import RewardPool
+from .rewards import RewardResolver, score_responses
+from .run_dir import RunDir, tmp_name
+from .rollout import ROLLOUT_ENGINES, SamplingParams, decode_responses, stop_token_ids
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp64": torch.float64}
 
@@ -50,6 +54,23 @@ def default_run_dir() -> Path:
 
 def _seed_for(seed: int, step: int, salt: int) -> int:
     return (seed * 1_000_003 + step * 7_919 + salt) % (2**63 - 1)
+
+
+def shaping_from(cfg: Config) -> Shaping:
+    alg = cfg.algorithm
+    return Shaping(adv_estimator=alg.adv_estimator, norm_by_std=alg.norm_adv_by_std_in_grpo,
+                   reward_clip=alg.reward_clip, shift=alg.reward_norm == "batch" or alg.reward_shift,
+                   scale=alg.reward_norm == "batch" or alg.reward_scale,
+                   kl_in_reward_coef=alg.kl_coef if alg.use_kl_in_reward else None,
+                   whiten=alg.whiten_advantages, advantage_clip=alg.advantage_clip)
+
+
+def objective_from(cfg: Config) -> Objective:
+    a = cfg.actor
+    return Objective(clip_low=cfg.clip_low, clip_high=cfg.clip_high, clip_c=a.clip_ratio_c,
+                     loss_agg_mode=a.loss_agg_mode, loss_scale_factor=cfg.loss_scale_factor,
+                     kl_loss_type=a.kl_loss_type if a.use_kl_loss else None, kl_loss_coef=a.kl_loss_coef,
+                     entropy_coeff=a.entropy_coeff)
 
 
 class Trainer:
@@ -81,9 +102,12 @@ class Trainer:
             raise ConfigError([f"model.dtype={cfg.model.dtype} is not supported on --device {self.backend.name}; use fp32."])
         # Rank 0 names the run directory (a timestamp would differ between processes).
         self.run_dir = Path(self.comm.broadcast_object(str(self.run_dir)))
+        self.run = RunDir(self.run_dir)
         if self.comm.is_main:
+            if self.own_outputs:  # a Ray driver claims the directory itself
+                self.run.claim(resuming=self.resume_from is not None, log=self.log)
             self.run_dir.mkdir(parents=True, exist_ok=True)
-            (self.run_dir / "config.yaml").write_text(to_yaml(cfg))
+            self.run.config.write_text(to_yaml(cfg))
         self.strategy = make_strategy(self.backend.parallel_strategy(cfg.trainer.parallel), self.comm)
         self.kernel_name = self.backend.kernel_implementation(cfg.kernels.logprob)
         self.kernel = logprob_impl(self.kernel_name)
@@ -94,7 +118,8 @@ class Trainer:
         resume_step = self._maybe_resume()
         if resume_step:
             self.push_weights_to_engine()  # the engine loaded the initial weights
-        self.logger = (MetricsLogger(self.run_dir, tensorboard=cfg.trainer.tensorboard, resume_step=resume_step)
+        self.logger = (MetricsLogger(self.run_dir, tensorboard=cfg.trainer.tensorboard, resume_step=resume_step,
+                                     warn=self.log)
                        if self.comm.is_main and self.own_outputs else None)
         return self
 
@@ -115,7 +140,8 @@ class Trainer:
                      "gpu_memory_utilization": r.vllm_gpu_memory_utilization, "bucket_mb": r.vllm_weight_bucket_mb,
                      "max_model_len": r.vllm_max_model_len or cfg.data.max_prompt_length + cfg.data.max_response_length,
                      "tied_embeddings": bool(getattr(self.policy.config, "tie_word_embeddings", False)),
-                     "empty_cache": self.backend.empty_cache, "world_size": self.comm.world_size}
+                     "empty_cache": self.backend.empty_cache, "world_size": self.comm.world_size,
+                     "eos_ids": stop_token_ids(self.tokenizer, self.policy)}
         return engine_cls(self.scorer, self.tokenizer, self.autocast, self.strategy.generate_kwargs, **extra)
 
     def push_weights_to_engine(self) -> None:
@@ -183,10 +209,14 @@ class Trainer:
             ref_path = cfg.model.ref_path or cfg.model.path
         else:
             if self.comm.is_main and not (init_dir / "config.json").is_file():
+                # written whole or not at all: a kill here must leave a run that can start again
+                tmp = tmp_name(init_dir)
                 model = build_tiny_model(cfg.model, self.tokenizer, cfg.trainer.seed)
-                model.save_pretrained(init_dir, safe_serialization=True)
-                self.tokenizer.save_pretrained(init_dir)
+                model.save_pretrained(tmp, safe_serialization=True)
+                self.tokenizer.save_pretrained(tmp)
+                os.replace(tmp, init_dir)
             self.comm.barrier()
+            check_tiny_matches(cfg.model.tiny, init_dir)
             self.policy = load_model(init_dir, attn)
             ref_path = cfg.model.ref_path or init_dir
         self.policy.to(device=self.device, dtype=self.master_dtype)
@@ -205,6 +235,7 @@ class Trainer:
             self.ref.requires_grad_(False)
             self.ref_scorer = self.strategy.wrap(ResponseScorer(self.ref, self.kernel), trainable=False)
         self.kl_needs_vocab = cfg.actor.kl_loss_type.rstrip("+") == "full"
+        self.shaping, self.objective = shaping_from(cfg), objective_from(cfg)
 
     def _setup_optimizer(self) -> None:
         a = self.cfg.actor
@@ -214,13 +245,22 @@ class Trainer:
 
         def schedule(step: int) -> float:
             if a.warmup_steps and step < a.warmup_steps:
-                return (step + 1) / a.warmup_steps
+                return step / a.warmup_steps  # verl's convention: from 0 at the first step
             if a.lr_schedule == "cosine":
                 progress = (step - a.warmup_steps) / max(1, total - a.warmup_steps)
                 return 0.5 * (1 + math.cos(math.pi * min(1.0, progress)))
             return 1.0
 
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, schedule)
+
+    @property
+    def on_policy(self) -> bool:
+        """One update on the whole batch: the policy that sampled is the one being updated, so the
+        old log-probs are the update's own (detached) and their separate pass is skipped, as in
+        verl. A KL-in-reward needs old log-probs before the update, so it keeps the pass."""
+        a = self.cfg.actor
+        return (a.ppo_epochs == 1 and a.ppo_mini_batch_size == self.cfg.rollout_batch_size
+                and not self.cfg.algorithm.use_kl_in_reward)
 
     @property
     def total_steps(self) -> int:
@@ -265,6 +305,7 @@ class Trainer:
             ckpt = latest_valid_checkpoint(target, warn=self.log)
             if ckpt is None:
                 raise CheckpointError(f"--resume {str(target)!r}: no whole checkpoint found under {target}/checkpoints.")
+        check_checkpoint_fits(ckpt, self.policy.config, self.cfg.model.lora.rank)
         parts = load_checkpoint_state(ckpt)
         from safetensors.torch import load_file
 
@@ -324,6 +365,11 @@ class Trainer:
             extra_info=rep([r.extra_info for r in records]),
         )
 
+    def sampling(self, temperature: float) -> SamplingParams:
+        r = self.cfg.rollout
+        return SamplingParams(self.cfg.data.max_response_length, temperature, r.top_p, r.top_k, r.min_p,
+                              r.repetition_penalty)
+
     def prompt_width(self, records: list[PromptRecord]) -> int:
         """One left-padded prompt width for all ranks, so rollouts can be gathered."""
         local = max(len(x) for x in tokenize_prompts(self.tokenizer, records))
@@ -340,13 +386,14 @@ class Trainer:
         """Log-probs [B, T] (and entropy) of `scorer`'s model over the batch, in micro-batches."""
         mb = self.cfg.actor.micro_batch_size
         logps, ents = [], []
-        for start in range(0, batch.size, mb):
-            part = batch.select(list(range(start, min(start + mb, batch.size))))
-            stats = response_stats(scorer, part, temperature=self.cfg.rollout.temperature, compute_entropy=entropy,
-                                   autocast=self.autocast)
-            logps.append(stats.logp)
-            if entropy:
-                ents.append(stats.entropy)
+        with eval_mode(scorer):  # scoring is deterministic: no dropout (LoRA's or the model's), as in verl
+            for start in range(0, batch.size, mb):
+                part = batch.select(list(range(start, min(start + mb, batch.size))))
+                stats = response_stats(scorer, part, temperature=self.cfg.rollout.temperature, compute_entropy=entropy,
+                                       autocast=self.autocast)
+                logps.append(stats.logp)
+                if entropy:
+                    ents.append(stats.entropy)
         return torch.cat(logps), (torch.cat(ents) if entropy else None)
 
     def gather(self, rb: RolloutBatch, tensors: dict[str, torch.Tensor | None]) -> tuple[RolloutBatch, dict]:
@@ -362,57 +409,31 @@ class Trainer:
         return full, {k: (None if v is None else g(v)) for k, v in tensors.items()}
 
     def advantages(self, batch: RolloutBatch, scores: torch.Tensor, old_logp, ref_logp) -> tuple[torch.Tensor, torch.Tensor]:
-        """Reward shaping then the group advantage, in DESIGN.md order. Returns (scores', advantages [B, T])."""
-        alg = self.cfg.algorithm
-        mask = batch.response_mask
-        if alg.reward_clip is not None:
-            scores = algo.clip_scores(scores, alg.reward_clip)
-        shift = alg.reward_norm == "batch" or alg.reward_shift
-        scale = alg.reward_norm == "batch" or alg.reward_scale
-        if shift or scale:
-            scores = algo.batch_normalize_scores(scores, shift=shift, scale=scale)
-        if alg.use_kl_in_reward:
-            kl = algo.kl_penalty("kl", old_logp, ref_logp)
-            _, scores = algo.kl_penalized_scores(scores_to_token_rewards(scores, mask), kl, mask, kl_coef=alg.kl_coef)
-        estimator = algo.ADV_ESTIMATORS.get(alg.adv_estimator, field="algorithm.adv_estimator")
-        adv = estimator(scores, batch.uid, mask, norm_by_std=alg.norm_adv_by_std_in_grpo)
-        if alg.whiten_advantages:
-            adv = algo.whiten_advantages(adv, mask)
-        if alg.advantage_clip is not None:
-            adv = algo.clip_advantages(adv, alg.advantage_clip) * mask
-        return scores, adv
+        """Reward shaping then the group advantage (algo.objective). Returns (scores', advantages [B, T])."""
+        return shape_and_advantage(scores, batch.uid, batch.response_mask, self.shaping, old_logp=old_logp,
+                                   ref_logp=ref_logp)
 
     def micro_loss(self, micro: TrainBatch, num_tokens, num_seqs) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         a, cfg = self.cfg.actor, self.cfg
         rb, mask = micro.rollout, micro.rollout.response_mask
         full_kl = self.kl_needs_vocab and a.use_kl_loss
+        on_policy = micro.old_logp is None
         stats = response_stats(self.scorer, rb, temperature=cfg.rollout.temperature,
-                               compute_entropy=a.entropy_coeff != 0, vocab=full_kl, autocast=self.autocast)
+                               compute_entropy=a.entropy_coeff != 0 or on_policy, vocab=full_kl, autocast=self.autocast)
         logp = stats.logp  # fp32 (fp64 for an fp64 model): kernels never return bf16
-        agg = dict(num_tokens=num_tokens, num_seqs=num_seqs, loss_scale_factor=cfg.loss_scale_factor)
-        pg_mat, m = algo.clipped_policy_loss(logp, micro.old_logp, micro.advantages, mask, clip_low=cfg.clip_low,
-                                             clip_high=cfg.clip_high, clip_c=a.clip_ratio_c)
-        pg = algo.aggregate_loss(pg_mat, mask, a.loss_agg_mode, **agg)
-        loss = pg
-        m["loss_policy"] = pg.detach()
-        if micro.ref_logp is not None:
-            ref_vocab = self._ref_vocab(rb) if full_kl else None
-            kl_mat = algo.kl_penalty(a.kl_loss_type, logp, micro.ref_logp, logp_vocab=stats.logp_vocab,
-                                     ref_logp_vocab=ref_vocab)
-            m["kl"] = masked_mean(kl_mat, mask).detach()
-            if a.use_kl_loss:
-                kl_loss = algo.aggregate_loss(kl_mat, mask, a.loss_agg_mode, **agg)
-                loss = loss + a.kl_loss_coef * kl_loss
-                m["loss_kl"] = kl_loss.detach()
-        if a.entropy_coeff != 0:
-            ent = algo.aggregate_loss(stats.entropy, mask, a.loss_agg_mode, **agg)
-            loss = loss - a.entropy_coeff * ent
+        old = logp.detach() if on_policy else micro.old_logp  # on-policy: the policy that sampled is this one
+        loss, m = total_loss(logp, old, micro.advantages, mask, self.objective, num_tokens=num_tokens,
+                             num_seqs=num_seqs, ref_logp=micro.ref_logp, entropy=stats.entropy,
+                             logp_vocab=stats.logp_vocab, ref_logp_vocab=self._ref_vocab(rb) if full_kl else None)
+        if on_policy:  # the entropy metric comes from this forward (no separate scoring pass ran)
+            m["entropy"] = masked_mean(stats.entropy.detach(), mask)
         return loss, m
 
     @torch.no_grad()
     def _ref_vocab(self, batch: RolloutBatch) -> torch.Tensor:
-        return response_stats(self.ref_scorer, batch, temperature=self.cfg.rollout.temperature,
-                              compute_entropy=False, vocab=True, autocast=self.autocast).logp_vocab
+        with eval_mode(self.ref_scorer):
+            return response_stats(self.ref_scorer, batch, temperature=self.cfg.rollout.temperature,
+                                  compute_entropy=False, vocab=True, autocast=self.autocast).logp_vocab
 
     def update(self, batch: TrainBatch, step: int) -> dict[str, float]:
         """ppo_epochs over shuffled mini-batches of the global batch; each rank takes its slice of
@@ -480,14 +501,14 @@ class Trainer:
         records = self.local_records(self.loader.next_batch())
         width = self.prompt_width(records)
         self.backend.seed(_seed_for(cfg.trainer.seed, step, 1 + 10 * self.comm.rank))
-        params = SamplingParams(cfg.data.max_response_length, cfg.rollout.temperature, cfg.rollout.top_p, cfg.rollout.top_k)
+        params = self.sampling(cfg.rollout.temperature)
         uid_base = (step * cfg.data.train_batch_size) + self.comm.rank * len(records)
         rb = self.rollout(records, cfg.rollout.n, params, uid_base=uid_base, prompt_width=width)
         t_gen = time.perf_counter()
         scored = self.score(rb)
         for failure in scored.failures[:3]:
             self.log(f"step {step}: reward failed on sample {failure.sample} (prompt id {failure.prompt_id}): {failure.message}")
-        old_logp, entropy = self.logprobs(self.scorer, rb, entropy=True)
+        old_logp, entropy = self.logprobs(self.scorer, rb, entropy=True) if not self.on_policy else (None, None)
         ref_logp = self.logprobs(self.ref_scorer, rb, entropy=False)[0] if self.ref_scorer is not None else None
         local = {
             "scores": torch.tensor(scored.scores, dtype=torch.float32, device=self.device),
@@ -513,17 +534,17 @@ class Trainer:
     def batch_from_record(self, rec: dict[str, Any]) -> tuple[TrainBatch, dict[str, Any]]:
         """Rebuild a recorded step's global batch on this backend: log-probs and advantages are
         recomputed here; rollout tokens and rewards are exactly the recorded ones."""
-        d = self.device
+        d, t_start = self.device, time.perf_counter()
         rb = RolloutBatch(prompt_ids=rec["prompt_ids"].to(d), prompt_mask=rec["prompt_mask"].to(d),
                           responses=rec["responses"].to(d), response_mask=rec["response_mask"].to(d),
                           uid=rec["uid"].to(d), prompt_index=rec["prompt_index"].to(d), response_text=[],
                           ground_truth=[], data_source=[], extra_info=[])
-        old_logp, entropy = self.logprobs(self.scorer, rb, entropy=True)
+        old_logp, entropy = self.logprobs(self.scorer, rb, entropy=True) if not self.on_policy else (None, None)
         ref_logp = self.logprobs(self.ref_scorer, rb, entropy=False)[0] if self.ref_scorer is not None else None
         raw = rec["scores"].to(d)
         scores, adv = self.advantages(rb, raw, old_logp, ref_logp)
         info = {"raw_scores": raw, "scores": scores, "correct": rec["correct"].to(d), "entropy": entropy,
-                "reward_errors": 0.0, "t_gen": time.perf_counter()}
+                "reward_errors": 0.0, "t_gen": t_start}  # nothing generated: time_gen_s is 0
         return TrainBatch(rb, adv, old_logp, ref_logp), info
 
     def record(self, out: StepOutput) -> None:
@@ -563,6 +584,7 @@ class Trainer:
     def train_on(self, batch: TrainBatch, info: dict[str, Any], t0: float) -> StepOutput:
         step = self.step_done + 1
         t_prep = time.perf_counter()
+        lr_used = self.scheduler.get_last_lr()[0]
         upd = self.update(batch, step)
         self.scheduler.step()
         self.push_weights_to_engine()
@@ -576,29 +598,34 @@ class Trainer:
         metrics = {
             "step": step,
             "reward_mean": float(raw.mean()),
-            "reward_std": float(raw.std()) if raw.numel() > 1 else 0.0,
+            "reward_std": float(raw.detach().cpu().double().std()) if raw.numel() > 1 else 0.0,  # no fp32 overflow
             "acc": float(info["correct"].mean()),
             "score_mean": float(info["scores"].mean()),
             "adv_mean": float(masked_mean(adv, mask)),
             "adv_std": float(masked_mean((adv - masked_mean(adv, mask)) ** 2, mask).sqrt()),
             "loss_policy": upd.get("loss_policy", 0.0),
-            "loss_kl": upd.get("loss_kl", 0.0),
-            "kl": upd.get("kl", 0.0),
-            "entropy": float(masked_mean(info["entropy"], mask)),
+            # kl only with a reference model, loss_kl only with a KL loss: never a made-up 0
+            **{k: upd[k] for k in ("loss_kl", "kl") if k in upd},
+            "entropy": upd["entropy"] if info["entropy"] is None else float(masked_mean(info["entropy"], mask)),
             "clipfrac": upd["clipfrac"],
             "clipfrac_lower": upd["clipfrac_lower"],
             "ppo_kl": upd["ppo_kl"],
             "ratio_mean": upd["ratio_mean"],
             "grad_norm": upd["grad_norm"],
             "response_len_mean": resp_tokens / rb.size,
+            # share of responses that hit data.max_response_length (verl's response_length/clip_ratio)
+            "response_clip_ratio": float((mask.sum(dim=1) >= mask.shape[1]).float().mean()),
             "zero_std_group_frac": float(zero_std_group_fraction(raw, rb.uid)),
             "reward_errors": info["reward_errors"],
-            "lr": self.scheduler.get_last_lr()[0],
+            "lr": lr_used,
             "time_step_s": t_end - t0,
             "time_gen_s": info["t_gen"] - t0,
             "time_prep_s": t_prep - info["t_gen"],
             "time_update_s": t_end - t_prep,
-            "tokens_per_s": resp_tokens / (t_end - t0),
+            # response tokens of all ranks per second of step time (the batch's generation + training rate)
+            "response_tokens_per_s": resp_tokens / (t_end - t0),
+            # verl's perf/throughput: prompt + response tokens / (step time x devices)
+            "tokens_per_s_per_device": (resp_tokens + float(rb.prompt_mask.sum())) / ((t_end - t0) * self.comm.world_size),
             "mem_peak_gb": float(self.comm.all_reduce_max(peak)),
             "world_size": self.comm.world_size,
         }
@@ -611,8 +638,7 @@ class Trainer:
         if not self.val_records:
             return {}
         cfg = self.cfg
-        params = SamplingParams(cfg.data.max_response_length, cfg.rollout.val_temperature, cfg.rollout.top_p,
-                                cfg.rollout.top_k)
+        params = self.sampling(cfg.rollout.val_temperature)
         state = torch.get_rng_state()  # validation must not shift the training RNG stream
         self.backend.seed(_seed_for(cfg.trainer.seed, self.step_done, 3 + 10 * self.comm.rank))
         world, rank = self.comm.world_size, self.comm.rank
@@ -659,8 +685,8 @@ class Trainer:
                     self.logger.log(metrics)
                 history.append(metrics)
                 bar.update(1)
-                bar.set_postfix(reward=f"{metrics['reward_mean']:.3f}", kl=f"{metrics['kl']:.4f}",
-                                loss=f"{metrics['loss_policy']:.3f}", tok_s=f"{metrics['tokens_per_s']:.0f}")
+                bar.set_postfix(reward=f"{metrics['reward_mean']:.3f}", loss=f"{metrics['loss_policy']:.3f}",
+                                tok_s=f"{metrics['response_tokens_per_s']:.0f}")
                 if t.save_freq and (self.step_done % t.save_freq == 0 or self.step_done == self.total_steps):
                     self.save()
         finally:
@@ -682,3 +708,5 @@ class Trainer:
             self.logger.close()
         if getattr(self, "comm", None) is not None:
             self.comm.close()
+        if getattr(self, "run", None) is not None:
+            self.run.unlock()

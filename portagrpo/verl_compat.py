@@ -33,6 +33,7 @@ DIRECT = {
     AR + "rollout.gpu_memory_utilization": "rollout.vllm_gpu_memory_utilization",
     AR + "actor.optim.lr": "actor.lr",
     AR + "actor.optim.weight_decay": "actor.weight_decay",
+    AR + "actor.optim.betas": "actor.betas",
     AR + "actor.ppo_micro_batch_size_per_gpu": "actor.micro_batch_size",
     AR + "actor.ppo_epochs": "actor.ppo_epochs",
     AR + "actor.clip_ratio": "actor.clip_ratio",
@@ -59,6 +60,9 @@ DIRECT = {
 # verl counts the mini-batch in prompts; portagrpo counts responses (prompts x rollout.n)
 MINI_BATCH = AR + "actor.ppo_mini_batch_size"
 GPUS_PER_NODE = "trainer.n_gpus_per_node"
+WARMUP = AR + "actor.optim.lr_warmup_steps"
+WARMUP_RATIO = AR + "actor.optim.lr_warmup_steps_ratio"  # only 0 maps: a ratio needs the step count first
+SCHEDULE = AR + "actor.optim.warmup_style"  # verl's name for the schedule after warmup
 VERL_ONLY_PREFIXES = (AR, "critic.", "reward_model.", "custom_reward_function.", "ray_init.", "ray_kwargs.")
 VERL_ONLY_KEYS = {"trainer.logger", "trainer.project_name", "trainer.experiment_name", "trainer.val_before_train",
                   "trainer.critic_warmup", "trainer.default_local_dir", "trainer.resume_mode", "data.filter_overlong_prompts",
@@ -82,6 +86,15 @@ def translate(pairs: list[tuple[str, Any]]) -> tuple[list[tuple[str, Any]], list
             notices.append(f"verl key {key} -> portagrpo {DIRECT[key]}")
         elif key == MINI_BATCH:
             mini_prompts = value
+        elif key == WARMUP:
+            steps = int(value)
+            out.append(("actor.warmup_steps", max(steps, 0)))  # verl: -1 means "from the ratio", default 0
+            notices.append(f"verl key {key}={value} -> portagrpo actor.warmup_steps={max(steps, 0)}")
+        elif key == WARMUP_RATIO and float(value) == 0.0:
+            notices.append(f"verl key {key}=0 -> no warmup (the default)")
+        elif key == SCHEDULE and value in ("constant", "cosine"):
+            out.append(("actor.lr_schedule", value))
+            notices.append(f"verl key {key} -> portagrpo actor.lr_schedule")
         elif key == GPUS_PER_NODE:
             out += [("trainer.nproc_per_node", value), ("trainer.devices_per_node", value)]
             notices.append(f"verl key {key} -> portagrpo trainer.nproc_per_node (one machine) and "

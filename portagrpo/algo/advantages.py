@@ -52,12 +52,17 @@ def group_advantages(
     total = torch.zeros(num_groups, dtype=dtype, device=scores.device).index_add_(0, group, scores)
     mean = total / count
     centered = scores - mean[group]
-    sq = torch.zeros(num_groups, dtype=dtype, device=scores.device).index_add_(0, group, centered * centered)
-    var = sq / (count - 1).clamp(min=1)
-    std = var.sqrt()
+    # The variance is taken of centered/scale (scale = the group's largest |centered|), so squares
+    # cannot overflow however large the rewards are (1e30 squared is inf in fp32); same formula.
+    scale = torch.zeros(num_groups, dtype=dtype, device=scores.device).scatter_reduce(
+        0, group, centered.abs(), reduce="amax")
+    safe = torch.where(scale > 0, scale, torch.ones_like(scale))
+    unit = centered / safe[group]
+    sq = torch.zeros(num_groups, dtype=dtype, device=scores.device).index_add_(0, group, unit * unit)
+    unit_std = (sq / (count - 1).clamp(min=1)).sqrt()  # std / scale
     # Ties and singletons carry no signal: force an exact 0 instead of rounding noise / NaN.
     no_signal = (count < 2) | tied
-    adv = centered / (std[group] + eps) if norm_by_std else centered
+    adv = unit / (unit_std[group] + eps / safe[group]) if norm_by_std else centered
     adv = torch.where(no_signal[group], torch.zeros_like(adv), adv)
     return adv.unsqueeze(-1) * mask.to(dtype)
 
@@ -83,7 +88,9 @@ def batch_normalize_scores(
     if shift:
         out = out - scores.mean()
     if scale and scores.numel() > 1:
-        out = out / (scores.std(unbiased=True) + eps)
+        size = (scores - scores.mean()).abs().max()  # std of scores/size: no overflow for huge rewards
+        size = torch.where(size > 0, size, torch.ones_like(size))
+        out = out / ((scores / size).std(unbiased=True) * size + eps)
     return out
 
 

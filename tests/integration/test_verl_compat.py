@@ -7,7 +7,8 @@ from portagrpo.data import write_jsonl
 from portagrpo.metrics import read_metrics
 from portagrpo.tasks import gsm8k_style_rows
 
-TIMING = {"time_step_s", "time_gen_s", "time_prep_s", "time_update_s", "tokens_per_s", "mem_peak_gb"}
+TIMING = {"time_step_s", "time_gen_s", "time_prep_s", "time_update_s", "response_tokens_per_s", "tokens_per_s_per_device",
+          "mem_peak_gb"}
 
 
 def test_verl_command_line_trains_like_portagrpo(tmp_path, tiny_model_dir, capsys):

@@ -109,7 +109,8 @@ def test_weighted_sum_and_format_rewards():
 
 
 def test_slow_reward_times_out_in_the_pool(tmp_path):
-    from portagrpo.rewards import RewardFunctionError, RewardPool
+    from portagrpo.reward_pool import RewardPool
+    from portagrpo.rewards import RewardFunctionError
 
     f = tmp_path / "slow.py"
     f.write_text("import time\ndef score(ds, s, gt, extra=None):\n    if s == 'hang':\n        time.sleep(60)\n"

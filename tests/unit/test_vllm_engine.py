@@ -13,10 +13,13 @@ from portagrpo.rollout_vllm import bucket_tensors, sampling_kwargs, vllm_weight_
 
 
 def test_sampling_parameter_mapping():
-    kw = sampling_kwargs(SamplingParams(max_tokens=12, temperature=0.7, top_p=0.9, top_k=50), seed=3,
-                         stop_token_ids=[2])
-    assert kw == {"n": 1, "temperature": 0.7, "top_p": 0.9, "top_k": 50, "max_tokens": 12, "seed": 3,
-                  "stop_token_ids": [2], "detokenize": False}
+    kw = sampling_kwargs(SamplingParams(max_tokens=12, temperature=0.7, top_p=0.9, top_k=50, min_p=0.05,
+                                        repetition_penalty=1.2), seed=3, stop_token_ids=[2])
+    assert kw == {"n": 1, "temperature": 0.7, "top_p": 0.9, "top_k": 50, "min_p": 0.05, "repetition_penalty": 1.2,
+                  "max_tokens": 12, "seed": 3, "stop_token_ids": [2], "detokenize": False}
+    # off means off: every knob is explicit, so vLLM takes nothing from the model's generation_config
+    off = sampling_kwargs(SamplingParams(max_tokens=4), seed=0, stop_token_ids=[2])
+    assert off["top_k"] == -1 and off["min_p"] == 0.0 and off["repetition_penalty"] == 1.0 and off["top_p"] == 1.0
     greedy = sampling_kwargs(SamplingParams(max_tokens=4, temperature=0.0, top_p=0.5, top_k=0), seed=None,
                              stop_token_ids=[2, 7])
     assert greedy["temperature"] == 0.0 and greedy["top_p"] == 1.0 and greedy["top_k"] == -1

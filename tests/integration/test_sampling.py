@@ -1,0 +1,175 @@
+"""Train what you sample: a saved Qwen2 whose generation_config restricts sampling (top_k, top_p, min_p,
+repetition_penalty, an extra EOS) and whose attention has dropout. Nothing of that file may leak into
+what portagrpo samples or scores."""
+import json
+import math
+
+import pytest
+import torch
+
+from portagrpo.config import load_config
+from portagrpo.rollout import HFRollout, SamplingParams
+
+FAST = ["trainer.progress_bar=false", "data.train_batch_size=2", "rollout.n=4", "data.train_size=16",
+        "data.val_size=4", "data.max_response_length=6", "trainer.test_freq=0", "trainer.save_freq=0",
+        "trainer.plot=false", "trainer.tensorboard=false", "actor.warmup_steps=0"]
+
+
+def manual_greedy(model, ids: torch.Tensor, steps: int) -> torch.Tensor:
+    out = ids
+    with torch.no_grad():
+        for _ in range(steps):
+            nxt = model(input_ids=out).logits[:, -1].argmax(-1, keepdim=True)
+            out = torch.cat([out, nxt], dim=1)
+    return out[:, ids.shape[1]:]
+
+
+@pytest.fixture(scope="module")
+def qwen_dir(tmp_path_factory, tokenizer):
+    """A random tiny Qwen2 with attention dropout, saved with a restrictive generation_config."""
+    from transformers import GenerationConfig, Qwen2Config, Qwen2ForCausalLM
+
+    torch.manual_seed(5)
+    cfg = Qwen2Config(vocab_size=len(tokenizer), hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128, attention_dropout=0.5,
+                      tie_word_embeddings=True, bos_token_id=tokenizer.bos_token_id,
+                      eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id)
+    model = Qwen2ForCausalLM(cfg).eval()
+    with torch.no_grad():  # sharpen the random model a little so greedy paths differ between prompts
+        model.lm_head.weight.mul_(4.0)
+    prompt = torch.tensor([tokenizer.encode("copy 7:")])
+    greedy = manual_greedy(model, prompt, 6)[0].tolist()
+    extra_eos = next(t for t in greedy[1:] if t != tokenizer.eos_token_id)  # ends that response early
+    model.generation_config = GenerationConfig(do_sample=True, temperature=0.7, top_k=3, top_p=0.5, min_p=0.3,
+                                               repetition_penalty=1.5,
+                                               eos_token_id=[tokenizer.eos_token_id, extra_eos])
+    path = tmp_path_factory.mktemp("qwen") / "model"
+    model.save_pretrained(path, safe_serialization=True)
+    tokenizer.save_pretrained(path)
+    (path / "expect.json").write_text(json.dumps({"extra_eos": extra_eos, "greedy": greedy}))
+    return path
+
+
+def load(path):
+    from portagrpo.modeling import load_model
+
+    return load_model(path, "sdpa").eval()
+
+
+def test_off_means_off_sampling_follows_the_softmax(qwen_dir, tokenizer):
+    model = load(qwen_dir)
+    engine = HFRollout(model, tokenizer, lambda: torch.no_grad())
+    prompt = torch.tensor([tokenizer.encode("copy 7:")])
+    n = 600
+    torch.manual_seed(0)
+    responses, _ = engine.generate(prompt.repeat(n, 1), torch.ones(n, prompt.shape[1], dtype=torch.long),
+                                   SamplingParams(max_tokens=1, temperature=1.0))
+    with torch.no_grad():
+        probs = torch.softmax(model(input_ids=prompt).logits[0, -1].double(), -1)
+    counts = torch.bincount(responses[:, 0], minlength=probs.numel()).double()
+    # the model's file asks for top_k=3 / min_p=0.3 / top_p=0.5: at most 3 distinct tokens if it leaked
+    assert int((counts > 0).sum()) > 3
+    top = int(probs.argmax())
+    p = float(probs[top])
+    assert abs(float(counts[top]) / n - p) < 5 * math.sqrt(p * (1 - p) / n)  # not inflated by truncation
+
+
+def test_greedy_has_no_repetition_penalty_and_stops_at_every_eos(qwen_dir, tokenizer):
+    model = load(qwen_dir)
+    expect = json.loads((qwen_dir / "expect.json").read_text())
+    engine = HFRollout(model, tokenizer, lambda: torch.no_grad())
+    assert engine.eos_ids == [tokenizer.eos_token_id, expect["extra_eos"]]  # tokenizer's, then the model's
+    prompts = [tokenizer.encode(t) for t in ("copy 7:", "copy 3:", "say 55", "x")]
+    width = max(map(len, prompts))
+    from portagrpo.data import left_pad
+
+    ids, mask = left_pad(prompts, engine.pad_id, width=width)
+    responses, rmask = engine.generate(ids, mask, SamplingParams(max_tokens=6, temperature=0.0))
+    for row, prompt in enumerate(prompts):
+        want = manual_greedy(model, torch.tensor([prompt]), 6)[0].tolist()
+        stop = next((i + 1 for i, t in enumerate(want) if t in engine.eos_ids), len(want))
+        assert responses[row, :stop].tolist() == want[:stop], row
+        assert int(rmask[row].sum()) == stop
+    first_stop = expect["greedy"].index(expect["extra_eos"]) + 1
+    assert int(rmask[0].sum()) == first_stop < 6  # ended by the generation_config's EOS, as vLLM ends it
+    # the setup can tell: transformers' own defaults (the old behaviour) do apply the file's penalty
+    with torch.no_grad():
+        leaked = model.generate(input_ids=ids, attention_mask=mask, do_sample=False, max_new_tokens=6)
+    assert leaked[:, width:].tolist() != responses.tolist()
+
+
+def _trainer(tmp_path, qwen_dir, *overrides):
+    from portagrpo.trainer import Trainer
+
+    cfg = load_config(None, [*FAST, f"model.path={qwen_dir}", "data.max_prompt_length=16", *overrides])
+    return Trainer(cfg, run_dir=tmp_path, log=lambda m: None).setup()
+
+
+@pytest.mark.parametrize("lora", [False, True])
+def test_scoring_runs_without_dropout(tmp_path, qwen_dir, lora):
+    extra = ["model.lora.rank=4", "model.lora.dropout=0.5"] if lora else []
+    t = _trainer(tmp_path, qwen_dir, "actor.ppo_mini_batch_size=4", "actor.micro_batch_size=4", *extra)
+    batch, _ = t.make_batch(1)
+    t.scorer.train()  # as during the update
+    a, _ = t.logprobs(t.scorer, batch.rollout, entropy=False)
+    b, _ = t.logprobs(t.scorer, batch.rollout, entropy=False)
+    assert torch.equal(a, b) and t.scorer.training  # deterministic, and the mode is restored
+    if t.ref_scorer is not None:
+        r1, _ = t.logprobs(t.ref_scorer, batch.rollout, entropy=False)
+        r2, _ = t.logprobs(t.ref_scorer, batch.rollout, entropy=False)
+        assert torch.equal(r1, r2)
+
+
+def test_on_policy_step_skips_the_old_logprob_pass(tmp_path, qwen_dir, monkeypatch):
+    t = _trainer(tmp_path, qwen_dir, "actor.ppo_mini_batch_size=8", "actor.micro_batch_size=4",
+                 "actor.use_kl_loss=false")
+    assert t.on_policy
+    calls = []
+    real = t.logprobs
+    monkeypatch.setattr(t, "logprobs", lambda scorer, *a, **k: calls.append(scorer) or real(scorer, *a, **k))
+    m = t.step().metrics
+    assert t.scorer not in calls  # no separate scoring pass of the policy
+    assert m["ppo_kl"] == 0.0 and m["ratio_mean"] == 1.0 and m["clipfrac"] == 0.0
+    assert math.isfinite(m["entropy"]) and m["entropy"] > 0
+    off = _trainer(tmp_path / "off", qwen_dir, "actor.ppo_mini_batch_size=4", "actor.micro_batch_size=4")
+    assert not off.on_policy
+
+
+def test_logged_lr_is_the_rate_used_and_warmup_starts_at_zero(tmp_path, qwen_dir):
+    t = _trainer(tmp_path, qwen_dir, "actor.warmup_steps=2", "actor.lr=1e-3", "actor.ppo_mini_batch_size=8",
+                 "actor.micro_batch_size=8", "actor.use_kl_loss=false")
+    before = [p.detach().clone() for p in t.params]
+    lrs = [t.step().metrics["lr"]]
+    assert all(torch.equal(a, b) for a, b in zip(before, t.params))  # lr 0: the first step changes nothing
+    lrs += [t.step().metrics["lr"], t.step().metrics["lr"]]
+    assert lrs == pytest.approx([0.0, 5e-4, 1e-3])
+
+
+def test_kl_in_reward_with_a_full_kl_type_and_no_kl_loss_trains(tmp_path, qwen_dir):
+    t = _trainer(tmp_path, qwen_dir, "algorithm.use_kl_in_reward=true", "actor.use_kl_loss=false",
+                 "actor.kl_loss_type=full", "actor.ppo_mini_batch_size=8", "actor.micro_batch_size=4")
+    assert not t.on_policy  # the reward needs old log-probs before the update
+    m = t.step().metrics
+    assert math.isfinite(m["kl"]) and "loss_kl" not in m
+    assert 0.0 <= m["response_clip_ratio"] <= 1.0 and m["tokens_per_s_per_device"] > m["response_tokens_per_s"] > 0
+
+
+def test_verl_optimizer_keys_and_recipes_match_verl():
+    from pathlib import Path
+
+    cfg = load_config(None, ["actor_rollout_ref.actor.optim.betas=[0.9,0.999]",
+                             "actor_rollout_ref.actor.optim.lr_warmup_steps=-1",
+                             "actor_rollout_ref.actor.optim.warmup_style=cosine"])
+    assert cfg.actor.betas == [0.9, 0.999] and cfg.actor.warmup_steps == 0 and cfg.actor.lr_schedule == "cosine"
+    root = Path(__file__).resolve().parents[2]
+    for recipe in sorted((root / "configs").glob("qwen2.5-*.yaml")):
+        a = load_config(recipe, check_files=False).actor
+        assert (a.betas, a.weight_decay) == ([0.9, 0.999], 0.01), recipe.name
+
+
+def test_greedy_validation_with_several_samples_is_refused():
+    from portagrpo.config import ConfigError
+
+    with pytest.raises(ConfigError, match="pass@4 would equal accuracy"):
+        load_config(None, ["rollout.val_n=4", "rollout.val_temperature=0"])
+    assert load_config(None, ["rollout.val_n=4", "rollout.val_temperature=0.7"]).rollout.val_n == 4
