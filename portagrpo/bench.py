@@ -17,7 +17,7 @@ from typing import Any
 
 DEFAULT_SHAPES = ["4096x896x151936", "4096x2048x151936"]
 VARIANTS = ["naive", "chunked", "triton"]
-DTYPES = {"fp32": "float32", "bf16": "bfloat16"}
+BENCH_DTYPES = ("fp32", "bf16")
 
 
 def naive_logprobs(hidden, weight, targets, *, compute_entropy=False, **_):
@@ -42,10 +42,11 @@ def measure_one(shape: str, variant: str, dtype: str, device: str, repeats: int,
     import torch
 
     from .backends import get_backend
+    from .tolerances import DTYPES
 
     backend = get_backend(device)
     n, h, v = (int(x) for x in shape.split("x"))
-    dt = getattr(torch, DTYPES[dtype])
+    dt = DTYPES[dtype]
     dev = backend.device(0)
     need = (n * v * 4 * 3 + v * h * 4 * 2) / 2**30 if variant == "naive" else (v * h * 4 * 3) / 2**30
     if need > backend.free_memory_gb() * 0.9:
@@ -128,7 +129,7 @@ def main_cli(argv: list[str]) -> int:
     p = argparse.ArgumentParser(prog="portagrpo bench kernels")
     p.add_argument("--shapes", default=",".join(DEFAULT_SHAPES), help="N x H x V, comma separated")
     p.add_argument("--variants", default=",".join(VARIANTS))
-    p.add_argument("--dtype", default="fp32", choices=list(DTYPES))
+    p.add_argument("--dtype", default="fp32", choices=list(BENCH_DTYPES))
     p.add_argument("--device", default="auto")
     p.add_argument("--repeats", type=int, default=2)
     p.add_argument("--entropy", action="store_true", help="also compute (and differentiate) the entropy")

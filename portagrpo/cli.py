@@ -96,7 +96,7 @@ def cmd_train(args) -> int:
     overrides = list(args.overrides)
     if args.device:
         overrides.append(f"trainer.device={args.device}")
-    from .run_dir import resolve_run
+    from .train.run_dir import resolve_run
 
     run_dir, resume = resolve_run(args.output_dir, args.resume)
     config_path = args.config
@@ -121,14 +121,14 @@ def cmd_train(args) -> int:
         return 0
     if args.ray or args.ray_address:
         from .ray_launcher import train_with_ray
-        from .trainer import default_run_dir
+        from .train import default_run_dir
 
         history = train_with_ray(cfg, run_dir or Path(cfg.trainer.output_dir or default_run_dir()),
                                  str(resume) if resume else None, args.ray_address)
         _summary(history, run_dir)
         return 0
     from .procs import LAUNCHER_ENV, exit_with_parent
-    from .trainer import Trainer
+    from .train import Trainer
 
     main_rank = os.environ.get("RANK", "0") == "0"
     if os.environ.get(LAUNCHER_ENV):

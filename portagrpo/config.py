@@ -504,7 +504,7 @@ def validate(cfg: Config, *, check_files: bool = True) -> list[str]:
     if not 0 <= cfg.reward.max_error_frac <= 1:
         p.append(f"reward.max_error_frac={cfg.reward.max_error_frac} must be between 0 and 1.")
     if alg.use_kl_in_reward and a.use_kl_loss:
-        p.append("algorithm.use_kl_in_reward and actor.use_kl_loss are both true; DESIGN uses one or the other, so set actor.use_kl_loss=false.")
+        p.append("algorithm.use_kl_in_reward and actor.use_kl_loss are both true; docs/design.md uses one or the other, so set actor.use_kl_loss=false.")
     if t.total_steps is not None and t.total_steps < 1:
         p.append(f"trainer.total_steps={t.total_steps} must be at least 1 (or null to use trainer.total_epochs).")
     for name, value in (("trainer.save_freq", t.save_freq), ("trainer.test_freq", t.test_freq)):

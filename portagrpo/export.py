@@ -9,7 +9,7 @@ from pathlib import Path
 from .checkpoint import CheckpointError, checkpoint_dir, latest_valid_checkpoint, verify_checkpoint
 from .config import load_config
 from .errors import UserError
-from .run_dir import remove_dead_temporaries, tmp_name
+from .train.run_dir import remove_dead_temporaries, tmp_name
 
 MARKER = ".portagrpo-export.json"  # marks a directory an export may replace
 

@@ -19,12 +19,11 @@ from . import algo
 from .algo.objective import Objective, Shaping, shape_and_advantage, total_loss
 from .forward import ResponseScorer
 from .kernels import logprob_impl
-from .tolerances import relative_error, tolerance
+from .tolerances import DTYPES, relative_error, tolerance
 
 DATA_DIR = Path(__file__).resolve().parent / "parity_data"
 SCENARIO_FILE = "scenario.safetensors"
 GOLDEN_FILE = "golden.safetensors"
-DTYPES = {"fp64": torch.float64, "fp32": torch.float32, "bf16": torch.bfloat16}
 MODEL_CONFIG = dict(vocab_size=97, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
                     num_key_value_heads=2, max_position_embeddings=64, tie_word_embeddings=False,
                     bos_token_id=1, eos_token_id=2, pad_token_id=0)

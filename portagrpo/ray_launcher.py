@@ -44,7 +44,7 @@ class TrainWorker:
         import torch
 
         from .config import _build
-        from .trainer import Trainer
+        from .train import Trainer
 
         os.environ.update(env)
         from .modeling import quiet_transformers
@@ -180,8 +180,8 @@ def train_with_ray(cfg: Config, run_dir: Path, resume: str | None = None, addres
 
     from .config import to_yaml
     from .metrics import MetricsLogger
-
-    from .run_dir import RunDir
+    from .train import Cadence
+    from .train.run_dir import RunDir
 
     run_dir = Path(run_dir)
     run_files = RunDir(run_dir)
@@ -193,18 +193,22 @@ def train_with_ray(cfg: Config, run_dir: Path, resume: str | None = None, addres
     try:
         run.start()
         done, total = run.info["step_done"], run.info["total_steps"]
+        when = Cadence(total, t.test_freq, t.save_freq)  # the single-process loop's cadence
         logger = MetricsLogger(run_dir, tensorboard=t.tensorboard, resume_step=done, warn=log)
         bar = tqdm(total=total, initial=done, disable=not t.progress_bar, desc="grpo (ray)")
         try:
+            if when.validate_first(done):
+                val = run._call("validate")[0]
+                if val:
+                    log("step 0 validation: " + ", ".join(f"{k}={v:.3f}" for k, v in val.items()))
             while done < total:
                 done += 1
-                validate = bool(t.test_freq) and (done % t.test_freq == 0 or done == total)
-                metrics = run._call("step", validate)[0]
+                metrics = run._call("step", when.validate_after(done))[0]
                 logger.log(metrics)
                 history.append(metrics)
                 bar.update(1)
                 bar.set_postfix(reward=f"{metrics['reward_mean']:.3f}", loss=f"{metrics['loss_policy']:.3f}")
-                if t.save_freq and (done % t.save_freq == 0 or done == total):
+                if when.save_after(done):
                     path = run._call("save")[0]
                     log(f"saved checkpoint {path}")
                 if on_step is not None:

@@ -52,3 +52,7 @@ def assert_close(out: torch.Tensor, ref: torch.Tensor, dtype: torch.dtype, quant
     worst = torch.topk(torch.nan_to_num(diff, nan=float("inf")), k=min(5, diff.numel())).indices
     rows = ", ".join(f"[{int(i)}] {float(out.reshape(-1)[i]):.6g} vs {float(ref.reshape(-1)[i]):.6g}" for i in worst)
     raise AssertionError(f"{what or quantity}: relative error {err:.3e} > {bound:.1e} ({dtype}); worst: {rows}")
+
+
+# The config's dtype names, the one table every module uses.
+DTYPES = {"fp64": torch.float64, "fp32": torch.float32, "bf16": torch.bfloat16}

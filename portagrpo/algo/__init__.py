@@ -1,4 +1,4 @@
-"""GRPO/DrGRPO math as pure tensor functions (DESIGN.md "Numerics contract")."""
+"""GRPO/DrGRPO math as pure tensor functions (docs/design.md "Numerics contract")."""
 from .advantages import (
     ADV_ESTIMATORS,
     batch_normalize_scores,

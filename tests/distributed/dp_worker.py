@@ -11,7 +11,7 @@ from pathlib import Path
 import torch
 
 from portagrpo.config import load_config
-from portagrpo.trainer import Trainer
+from portagrpo.train import Trainer
 
 
 # Shared with tests/distributed/test_ray.py, so Ray, torchrun and one process train the same thing.

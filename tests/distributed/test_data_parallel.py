@@ -42,7 +42,7 @@ def single(tmp_path_factory):
 
 
 # fp64: the two runs differ only by summation order (~1e-16 per op); fp32 as observed for
-# FSDP2 over gloo (DESIGN.md: ~6e-6 relative), bounded at 2e-5.
+# FSDP2 over gloo (measured ~6e-6 relative), bounded at 2e-5.
 @pytest.mark.parametrize("parallel,dtype,tol", [("ddp", "fp64", 1e-10), ("fsdp2", "fp64", 1e-10), ("fsdp2", "fp32", 2e-5)])
 def test_two_processes_match_one(tmp_path, single, parallel, dtype, tol):
     two = run_worker(tmp_path / "two", 2, parallel, dtype)

@@ -79,7 +79,7 @@ def test_new_run_refuses_a_foreign_directory(tmp_path, capsys):
 
 
 def test_run_directory_in_use_is_refused(tmp_path, capsys):
-    from portagrpo.run_dir import RunDir
+    from portagrpo.train.run_dir import RunDir
 
     holder = RunDir(tmp_path / "run")
     holder.lock()  # another writer (flock is per open file, so this process counts as another)
@@ -94,7 +94,7 @@ def test_run_directory_in_use_is_refused(tmp_path, capsys):
 
 
 def test_killed_init_model_write_leaves_a_run_that_starts_again(tmp_path, monkeypatch):
-    import portagrpo.trainer as trainer_mod
+    import portagrpo.train.build as trainer_mod
 
     real = trainer_mod.build_tiny_model
 

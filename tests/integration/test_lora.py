@@ -15,7 +15,7 @@ FAST = ["trainer.progress_bar=false", "data.train_batch_size=4", "rollout.n=4", 
 
 
 def _trainer(run_dir, *overrides):
-    from portagrpo.trainer import Trainer
+    from portagrpo.train import Trainer
 
     return Trainer(load_config(None, [*FAST, *overrides]), run_dir=run_dir, log=lambda m: None).setup()
 
@@ -46,7 +46,7 @@ def test_reference_logprobs_are_the_base_models(tmp_path):
 
     t = _trainer(tmp_path)
     t.step()  # adapters are now non-zero
-    batch, _ = t.make_batch(2)
+    batch = t.make_experience(2).batch
     ref_logp, _ = t.logprobs(t.ref_scorer, batch.rollout, entropy=False)
     pol_logp, _ = t.logprobs(t.scorer, batch.rollout, entropy=False)
     base = AutoModelForCausalLM.from_pretrained(tmp_path / "init_model", local_files_only=True)
@@ -72,7 +72,7 @@ def test_checkpoint_holds_the_adapter_and_merged_export_reproduces_logprobs(tmp_
     t = _trainer(tmp_path / "resumed", "trainer.total_steps=3")
     t.resume_from = run
     t._maybe_resume()
-    batch, _ = t.make_batch(4)
+    batch = t.make_experience(4).batch
     adapted, _ = t.logprobs(t.scorer, batch.rollout, entropy=False)
     with torch.no_grad():
         exported = response_stats(ResponseScorer(merged, token_logprobs_reference), batch.rollout, temperature=1.0,

@@ -99,7 +99,7 @@ def test_greedy_has_no_repetition_penalty_and_stops_at_every_eos(qwen_dir, token
 
 
 def _trainer(tmp_path, qwen_dir, *overrides):
-    from portagrpo.trainer import Trainer
+    from portagrpo.train import Trainer
 
     cfg = load_config(None, [*FAST, f"model.path={qwen_dir}", "data.max_prompt_length=16", *overrides])
     return Trainer(cfg, run_dir=tmp_path, log=lambda m: None).setup()
@@ -109,7 +109,7 @@ def _trainer(tmp_path, qwen_dir, *overrides):
 def test_scoring_runs_without_dropout(tmp_path, qwen_dir, lora):
     extra = ["model.lora.rank=4", "model.lora.dropout=0.5"] if lora else []
     t = _trainer(tmp_path, qwen_dir, "actor.ppo_mini_batch_size=4", "actor.micro_batch_size=4", *extra)
-    batch, _ = t.make_batch(1)
+    batch = t.make_experience(1).batch
     t.scorer.train()  # as during the update
     a, _ = t.logprobs(t.scorer, batch.rollout, entropy=False)
     b, _ = t.logprobs(t.scorer, batch.rollout, entropy=False)

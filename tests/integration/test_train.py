@@ -91,7 +91,7 @@ def test_explicit_corrupt_checkpoint_is_refused(tmp_path, capsys):
 
 
 def _trainer(tmp_path, *overrides):
-    from portagrpo.trainer import Trainer
+    from portagrpo.train import Trainer
 
     cfg = load_config(None, [*FAST, "trainer.test_freq=0", *overrides])
     return Trainer(cfg, run_dir=tmp_path, log=lambda m: None).setup()
@@ -103,7 +103,7 @@ def test_micro_batching_does_not_change_the_update(tmp_path, mode, dtype, tol):
     """micro-batch 8x1 == 2x4 on identical rollouts, through the real trainer.
 
     In fp64 the two agree to rounding; in fp32, Adam's first step (about lr * sign(g)) can
-    amplify summation-order noise on near-zero gradient entries, so the bound is DESIGN's fp32 one.
+    amplify summation-order noise on near-zero gradient entries, so the bound is docs/design.md's fp32 one.
     """
     one = _trainer(tmp_path / "one", "actor.micro_batch_size=8", f"actor.loss_agg_mode={mode}")
     four = _trainer(tmp_path / "four", "actor.micro_batch_size=2", f"actor.loss_agg_mode={mode}")
@@ -115,7 +115,7 @@ def test_micro_batching_does_not_change_the_update(tmp_path, mode, dtype, tol):
         assert m1[key] == pytest.approx(m4[key], rel=tol, abs=tol), key
     with torch.no_grad():
         for (name, p1), p4 in zip(one.policy.named_parameters(), four.policy.parameters()):
-            rel = float((p1 - p4).norm() / p4.norm())  # DESIGN.md relative error
+            rel = float((p1 - p4).norm() / p4.norm())  # docs/design.md relative error
             assert rel < tol, (name, rel)
 
 
@@ -123,7 +123,7 @@ def test_update_moves_loss_in_expected_direction(tmp_path):
     """A second pass over the same batch after an update has a lower policy loss (the update descends)."""
     t = _trainer(tmp_path, "actor.use_kl_loss=false", "actor.ppo_epochs=1", "actor.warmup_steps=0", "actor.lr=1e-2")
     out = t.step()
-    batch = out.batch
+    batch = out.experience.batch
     n_tok, n_seq = __import__("portagrpo.algo", fromlist=["x"]).loss_normalizers(batch.rollout.response_mask)
     with torch.no_grad():
         after, _ = t.micro_loss(batch, n_tok, n_seq)

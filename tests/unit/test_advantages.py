@@ -10,7 +10,7 @@ from portagrpo.algo.advantages import scores_to_token_rewards, zero_std_group_fr
 
 
 def loop_reference(scores, uid, norm_by_std, eps=1e-6):
-    """Direct transcription of DESIGN.md, one group at a time, in Python floats."""
+    """Direct transcription of docs/design.md, one group at a time, in Python floats."""
     out = []
     for s, u in zip(scores, uid):
         group = [x for x, v in zip(scores, uid) if v == u]

@@ -199,7 +199,7 @@ def test_npu_adapter_repeats_kv_heads_for_gqa():
 
 
 def test_importing_portagrpo_imports_no_vendor_package():
-    code = ("import sys, portagrpo, portagrpo.cli, portagrpo.trainer, portagrpo.backends, portagrpo.kernels\n"
+    code = ("import sys, portagrpo, portagrpo.cli, portagrpo.train, portagrpo.backends, portagrpo.kernels\n"
             "from portagrpo.backends import all_backends\n"
             "[b.is_available() for b in all_backends()]\n"
             "bad = [m for m in ('torch_npu', 'triton', 'flash_attn', 'vllm') if m in sys.modules]\n"

@@ -36,7 +36,7 @@ def test_matrix_entries_are_valid():
 def test_dockerfile_pins_agree_with_the_matrix(vendor):
     spec = MATRIX["images"][vendor]
     dockerfile = ROOT / spec["dockerfile"]
-    assert dockerfile == ROOT / "backends" / vendor / "Dockerfile"
+    assert dockerfile == ROOT / "ci" / "docker" / vendor / "Dockerfile"
     assert _arg_default(dockerfile, "BASE_IMAGE") == spec["base"]
     text = dockerfile.read_text()
     assert f'".[{spec["extra"]},test]"' in text  # installs portagrpo with the matching extra
@@ -72,7 +72,7 @@ def test_actionlint_accepts_the_workflow():
 @pytest.mark.skipif(shutil.which("hadolint") is None, reason="hadolint is not installed (test extra)")
 @pytest.mark.parametrize("vendor", ["cuda", "rocm", "npu"])
 def test_hadolint_accepts_the_dockerfiles(vendor):
-    res = subprocess.run(["hadolint", str(ROOT / "backends" / vendor / "Dockerfile")], capture_output=True, text=True)
+    res = subprocess.run(["hadolint", str(ROOT / "ci" / "docker" / vendor / "Dockerfile")], capture_output=True, text=True)
     assert res.returncode == 0, res.stdout + res.stderr
 
 

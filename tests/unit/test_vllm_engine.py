@@ -141,7 +141,7 @@ def fake_vllm(monkeypatch):
 
 def _trainer(tmp_path, *extra):
     from portagrpo.config import load_config
-    from portagrpo.trainer import Trainer
+    from portagrpo.train import Trainer
 
     cfg = load_config(None, ["rollout.engine=vllm", "trainer.test_freq=0", "data.train_batch_size=4", "rollout.n=4",
                              "actor.ppo_mini_batch_size=16", "actor.micro_batch_size=8", "data.train_size=32",
