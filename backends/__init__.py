@@ -1,10 +1,10 @@
-"""Backend registry: the one place that maps a `--device` name to a `Backend`."""
+"""Backend registry: the one place that maps a `--device` name to a backend (`BaseBackend`)."""
 from __future__ import annotations
 
 import os
 from typing import Callable
 
-from .base import Availability, Backend, BackendSpec, BackendUnavailable, BaseBackend
+from .base import Availability, BackendSpec, BackendUnavailable, BaseBackend
 from .cpu import CPUBackend
 from .cuda import CUDABackend
 from .npu import NPUBackend
@@ -93,7 +93,6 @@ def get_backend(name: str | None = None, factories: dict[str, Callable[[], BaseB
 
 __all__ = [
     "Availability",
-    "Backend",
     "BackendSpec",
     "BackendUnavailable",
     "BaseBackend",

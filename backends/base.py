@@ -1,7 +1,7 @@
 """The backend contract: everything device-specific the trainer may ask, and nothing else.
 
 A backend is a small object plus a data row (`BackendSpec`). The trainer core never names
-a device; it asks its `Backend`.
+a device; it asks its backend, a `BaseBackend` (vendors subclass it; see docs/backends.md).
 """
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import contextlib
 import os
 import random
 from dataclasses import dataclass, field
-from typing import Any, ContextManager, Protocol, runtime_checkable
+from typing import Any, ContextManager
 
 import numpy as np
 import torch
@@ -48,43 +48,6 @@ class Availability:
     ok: bool
     reason: str = ""
     details: dict[str, Any] = field(default_factory=dict)
-
-
-@runtime_checkable
-class Backend(Protocol):
-    spec: BackendSpec
-
-    @property
-    def name(self) -> str: ...
-
-    @property
-    def device_type(self) -> str: ...
-
-    def is_available(self) -> Availability: ...
-
-    def device(self, local_rank: int = 0) -> torch.device: ...
-
-    def device_count(self) -> int: ...
-
-    def supports_dtype(self, dtype: torch.dtype) -> bool: ...
-
-    def autocast(self, dtype: torch.dtype) -> ContextManager: ...
-
-    def seed(self, seed: int) -> None: ...
-
-    def synchronize(self) -> None: ...
-
-    def reset_peak_memory(self) -> None: ...
-
-    def peak_memory_gb(self) -> float: ...
-
-    def empty_cache(self) -> None: ...
-
-    def set_deterministic(self, enabled: bool) -> None: ...
-
-    def attention_implementation(self, requested: str, dtype: torch.dtype) -> str: ...
-
-    def kernel_implementation(self, requested: str) -> str: ...
 
 
 def _rss_peak_gb() -> float:

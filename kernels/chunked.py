@@ -8,8 +8,7 @@ recomputing logits in backward, accumulating in fp32 (fp64 for fp64 inputs):
   each block of the weight gradient is written once, which keeps it close to the speed of the
   unfused path.
 - `LinearLogprob` walks the tokens in chunks and hands full logits rows to a *row-ops* object:
-  the Triton row kernels (kernels/triton_logprob.py) make the `triton` kernel; `TorchRowOps`
-  is the same contract in torch, used to test the chunk driver without Triton.
+  the Triton row kernels (kernels/triton_logprob.py) make the `triton` kernel.
 """
 from __future__ import annotations
 
@@ -31,28 +30,6 @@ class RowOps(Protocol):
     def backward_rows(self, z: torch.Tensor, targets: torch.Tensor, lse: torch.Tensor, entropy: torch.Tensor | None,
                       g_logp: torch.Tensor, g_entropy: torch.Tensor | None, inv_temp: float) -> torch.Tensor:
         """Gradient with respect to the raw logits z [c, V] (may overwrite z)."""
-
-
-class TorchRowOps:
-    def forward_rows(self, z, targets, inv_temp, entropy):
-        z = z * inv_temp
-        lse = torch.logsumexp(z, dim=-1)
-        logp = z.gather(-1, targets.unsqueeze(-1)).squeeze(-1) - lse
-        ent = None
-        if entropy:
-            ent = lse - (torch.softmax(z, dim=-1) * z).sum(-1)
-        return logp, lse, ent
-
-    def backward_rows(self, z, targets, lse, entropy, g_logp, g_entropy, inv_temp):
-        z = z * inv_temp
-        p = torch.exp(z - lse.unsqueeze(-1))
-        grad = -g_logp.unsqueeze(-1) * p
-        grad.scatter_add_(-1, targets.unsqueeze(-1), g_logp.unsqueeze(-1))
-        if g_entropy is not None:
-            # dH/dz_j = -p_j (z_j - E_p[z]), and E_p[z] = lse - H
-            mean_z = (lse - entropy).unsqueeze(-1)
-            grad -= g_entropy.unsqueeze(-1) * p * (z - mean_z)
-        return grad * inv_temp
 
 
 def chunk_tokens(vocab: int, chunk_elements: int) -> int:
@@ -130,22 +107,6 @@ def token_logprobs_chunked(
     logp, ent = VocabChunkedLogprob.apply(hidden, weight, bias, targets.long(), float(temperature),
                                           bool(compute_entropy), int(chunk_elements))
     return logp, (ent if compute_entropy else None)
-
-
-def token_logprobs_token_chunked(
-    hidden: torch.Tensor,
-    weight: torch.Tensor,
-    targets: torch.Tensor,
-    *,
-    bias: torch.Tensor | None = None,
-    temperature: float = 1.0,
-    compute_entropy: bool = False,
-    chunk_elements: int = DEFAULT_CHUNK_ELEMENTS,
-    row_ops: RowOps | None = None,
-) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """The token-chunked driver with full logits rows per chunk (torch row ops unless given)."""
-    return LinearLogprob.apply(hidden, weight, bias, targets.long(), float(temperature), bool(compute_entropy),
-                               int(chunk_elements), row_ops or TorchRowOps())
 
 
 def _block_size(n_tokens: int, vocab: int, chunk_elements: int) -> int:

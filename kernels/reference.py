@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import torch
 
+from portagrpo.algo.losses import entropy_from_logits
+
 
 def compute_dtype(*tensors: torch.Tensor | None) -> torch.dtype:
     """float64 when any input is float64, float32 otherwise: never accumulate in bf16/fp16."""
@@ -33,7 +35,7 @@ def token_logprobs_from_logits(
     logp = logp_vocab.gather(-1, targets.unsqueeze(-1).long()).squeeze(-1)
     entropy = None
     if compute_entropy:
-        entropy = torch.logsumexp(logits, dim=-1) - (torch.softmax(logits, dim=-1) * logits).sum(-1)
+        entropy = entropy_from_logits(logits)
     return logp, entropy
 
 

@@ -9,12 +9,7 @@ from typing import Any
 
 import torch
 
-
-def pass_at_k(n: int, c: int, k: int) -> float:
-    """Unbiased pass@k from n samples of which c are correct: 1 - C(n-c, k) / C(n, k)."""
-    if n - c < k:
-        return 1.0
-    return 1.0 - math.comb(n - c, k) / math.comb(n, k)
+from .metrics import pass_at_k
 
 
 def load_for_eval(model: str | Path, allow_untrained: bool = False):
@@ -56,9 +51,9 @@ def evaluate(model_spec: str, data_files: list[str], *, n: int = 1, temperature:
 
     from .backends import get_backend
     from .errors import UserError
-    from .data import left_pad, load_records, tokenize_prompts
+    from .data import load_records
     from .rewards import RewardResolver, score_responses
-    from .rollout import HFRollout, SamplingParams, decode_responses
+    from .rollout import HFRollout, SamplingParams, rollout_groups
 
     backend = get_backend(device)
     records = load_records(data_files)[:max_samples]
@@ -81,15 +76,10 @@ def evaluate(model_spec: str, data_files: list[str], *, n: int = 1, temperature:
         bar = tqdm(total=len(records), desc=f"eval ({name})", disable=not progress)
         for start in range(0, len(records), batch_size):
             chunk = records[start:start + batch_size]
-            ids = [x for x in tokenize_prompts(tokenizer, chunk) for _ in range(k)]
-            prompt_ids, prompt_mask = left_pad(ids, engine.pad_id)
-            dev = backend.device(0)
-            responses, mask = engine.generate(prompt_ids.to(dev), prompt_mask.to(dev), params)
-            texts = decode_responses(tokenizer, responses, mask)
-            rep = lambda xs: [x for x in xs for _ in range(k)]  # noqa: E731
-            scored = score_responses(resolver, texts, rep([r.ground_truth for r in chunk]),
-                                     rep([r.data_source for r in chunk]), rep([r.index for r in chunk]),
-                                     rep([r.extra_info for r in chunk]), max_error_frac=1.0)
+            rb = rollout_groups(engine, tokenizer, chunk, k, params, backend.device(0))
+            texts = rb.response_text
+            scored = score_responses(resolver, texts, rb.ground_truth, rb.data_source, rb.prompt_index.tolist(),
+                                     rb.extra_info, max_error_frac=1.0)
             for i, rec in enumerate(chunk):
                 correct.append(scored.correct[i * k:(i + 1) * k])
                 scores.append(scored.scores[i * k:(i + 1) * k])

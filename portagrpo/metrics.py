@@ -14,6 +14,13 @@ REQUIRED_KEYS = (
 )
 
 
+def pass_at_k(n: int, c: int, k: int) -> float:
+    """Unbiased pass@k from n samples of which c are correct: 1 - C(n-c, k) / C(n, k)."""
+    if n - c < k:
+        return 1.0
+    return 1.0 - math.comb(n - c, k) / math.comb(n, k)
+
+
 def read_metrics(path: Path, warn=None) -> list[dict[str, Any]]:
     """The rows of a metrics.jsonl. A torn last line (the process was killed mid-write) is dropped
     with a notice through `warn`; a damaged line anywhere else is an error naming it."""

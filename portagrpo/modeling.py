@@ -164,8 +164,6 @@ def _forget_gguf_origin(model) -> None:
         del model.config.quantization_config
 
 
-def set_attention(model, attn_implementation: str) -> None:
-    model.config._attn_implementation = attn_implementation
 
 
 def decoder_of(model):
@@ -219,7 +217,3 @@ def apply_lora(model, lora):
         names = sorted({n.rsplit(".", 1)[-1] for n, m in model.named_modules() if isinstance(m, torch.nn.Linear)})
         raise ModelLoadError(f"model.lora.target_modules={list(lora.target_modules)} cannot be adapted ({str(err)[:120]}); "
                              f"this model's linear layers are named {names}.") from None
-
-
-def is_peft(model) -> bool:
-    return hasattr(model, "peft_config") and hasattr(model, "disable_adapter")

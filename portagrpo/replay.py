@@ -7,7 +7,6 @@ No sampling happens, so every difference comes from the backend, dtype or kernel
 from __future__ import annotations
 
 import json
-import math
 import time
 from pathlib import Path
 from typing import Any
@@ -16,7 +15,7 @@ import torch
 
 from .config import load_config
 from .errors import UserError
-from .tolerances import DTYPES, TOLERANCES
+from .tolerances import DTYPES, TOLERANCES, relative_error
 
 COMPARED = {"loss_policy": "loss", "loss_kl": "kl", "kl": "kl", "entropy": "entropy", "grad_norm": "grad_norm"}
 
@@ -35,9 +34,7 @@ def _fingerprint_vector(fp: dict[str, list[float]]) -> torch.Tensor:
 
 def curve_error(replayed: list[float], recorded: list[float]) -> float:
     """||a - b|| / ||b|| over the whole curve (a step's value near 0 cannot inflate it)."""
-    a, b = torch.tensor(replayed, dtype=torch.float64), torch.tensor(recorded, dtype=torch.float64)
-    denom = float(b.norm())
-    return float((a - b).norm()) / denom if denom > 0 else float((a - b).norm())
+    return relative_error(torch.tensor(replayed, dtype=torch.float64), torch.tensor(recorded, dtype=torch.float64))
 
 
 def replay(run_dir: str | Path, device: str, steps: int | None, output_dir: str | Path | None,
@@ -65,7 +62,7 @@ def replay(run_dir: str | Path, device: str, steps: int | None, output_dir: str 
             t0 = time.perf_counter()
             metrics = trainer.train_on(trainer.experience_from_record(rec), t0)
             fp = _fingerprint_vector(trainer.param_fingerprint())
-            drift = float((fp - _fingerprint_vector(rec["fingerprint"])).norm() / _fingerprint_vector(rec["fingerprint"]).norm())
+            drift = relative_error(fp, _fingerprint_vector(rec["fingerprint"]))
             row = {"step": metrics["step"], "param_drift": drift}
             for key in COMPARED:  # kl/loss_kl exist only in runs with a reference model / KL loss
                 if key in rec["metrics"]:

@@ -72,21 +72,21 @@ def extract_gsm8k_answer(text: str, flexible: bool = False) -> str | None:
     return None
 
 
+def _gsm8k_score(solution_str: str, ground_truth: str, flexible: bool) -> dict:
+    predicted = extract_gsm8k_answer(solution_str, flexible=flexible)
+    correct = predicted is not None and predicted == normalize_number(str(ground_truth))
+    return {"score": 1.0 if correct else 0.0, "correct": correct}
+
+
 @REWARDS.register("gsm8k")
 def gsm8k_reward(data_source: str, solution_str: str, ground_truth: str, extra_info: dict | None = None) -> dict:
-    predicted = extract_gsm8k_answer(solution_str)
-    truth = normalize_number(str(ground_truth))
-    correct = predicted is not None and predicted == truth
-    return {"score": 1.0 if correct else 0.0, "correct": correct}
+    return _gsm8k_score(solution_str, ground_truth, flexible=False)
 
 
 @REWARDS.register("gsm8k_flexible")
 def gsm8k_flexible_reward(data_source: str, solution_str: str, ground_truth: str, extra_info: dict | None = None) -> dict:
     """As `gsm8k`, but a response without the strict forms is judged by its last number."""
-    predicted = extract_gsm8k_answer(solution_str, flexible=True)
-    truth = normalize_number(str(ground_truth))
-    correct = predicted is not None and predicted == truth
-    return {"score": 1.0 if correct else 0.0, "correct": correct}
+    return _gsm8k_score(solution_str, ground_truth, flexible=True)
 
 
 @REWARDS.register("math")

@@ -165,6 +165,28 @@ class FixedRollout:
         return torch.stack(rows).to(prompt_ids.device), torch.stack(masks).to(prompt_ids.device)
 
 
+def rollout_groups(engine, tokenizer, records: list, n: int, params: SamplingParams, device, *, uid_base: int = 0,
+                   prompt_width: int | None = None):
+    """Each record's prompt n times (a group), left-padded, generated, decoded: a RolloutBatch.
+    The one prompt -> responses path of training, validation and eval."""
+    from .batch import RolloutBatch
+    from .data import left_pad, tokenize_prompts
+
+    ids = [x for x in tokenize_prompts(tokenizer, records) for _ in range(n)]
+    prompt_ids, prompt_mask = left_pad(ids, engine.pad_id, width=prompt_width)
+    prompt_ids, prompt_mask = prompt_ids.to(device), prompt_mask.to(device)
+    responses, mask = engine.generate(prompt_ids, prompt_mask, params)
+    rep = lambda xs: [x for x in xs for _ in range(n)]  # noqa: E731
+    return RolloutBatch(
+        prompt_ids=prompt_ids, prompt_mask=prompt_mask, responses=responses, response_mask=mask,
+        uid=torch.arange(len(records), device=device).repeat_interleave(n) + uid_base,
+        prompt_index=torch.tensor(rep([r.index for r in records]), device=device),
+        response_text=decode_responses(tokenizer, responses, mask),
+        ground_truth=rep([r.ground_truth for r in records]), data_source=rep([r.data_source for r in records]),
+        extra_info=rep([r.extra_info for r in records]),
+    )
+
+
 def decode_responses(tokenizer, responses: torch.Tensor, mask: torch.Tensor) -> list[str]:
     out = []
     for row, m in zip(responses.tolist(), mask.tolist()):

@@ -15,7 +15,6 @@ from ..modeling import apply_lora, build_tiny_model, check_tiny_matches, load_mo
 from ..reward_pool import RewardPool
 from ..rewards import RewardResolver
 from ..rollout import ROLLOUT_ENGINES, stop_token_ids
-from ..tolerances import DTYPES
 from .run_dir import tmp_name
 from .update import objective_from, shaping_from
 

@@ -9,10 +9,11 @@ import torch
 
 from ..algo.objective import shape_and_advantage
 from ..batch import RolloutBatch, TrainBatch
-from ..data import PromptRecord, left_pad, tokenize_prompts
+from ..data import PromptRecord, tokenize_prompts
 from ..forward import eval_mode, response_stats
+from ..metrics import pass_at_k
 from ..rewards import score_responses
-from ..rollout import SamplingParams, decode_responses
+from ..rollout import SamplingParams, rollout_groups
 
 
 def seed_for(seed: int, step: int, salt: int) -> int:
@@ -31,6 +32,12 @@ class Experience:
     entropy: torch.Tensor | None  # [B, T] from the scoring pass; None on on-policy steps (taken from the update)
     reward_errors: float
     t_gen: float  # perf_counter when generation ended
+
+
+def solved_of(correct: torch.Tensor) -> torch.Tensor:
+    """Per prompt, pass@k from its k samples' 0/1 correctness [P, k] (the same estimator as eval)."""
+    k = correct.shape[1]
+    return torch.tensor([pass_at_k(k, int(c), k) for c in correct.sum(dim=1).tolist()], dtype=torch.float64)
 
 
 class ExperienceMaker:
@@ -100,20 +107,8 @@ class ExperienceMaker:
 
     def rollout(self, records: list[PromptRecord], n: int, params: SamplingParams, uid_base: int,
                 prompt_width: int | None = None) -> RolloutBatch:
-        ids = tokenize_prompts(self.tokenizer, records)
-        ids = [x for x in ids for _ in range(n)]
-        prompt_ids, prompt_mask = left_pad(ids, self.engine.pad_id, width=prompt_width)
-        prompt_ids, prompt_mask = prompt_ids.to(self.device), prompt_mask.to(self.device)
-        responses, mask = self.engine.generate(prompt_ids, prompt_mask, params)
-        rep = lambda xs: [x for x in xs for _ in range(n)]  # noqa: E731
-        return RolloutBatch(
-            prompt_ids=prompt_ids, prompt_mask=prompt_mask, responses=responses, response_mask=mask,
-            uid=torch.arange(len(records), device=self.device).repeat_interleave(n) + uid_base,
-            prompt_index=torch.tensor(rep([r.index for r in records]), device=self.device),
-            response_text=decode_responses(self.tokenizer, responses, mask),
-            ground_truth=rep([r.ground_truth for r in records]), data_source=rep([r.data_source for r in records]),
-            extra_info=rep([r.extra_info for r in records]),
-        )
+        return rollout_groups(self.engine, self.tokenizer, records, n, params, self.device, uid_base=uid_base,
+                              prompt_width=prompt_width)
 
     def prompt_width(self, records: list[PromptRecord]) -> int:
         """One left-padded prompt width for all ranks, so rollouts can be gathered."""
@@ -182,7 +177,7 @@ class ExperienceMaker:
             scores = torch.tensor(s.scores, dtype=torch.float64).view(-1, k)
             correct = torch.tensor(s.correct, dtype=torch.float64).view(-1, k)
             totals += torch.stack([(w[:, None] * scores).sum(), (w[:, None] * correct).sum(), w.sum() * k,
-                                   (w * correct.max(dim=1).values).sum()])
+                                   (w * solved_of(correct)).sum()])
         torch.set_rng_state(state)
         score_sum, correct_sum, count, solved = self.comm.sum_on_host(totals).tolist()
         out = {"val/reward_mean": score_sum / count, "val/acc": correct_sum / count}

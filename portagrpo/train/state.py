@@ -4,13 +4,17 @@ from __future__ import annotations
 import os
 import random
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
 
 from ..checkpoint import (CheckpointError, check_checkpoint_fits, latest_valid_checkpoint, load_checkpoint_state,
                           save_checkpoint)
+
+
+if TYPE_CHECKING:
+    from .loop import StepOutput
 
 
 class RunState:

@@ -1,6 +1,5 @@
 """Ray-placed workers: the same numbers as one process (and so as torchrun), and clear failures."""
 import pytest
-import torch
 
 ray = pytest.importorskip("ray")
 

