@@ -1,10 +1,10 @@
-"""Backend registry: the one place that maps a `--device` name to a backend (`BaseBackend`)."""
+"""Backend registry: the one place that maps a `--device` name to a `Backend`."""
 from __future__ import annotations
 
 import os
 from typing import Callable
 
-from .base import Availability, BackendSpec, BackendUnavailable, BaseBackend
+from .base import Availability, Backend, BackendSpec, BackendUnavailable, BaseBackend
 from .cpu import CPUBackend
 from .cuda import CUDABackend
 from .npu import NPUBackend
@@ -37,7 +37,7 @@ def load_plugins() -> None:
 
 
 def _lazy_factory(ep) -> Callable[[], BaseBackend]:
-    def build() -> BaseBackend:
+    def build() -> Backend:
         try:
             factory = ep.load()
         except Exception as err:  # noqa: BLE001 - a broken plugin must not hide the others
@@ -62,12 +62,12 @@ register_backend("npu", NPUBackend)
 AUTO_ORDER = ("npu", "cuda", "rocm", "cpu")
 
 
-def all_backends() -> list[BaseBackend]:
+def all_backends() -> list[Backend]:
     load_plugins()
     return [factory() for factory in _FACTORIES.values()]
 
 
-def get_backend(name: str | None = None, factories: dict[str, Callable[[], BaseBackend]] | None = None) -> BaseBackend:
+def get_backend(name: str | None = None, factories: dict[str, Callable[[], BaseBackend]] | None = None) -> Backend:
     """Return a usable backend for `name` (cpu|cuda|rocm|npu|auto), or raise BackendUnavailable.
 
     `auto` (also when `name` is None and PORTAGRPO_DEVICE is unset) picks npu > cuda/rocm > cpu
@@ -92,6 +92,7 @@ def get_backend(name: str | None = None, factories: dict[str, Callable[[], BaseB
 
 
 __all__ = [
+    "Backend",
     "Availability",
     "BackendSpec",
     "BackendUnavailable",

@@ -1,7 +1,7 @@
 """The backend contract: everything device-specific the trainer may ask, and nothing else.
 
 A backend is a small object plus a data row (`BackendSpec`). The trainer core never names
-a device; it asks its backend, a `BaseBackend` (vendors subclass it; see docs/backends.md).
+a device; it asks its `Backend` (the Protocol below; `BaseBackend` implements it).
 """
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import contextlib
 import os
 import random
 from dataclasses import dataclass, field
-from typing import Any, ContextManager
+from typing import Any, ContextManager, Protocol, runtime_checkable
 
 import numpy as np
 import torch
@@ -48,6 +48,70 @@ class Availability:
     ok: bool
     reason: str = ""
     details: dict[str, Any] = field(default_factory=dict)
+
+
+@runtime_checkable
+class Backend(Protocol):
+    """The contract the trainer core calls: every device question, and nothing else. `BaseBackend`
+    implements it from a `BackendSpec` row; a vendor subclasses `BaseBackend` (or implements this
+    Protocol itself) and registers through the `portagrpo.backends` entry point."""
+
+    spec: BackendSpec
+
+    @property
+    def name(self) -> str: ...
+
+    @property
+    def device_type(self) -> str: ...
+
+    @property
+    def dist_backend(self) -> str: ...
+
+    def is_available(self) -> Availability: ...
+
+    def device(self, local_rank: int = 0) -> torch.device: ...
+
+    def device_count(self) -> int: ...
+
+    def set_device(self, local_rank: int) -> None: ...
+
+    def supports_dtype(self, dtype: torch.dtype) -> bool: ...
+
+    def autocast(self, dtype: torch.dtype) -> ContextManager: ...
+
+    def seed(self, seed: int) -> None: ...
+
+    def rng_state(self) -> dict[str, Any]: ...
+
+    def set_rng_state(self, state: dict[str, Any]) -> None: ...
+
+    def set_deterministic(self, enabled: bool) -> None: ...
+
+    def synchronize(self) -> None: ...
+
+    def reset_peak_memory(self) -> None: ...
+
+    def peak_memory_gb(self) -> float: ...
+
+    def current_memory_gb(self) -> float: ...
+
+    def free_memory_gb(self) -> float: ...
+
+    def empty_cache(self) -> None: ...
+
+    def attention_implementation(self, requested: str, dtype: torch.dtype) -> str: ...
+
+    def kernel_implementation(self, requested: str) -> str: ...
+
+    def parallel_strategy(self, requested: str) -> str: ...
+
+    def rollout_engine(self, requested: str) -> str: ...
+
+    def check_collective(self, tensor: torch.Tensor, op: str) -> None: ...
+
+    def to_collective(self, tensor: torch.Tensor) -> torch.Tensor: ...
+
+    def from_collective(self, result: torch.Tensor, like: torch.Tensor) -> torch.Tensor: ...
 
 
 def _rss_peak_gb() -> float:

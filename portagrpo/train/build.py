@@ -7,7 +7,7 @@ from typing import Any
 
 import torch
 
-from ..backends import BaseBackend
+from ..backends import Backend
 from ..config import Config
 from ..data import PromptLoader, filter_long_prompts, load_records, task_records
 from ..forward import AdaptersOff, ResponseScorer
@@ -24,7 +24,7 @@ class Builder:
     """Setup helpers of the Trainer (see loop.py); each reads `self.cfg` and sets attributes."""
 
     cfg: Config
-    backend: BaseBackend
+    backend: Backend
 
     def _setup_data(self) -> None:
         cfg = self.cfg

@@ -13,7 +13,7 @@ from datetime import datetime
 from pathlib import Path
 from typing import Any
 
-from ..backends import BaseBackend, get_backend
+from ..backends import Backend, get_backend
 from ..backends.dist import Collectives, init_collectives
 from ..config import Config, ConfigError, to_yaml, validate_world
 from ..kernels import logprob_impl
@@ -68,7 +68,7 @@ class Trainer(Builder, ExperienceMaker, Updater, RunState):
 
     def setup(self) -> "Trainer":
         cfg = self.cfg
-        self.backend: BaseBackend = get_backend(cfg.trainer.device)
+        self.backend: Backend = get_backend(cfg.trainer.device)
         self.comm: Collectives = init_collectives(self.backend, cfg.trainer.dist_timeout_s)
         problems = validate_world(cfg, self.comm.world_size)
         if problems:

@@ -266,3 +266,26 @@ def test_npu_attention_needs_masking_utils(monkeypatch):
     assert backend.attention_implementation("auto", torch.bfloat16) == "sdpa"
     with pytest.raises(BackendUnavailable, match="transformers >= 4.53"):
         backend.attention_implementation(NPU_ATTENTION, torch.bfloat16)
+
+
+def test_every_backend_implements_the_backend_protocol_the_trainer_calls():
+    """The Protocol is the real contract: every registered backend (plugins included) has each of its
+    members with the same parameters, and the trainer core calls nothing outside it."""
+    import inspect
+    import re
+    from pathlib import Path
+
+    from portagrpo.backends import Backend, all_backends
+
+    members = {n for n in dir(Backend) if not n.startswith("_")} | {"spec"}
+    for backend in all_backends():
+        assert isinstance(backend, Backend), backend.name
+        for name in members - {"spec", "name", "device_type", "dist_backend"}:
+            want = list(inspect.signature(getattr(Backend, name)).parameters)[1:]
+            got = list(inspect.signature(getattr(backend, name)).parameters)
+            assert got == want, (backend.name, name, got, want)
+    root = Path(__file__).resolve().parents[2]
+    called = set()
+    for f in list((root / "portagrpo").rglob("*.py")) + [root / "backends" / "dist.py"]:
+        called |= set(re.findall(r"\bbackend\.([a-z_]+)", f.read_text()))
+    assert called <= members, sorted(called - members)

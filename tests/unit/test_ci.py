@@ -81,3 +81,15 @@ def test_parity_script_is_strict_bash():
     assert text.startswith("#!/usr/bin/env bash") and "set -euo pipefail" in text
     if shutil.which("bash"):
         assert subprocess.run(["bash", "-n", str(ROOT / "ci" / "parity.sh")]).returncode == 0
+
+
+def test_every_subpackage_is_in_the_wheel():
+    """pyproject lists packages explicitly: a new folder missing there works in an editable install
+    and is absent from every built wheel and image."""
+    import tomllib
+
+    setup = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]
+    core = ROOT / "portagrpo"
+    subpackages = {"portagrpo." + ".".join(p.parent.relative_to(core).parts)
+                   for p in core.rglob("__init__.py") if p.parent != core}
+    assert subpackages <= set(setup["packages"]), sorted(subpackages - set(setup["packages"]))
