@@ -6,11 +6,14 @@ from __future__ import annotations
 
 import string
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 
-from .config import ModelConfig
 from .errors import UserError
+
+if TYPE_CHECKING:  # the config imports this module (model files), never the other way
+    from .config import ModelConfig
 
 PAD, BOS, EOS, UNK = "<pad>", "<bos>", "<eos>", "<unk>"
 CHAT_TEMPLATE = (
@@ -82,7 +85,7 @@ def load_tokenizer(path: str | None):
     return tok
 
 
-def build_tiny_model(cfg: ModelConfig, tokenizer, seed: int):
+def build_tiny_model(cfg: "ModelConfig", tokenizer, seed: int):
     """A small random-init Llama-architecture policy sized by `model.tiny`."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
@@ -114,15 +117,13 @@ def check_tiny_matches(tiny, init_dir: Path) -> None:
     """A resumed run loads its own init_model; `model.tiny` must still describe it."""
     import json
 
-    from .config import ConfigError
-
     saved = json.loads((Path(init_dir) / "config.json").read_text())
     pairs = {"hidden_size": "hidden_size", "num_layers": "num_hidden_layers", "num_heads": "num_attention_heads",
              "intermediate_size": "intermediate_size", "tie_word_embeddings": "tie_word_embeddings"}
     for ours, theirs in pairs.items():
         if theirs in saved and saved[theirs] != getattr(tiny, ours):
-            raise ConfigError([f"model.tiny.{ours}={getattr(tiny, ours)} but this run's init_model has {saved[theirs]}; "
-                               f"resume with the run's own model settings (its config.yaml) or start a new run."])
+            raise ModelLoadError(f"model.tiny.{ours}={getattr(tiny, ours)} but this run's init_model has {saved[theirs]}; "
+                                 f"resume with the run's own model settings (its config.yaml) or start a new run.")
 
 
 def load_model(path: str | Path, attn_implementation: str):

@@ -1,0 +1,271 @@
+"""Loading a config: YAML (duplicate keys refused), dotted `key=value` overrides, verl keys, the
+algorithm preset, typed construction with one sentence per wrong key or type, then the rules."""
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import types
+import typing
+from pathlib import Path
+from typing import Any, Literal, Union
+
+import yaml
+
+from .schema import PRESETS, Config, ConfigError, RolloutConfig
+
+
+# ---------------------------------------------------------------- typed construction
+
+
+def _type_name(tp: Any) -> str:
+    origin = typing.get_origin(tp)
+    if origin is Literal:
+        return "one of " + ", ".join(repr(a) for a in typing.get_args(tp))
+    if origin in (Union, types.UnionType):
+        args = [a for a in typing.get_args(tp) if a is not type(None)]
+        return " or ".join(_type_name(a) for a in args) + " or null"
+    if origin is list:
+        (inner,) = typing.get_args(tp)
+        return f"a list of {_type_name(inner)}"
+    return getattr(tp, "__name__", str(tp))
+
+
+def _coerce(value: Any, tp: Any, where: str) -> Any:
+    """Return `value` as type `tp`, or raise ConfigError with one sentence."""
+    origin = typing.get_origin(tp)
+    if origin in (Union, types.UnionType):
+        args = typing.get_args(tp)
+        if value is None or (isinstance(value, str) and value.lower() in ("null", "none", "~")):
+            if type(None) in args:
+                return None
+        inner = [a for a in args if a is not type(None)]
+        return _coerce(value, inner[0], where) if len(inner) == 1 else value
+    if origin is Literal:
+        choices = typing.get_args(tp)
+        if value not in choices:
+            close = difflib.get_close_matches(str(value), [str(c) for c in choices], n=1)
+            hint = f" (did you mean {close[0]!r}?)" if close else ""
+            raise ConfigError([f"{where}={value!r} is not allowed{hint}; use one of {', '.join(map(repr, choices))}."])
+        return value
+    if origin is list:
+        (inner,) = typing.get_args(tp)
+        if isinstance(value, (str, int, float)) and not isinstance(value, bool):
+            value = [value] if not isinstance(value, str) else [v for v in value.split(",") if v]
+        if not isinstance(value, (list, tuple)):
+            raise ConfigError([f"{where} must be {_type_name(tp)}, got {type(value).__name__} {value!r}."])
+        return [_coerce(v, inner, f"{where}[{i}]") for i, v in enumerate(value)]
+    if tp is bool:
+        if isinstance(value, bool):
+            return value
+        if isinstance(value, str) and value.lower() in ("true", "false"):
+            return value.lower() == "true"
+    elif tp is int:
+        if isinstance(value, int) and not isinstance(value, bool):
+            return value
+        if isinstance(value, str):
+            try:
+                return int(value)
+            except ValueError:
+                pass
+    elif tp is float:
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            return float(value)
+        if isinstance(value, str):
+            try:
+                return float(value)
+            except ValueError:
+                pass
+    elif tp is str:
+        if isinstance(value, str):
+            return value
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            return str(value)
+    elif dataclasses.is_dataclass(tp):
+        return _build(tp, value, where)
+    raise ConfigError([f"{where} must be {_type_name(tp)}, got {type(value).__name__} {value!r}."])
+
+
+def _build(cls: type, raw: Any, prefix: str) -> Any:
+    if raw is None:
+        raw = {}
+    if not isinstance(raw, dict):
+        raise ConfigError([f"{prefix or 'the config'} must be a mapping of keys, got {type(raw).__name__} {raw!r}."])
+    hints = typing.get_type_hints(cls)
+    names = [f.name for f in dataclasses.fields(cls)]
+    problems: list[str] = []
+    kwargs: dict[str, Any] = {}
+    for key, value in raw.items():
+        where = f"{prefix}.{key}" if prefix else str(key)
+        if key not in names:
+            problems.append(_unknown_key(where, str(key), names, prefix))
+            continue
+        try:
+            kwargs[key] = _coerce(value, hints[key], where)
+        except ConfigError as err:
+            problems.extend(err.problems)
+    if problems:
+        raise ConfigError(problems)
+    return cls(**kwargs)
+
+
+def _all_keys(cls: type = None, prefix: str = "") -> list[str]:
+    cls = cls or Config
+    out = []
+    hints = typing.get_type_hints(cls)
+    for f in dataclasses.fields(cls):
+        path = f"{prefix}.{f.name}" if prefix else f.name
+        if dataclasses.is_dataclass(hints[f.name]):
+            out.extend(_all_keys(hints[f.name], path))
+        else:
+            out.append(path)
+    return out
+
+
+def _unknown_key(where: str, key: str, names: list[str], prefix: str) -> str:
+    close = difflib.get_close_matches(key, names, n=1, cutoff=0.5)
+    if not close:  # maybe it belongs to another section
+        leaf_matches = [k for k in _all_keys() if k.rsplit(".", 1)[-1] == key]
+        close = leaf_matches[:1]
+        if close:
+            return f"{where} is not a config key; did you mean {close[0]}?"
+        close = difflib.get_close_matches(where, _all_keys(), n=1, cutoff=0.6)
+        if close:
+            return f"{where} is not a config key; did you mean {close[0]}?"
+        return f"{where} is not a config key; see docs/config.md for the valid keys."
+    full = f"{prefix}.{close[0]}" if prefix else close[0]
+    return f"{where} is not a config key; did you mean {full}?"
+
+
+# ---------------------------------------------------------------- merging
+
+
+def parse_override(item: str) -> tuple[list[str], Any]:
+    if "=" not in item:
+        raise ConfigError([f"override {item!r} must look like key=value (for example actor.lr=1e-3)."])
+    key, text = item.split("=", 1)
+    key = key.strip().lstrip("+")
+    if not key:
+        raise ConfigError([f"override {item!r} has an empty key; write key=value."])
+    try:
+        value = yaml.safe_load(text) if text.strip() else ""
+    except yaml.YAMLError:
+        value = text
+    return key.split("."), value
+
+
+def set_dotted(raw: dict, path: list[str], value: Any) -> None:
+    node = raw
+    for part in path[:-1]:
+        child = node.get(part)
+        if not isinstance(child, dict):
+            child = {}
+            node[part] = child
+        node = child
+    node[path[-1]] = value
+
+
+def read_yaml(path: str | Path) -> dict:
+
+    p = Path(path)
+    if not p.is_file():
+        raise ConfigError([f"--config {str(path)!r} does not exist; pass the path of a YAML file (see configs/)."])
+    try:
+        data = yaml.load(p.read_text(), Loader=UniqueKeyLoader)  # noqa: S506 - a SafeLoader subclass
+    except yaml.YAMLError as err:
+        raise ConfigError([f"--config {str(path)!r} is not valid YAML ({err}); fix the file."]) from err
+    if data is None:
+        return {}
+    if not isinstance(data, dict):
+        raise ConfigError([f"--config {str(path)!r} must hold a mapping of sections, not a {type(data).__name__}."])
+    return data
+
+
+def merge_raw(config_path: str | Path | None, overrides: list[str] | None, notices: list[str] | None = None) -> dict:
+    from .verl import translate
+
+    raw: dict = read_yaml(config_path) if config_path else {}
+    pairs = []
+    for item in overrides or []:
+        path, value = parse_override(item)
+        pairs.append((".".join(path), value))
+    pairs, verl_notices, rejected = translate(pairs)
+    if rejected:
+        raise ConfigError([f"verl key {k} has no portagrpo equivalent; remove it (docs/config.md lists the verl keys "
+                           f"portagrpo accepts)." for k in rejected])
+    if notices is not None:
+        notices.extend(verl_notices)
+    mini_prompts = None
+    for key, value in pairs:
+        if key == "__verl_mini_batch_prompts":
+            mini_prompts = value
+            continue
+        set_dotted(raw, key.split("."), value)
+    explicit = {k for k, _ in pairs}
+    # Giving files means training on them; giving epochs means counting steps by epochs.
+    if "data.train_files" in explicit and "data.task" not in explicit:
+        set_dotted(raw, ["data", "task"], None)
+    if "trainer.total_epochs" in explicit and "trainer.total_steps" not in explicit:
+        set_dotted(raw, ["trainer", "total_steps"], None)
+    if mini_prompts is not None:
+        n = (raw.get("rollout") or {}).get("n", RolloutConfig.n)
+        try:
+            set_dotted(raw, ["actor", "ppo_mini_batch_size"], int(mini_prompts) * int(n))
+        except (TypeError, ValueError):
+            raise ConfigError([f"actor_rollout_ref.actor.ppo_mini_batch_size={mini_prompts!r} and rollout.n={n!r} "
+                               f"must be integers."]) from None
+    name = (raw.get("algorithm") or {}).get("name", "grpo") if isinstance(raw.get("algorithm"), dict) else "grpo"
+    for section, values in PRESETS.get(name, {}).items():
+        sec = raw.setdefault(section, {})
+        if isinstance(sec, dict):
+            for key, value in values.items():
+                sec.setdefault(key, value)
+    return raw
+
+
+def load_config(
+    config_path: str | Path | None = None, overrides: list[str] | None = None, *, check_files: bool = True,
+    notices: list[str] | None = None,
+) -> Config:
+    """`notices` collects one line per verl key that was mapped onto a portagrpo key."""
+    from .rules import validate
+
+    cfg = _build(Config, merge_raw(config_path, overrides, notices), "")
+    problems = validate(cfg, check_files=check_files)
+    if problems:
+        raise ConfigError(problems)
+    return cfg
+
+
+def to_dict(cfg: Any) -> dict:
+    return dataclasses.asdict(cfg)
+
+
+def to_yaml(cfg: Config) -> str:
+    return yaml.safe_dump(to_dict(cfg), sort_keys=False)
+
+
+def replace(cfg: Config, **sections: dict[str, Any]) -> Config:
+    """Return a copy of `cfg` with some keys of some sections replaced (programmatic overrides)."""
+    updates = {}
+    for section, values in sections.items():
+        updates[section] = dataclasses.replace(getattr(cfg, section), **values)
+    return dataclasses.replace(cfg, **updates)
+
+
+class UniqueKeyLoader(yaml.SafeLoader):
+    """A YAML loader that refuses a key given twice in one mapping (the last would silently win)."""
+
+
+def _mapping(loader: UniqueKeyLoader, node: yaml.MappingNode, deep: bool = False) -> dict:
+    seen: dict[Any, int] = {}
+    for key_node, _ in node.value:
+        key = loader.construct_object(key_node, deep=deep)
+        if key in seen:
+            raise yaml.constructor.ConstructorError(
+                None, None, f"key {key!r} appears twice (lines {seen[key] + 1} and {key_node.start_mark.line + 1}); "
+                            f"merge the two into one", key_node.start_mark)
+        seen[key] = key_node.start_mark.line
+    return loader.construct_mapping(node, deep=deep)
+
+
+UniqueKeyLoader.add_constructor(yaml.resolver.BaseResolver.DEFAULT_MAPPING_TAG, _mapping)

@@ -1,0 +1,228 @@
+"""Rules a config must satisfy beyond its types: cross-field rules, value ranges (every number
+finite and in range), the tiny model's shape, batch divisions for a world size, missing files.
+One sentence per problem, naming the field."""
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import math
+from pathlib import Path
+from typing import Any
+
+from ..errors import UnknownNameError
+from .schema import Config
+
+# Float fields where infinity means something (no clipping).
+INFINITY_ALLOWED = {"actor.grad_clip", "algorithm.reward_clip", "algorithm.advantage_clip"}
+
+
+def _floats(obj: Any, prefix: str = ""):
+    for f in dataclasses.fields(obj):
+        value = getattr(obj, f.name)
+        name = f"{prefix}{f.name}"
+        if dataclasses.is_dataclass(value):
+            yield from _floats(value, name + ".")
+        elif isinstance(value, float):
+            yield name, value
+        elif isinstance(value, list) and value and all(isinstance(v, float) for v in value):
+            for i, v in enumerate(value):
+                yield f"{name}[{i}]", v
+
+
+def value_problems(cfg) -> list[str]:
+    p: list[str] = []
+    for name, value in _floats(cfg):
+        if math.isnan(value) or (math.isinf(value) and name not in INFINITY_ALLOWED):
+            p.append(f"{name}={value} must be a finite number.")
+    if p:
+        return p
+    a, alg, r, t = cfg.actor, cfg.algorithm, cfg.rollout, cfg.trainer
+    if not a.lr > 0:
+        p.append(f"actor.lr={a.lr} must be positive.")
+    if not a.grad_clip > 0:
+        p.append(f"actor.grad_clip={a.grad_clip} must be positive (0 would zero every gradient and a negative value "
+                 f"flip its sign); use .inf to turn clipping off.")
+    if len(a.betas) != 2 or not all(0 <= b < 1 for b in a.betas):
+        p.append(f"actor.betas={list(a.betas)} must be two numbers in [0, 1), e.g. [0.9, 0.999].")
+    if a.weight_decay < 0:
+        p.append(f"actor.weight_decay={a.weight_decay} must be 0 or positive.")
+    if a.warmup_steps < 0:
+        p.append(f"actor.warmup_steps={a.warmup_steps} must be 0 or positive.")
+    for name, value in (("actor.kl_loss_coef", a.kl_loss_coef), ("algorithm.kl_coef", alg.kl_coef)):
+        if value < 0:
+            p.append(f"{name}={value} must be 0 or positive (a negative coefficient rewards drifting from the reference).")
+    if r.top_k < -1:
+        p.append(f"rollout.top_k={r.top_k} must be -1 or 0 (off) or positive.")
+    if not 0 <= r.min_p < 1:
+        p.append(f"rollout.min_p={r.min_p} must be in [0, 1) (0 is off).")
+    if not r.repetition_penalty > 0:
+        p.append(f"rollout.repetition_penalty={r.repetition_penalty} must be positive (1 is off).")
+    if r.val_temperature <= 0 and r.val_n > 1 and t.test_freq:
+        p.append(f"rollout.val_n={r.val_n} with greedy validation (rollout.val_temperature=0) gives {r.val_n} identical "
+                 f"samples, so pass@{r.val_n} would equal accuracy; set val_temperature > 0 or val_n=1.")
+    if r.val_temperature < 0:
+        p.append(f"rollout.val_temperature={r.val_temperature} must be 0 (greedy) or positive.")
+    if r.val_n < 1 and t.test_freq:
+        p.append(f"rollout.val_n={r.val_n} must be at least 1 while validation is on (trainer.test_freq={t.test_freq}).")
+    if t.total_steps is None and t.total_epochs < 1:
+        p.append(f"trainer.total_epochs={t.total_epochs} must be at least 1 (or set trainer.total_steps).")
+    for name, value in (("algorithm.reward_clip", alg.reward_clip), ("algorithm.advantage_clip", alg.advantage_clip)):
+        if value is not None and not value > 0:
+            p.append(f"{name}={value} must be positive (or null for no clipping).")
+    if cfg.model.path is None:
+        p.extend(tiny_problems(cfg.model.tiny))
+    return p
+
+
+def tiny_problems(tiny) -> list[str]:
+    p = [f"model.tiny.{name}={getattr(tiny, name)} must be at least 1."
+         for name in ("hidden_size", "num_layers", "num_heads", "intermediate_size") if getattr(tiny, name) < 1]
+    if not p and tiny.hidden_size % tiny.num_heads:
+        p.append(f"model.tiny.num_heads={tiny.num_heads} does not divide model.tiny.hidden_size={tiny.hidden_size}; "
+                 f"pick a divisor of it.")
+    elif not p and (tiny.hidden_size // tiny.num_heads) % 2:
+        p.append(f"model.tiny.hidden_size / num_heads = {tiny.hidden_size // tiny.num_heads} must be even (rotary "
+                 f"embeddings rotate pairs); change one of them.")
+    return p
+
+
+
+
+# ---------------------------------------------------------------- validation
+
+
+def validate(cfg: Config, *, check_files: bool = True) -> list[str]:
+    """Cross-field rules. Returns one sentence per problem (empty when valid)."""
+    from ..algo import AGG_MODES, ADV_ESTIMATORS
+    from ..algo.losses import parse_kl_type
+
+    p: list[str] = []
+    a, d, r, alg, t = cfg.actor, cfg.data, cfg.rollout, cfg.algorithm, cfg.trainer
+    if alg.adv_estimator not in ADV_ESTIMATORS:
+        p.append(f"algorithm.adv_estimator={alg.adv_estimator!r} is unknown; use one of {', '.join(ADV_ESTIMATORS)}.")
+    if alg.adv_estimator == "grpo" and r.n < 2:
+        p.append(f"rollout.n={r.n} gives groups of one, which carry no GRPO advantage; set rollout.n to 2 or more.")
+    if a.loss_agg_mode not in AGG_MODES:
+        close = difflib.get_close_matches(a.loss_agg_mode, AGG_MODES.names(), n=1)
+        hint = f" (did you mean {close[0]!r}?)" if close else ""
+        p.append(f"actor.loss_agg_mode={a.loss_agg_mode!r} is unknown{hint}; use one of {', '.join(AGG_MODES)}.")
+    try:
+        parse_kl_type(a.kl_loss_type)
+    except UnknownNameError as err:
+        p.append(str(err))
+    for name, value in (("data.train_batch_size", d.train_batch_size), ("rollout.n", r.n),
+                        ("actor.ppo_mini_batch_size", a.ppo_mini_batch_size),
+                        ("actor.micro_batch_size", a.micro_batch_size), ("actor.ppo_epochs", a.ppo_epochs),
+                        ("data.max_response_length", d.max_response_length),
+                        ("data.max_prompt_length", d.max_prompt_length)):
+        if value < 1:
+            p.append(f"{name}={value} must be at least 1.")
+    if p:
+        return p
+    total = cfg.rollout_batch_size
+    if total % a.ppo_mini_batch_size:
+        p.append(
+            f"actor.ppo_mini_batch_size={a.ppo_mini_batch_size} does not divide data.train_batch_size * rollout.n = "
+            f"{d.train_batch_size} * {r.n} = {total} responses; pick a divisor of {total}."
+        )
+    if a.ppo_mini_batch_size % a.micro_batch_size:
+        p.append(
+            f"actor.micro_batch_size={a.micro_batch_size} does not divide actor.ppo_mini_batch_size="
+            f"{a.ppo_mini_batch_size}; pick a divisor of {a.ppo_mini_batch_size}."
+        )
+    if a.clip_ratio_c <= 1.0:
+        p.append(f"actor.clip_ratio_c={a.clip_ratio_c} must be greater than 1 (dual clip bound); the usual value is 3.0.")
+    for name, value in (("actor.clip_ratio", a.clip_ratio), ("actor.clip_ratio_low", cfg.clip_low),
+                        ("actor.clip_ratio_high", cfg.clip_high)):
+        if value < 0:
+            p.append(f"{name}={value} must be non-negative.")
+    if cfg.clip_low >= 1:
+        p.append(f"actor.clip_ratio_low={cfg.clip_low} must be below 1 so that 1 - clip_ratio_low stays positive.")
+    if a.loss_scale_factor is not None and a.loss_scale_factor <= 0:
+        p.append(f"actor.loss_scale_factor={a.loss_scale_factor} must be positive (or null for the max response length).")
+    if r.temperature <= 0:
+        p.append(f"rollout.temperature={r.temperature} must be positive; use rollout.val_temperature=0 for greedy validation.")
+    if not 0 < r.top_p <= 1:
+        p.append(f"rollout.top_p={r.top_p} must be in (0, 1].")
+    if cfg.reward.num_workers < 0 or cfg.reward.timeout_s <= 0:
+        p.append(f"reward.num_workers={cfg.reward.num_workers} must be >= 0 and reward.timeout_s="
+                 f"{cfg.reward.timeout_s} positive.")
+    if not 0 <= cfg.reward.max_error_frac <= 1:
+        p.append(f"reward.max_error_frac={cfg.reward.max_error_frac} must be between 0 and 1.")
+    if alg.use_kl_in_reward and a.use_kl_loss:
+        p.append("algorithm.use_kl_in_reward and actor.use_kl_loss are both true; docs/design.md uses one or the other, so set actor.use_kl_loss=false.")
+    if t.total_steps is not None and t.total_steps < 1:
+        p.append(f"trainer.total_steps={t.total_steps} must be at least 1 (or null to use trainer.total_epochs).")
+    for name, value in (("trainer.save_freq", t.save_freq), ("trainer.test_freq", t.test_freq)):
+        if value < 0:
+            p.append(f"{name}={value} must be 0 (off) or positive.")
+    lora = cfg.model.lora
+    if lora.rank < 0:
+        p.append(f"model.lora.rank={lora.rank} must be 0 (off) or positive.")
+    if lora.rank > 0 and not 0 <= lora.dropout < 1:
+        p.append(f"model.lora.dropout={lora.dropout} must be in [0, 1).")
+    if lora.rank > 0 and cfg.model.ref_path:
+        p.append("model.ref_path is set but with LoRA the reference is the base model with adapters disabled "
+                 "(no second copy); remove model.ref_path or set model.lora.rank=0.")
+    if lora.rank > 0 and not lora.target_modules:
+        p.append("model.lora.target_modules is empty; name the modules to adapt, e.g. [q_proj, v_proj].")
+    if t.nproc_per_node < 1:
+        p.append(f"trainer.nproc_per_node={t.nproc_per_node} must be at least 1.")
+    if t.nnodes < 1 or t.devices_per_node < 1:
+        p.append(f"trainer.nnodes={t.nnodes} and trainer.devices_per_node={t.devices_per_node} must be at least 1.")
+    if t.dist_timeout_s <= 0:
+        p.append(f"trainer.dist_timeout_s={t.dist_timeout_s} must be positive.")
+    if t.max_ckpt_to_keep < 1:
+        p.append(f"trainer.max_ckpt_to_keep={t.max_ckpt_to_keep} must be at least 1.")
+    if not d.train_files and not d.task:
+        p.append("data.train_files is empty and data.task is null; give a JSONL/Parquet file or a built-in task such as data.task=repeat.")
+    if d.train_files and d.task:
+        p.append(f"data.train_files and data.task={d.task!r} are both set; set data.task=null to train on the files.")
+    p.extend(value_problems(cfg))
+    if check_files:
+        p.extend(_missing_files(cfg))
+    return p
+
+
+def validate_world(cfg: Config, world_size: int) -> list[str]:
+    """Batch divisions that depend on the number of data-parallel ranks."""
+    if world_size == 1:
+        return []
+    p = []
+    d, a = cfg.data, cfg.actor
+    if d.train_batch_size % world_size:
+        p.append(f"data.train_batch_size={d.train_batch_size} prompts cannot be split over {world_size} ranks; "
+                 f"use a multiple of {world_size} (each rank keeps whole groups).")
+    if a.ppo_mini_batch_size % world_size:
+        p.append(f"actor.ppo_mini_batch_size={a.ppo_mini_batch_size} cannot be split over {world_size} ranks; "
+                 f"use a multiple of {world_size}.")
+    elif (a.ppo_mini_batch_size // world_size) % a.micro_batch_size:
+        p.append(f"actor.micro_batch_size={a.micro_batch_size} does not divide the per-rank mini-batch "
+                 f"{a.ppo_mini_batch_size} / {world_size} = {a.ppo_mini_batch_size // world_size}; pick a divisor of it.")
+    return p
+
+
+def _missing_files(cfg: Config) -> list[str]:
+    p = []
+    from ..modeling import resolve_model_path
+
+    for name in ("path", "ref_path", "tokenizer_path"):
+        value = getattr(cfg.model, name)
+        if not value:
+            continue
+        try:
+            exists = resolve_model_path(value).exists()
+        except FileNotFoundError as err:
+            p.append(str(err))
+            continue
+        if not exists:
+            p.append(f"model.{name}={value!r} does not exist; give a local Hugging Face model directory or a .gguf "
+                     f"file (nothing is downloaded).")
+    for name in ("train_files", "val_files"):
+        for i, value in enumerate(getattr(cfg.data, name)):
+            if not Path(value).is_file():
+                p.append(f"data.{name}[{i}]={value!r} does not exist; give the path of a .jsonl or .parquet file.")
+    fn = cfg.reward.function
+    if ":" in fn and fn.split(":", 1)[0].endswith(".py") and not Path(fn.split(":", 1)[0]).is_file():
+        p.append(f"reward.function={fn!r}: the file {fn.split(':', 1)[0]!r} does not exist; use path/to/file.py:function_name.")
+    return p

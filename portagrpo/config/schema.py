@@ -1,0 +1,196 @@
+"""The config schema: frozen, typed dataclasses; YAML files are instances of it.
+
+`load.py` builds one from YAML and `key=value` overrides, `rules.py` checks it, `verl.py` maps
+verl's keys onto it. Every problem is one sentence naming the field and the fix.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Literal, Optional
+
+from ..errors import UserError
+
+
+class ConfigError(UserError, ValueError):
+    """Invalid configuration. `problems` holds one sentence per problem."""
+
+    def __init__(self, problems: list[str]) -> None:
+        self.problems = problems
+        super().__init__("\n".join(problems))
+
+
+@dataclass(frozen=True)
+class TinyModelConfig:
+    """Architecture of the built-in random-init policy (used when `model.path` is null)."""
+
+    hidden_size: int = 64
+    num_layers: int = 2
+    num_heads: int = 4
+    intermediate_size: int = 128
+    tie_word_embeddings: bool = True
+
+
+@dataclass(frozen=True)
+class LoraSettings:
+    """LoRA adapters through peft; rank 0 trains the full model."""
+
+    rank: int = 0
+    alpha: float = 16.0
+    dropout: float = 0.0
+    target_modules: list[str] = field(default_factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj"])
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    path: Optional[str] = None
+    ref_path: Optional[str] = None
+    tokenizer_path: Optional[str] = None
+    dtype: Literal["fp32", "bf16", "fp64"] = "fp32"
+    attn_implementation: str = "auto"
+    gradient_checkpointing: bool = False
+    tiny: TinyModelConfig = field(default_factory=TinyModelConfig)
+    lora: LoraSettings = field(default_factory=LoraSettings)
+
+
+@dataclass(frozen=True)
+class DataConfig:
+    task: Optional[str] = "repeat"
+    train_files: list[str] = field(default_factory=list)
+    val_files: list[str] = field(default_factory=list)
+    train_size: int = 4096
+    val_size: int = 64
+    train_batch_size: int = 16
+    max_prompt_length: int = 32
+    max_response_length: int = 10
+    shuffle: bool = True
+
+
+@dataclass(frozen=True)
+class RolloutConfig:
+    engine: str = "hf"
+    n: int = 8
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1
+    min_p: float = 0.0
+    repetition_penalty: float = 1.0
+    val_temperature: float = 0.0
+    val_n: int = 1
+    vllm_gpu_memory_utilization: float = 0.5
+    vllm_weight_bucket_mb: int = 512
+    vllm_max_model_len: Optional[int] = None
+
+
+@dataclass(frozen=True)
+class RewardConfig:
+    function: str = "auto"
+    max_error_frac: float = 0.0
+    num_workers: int = 1
+    timeout_s: float = 10.0
+
+
+@dataclass(frozen=True)
+class AlgorithmConfig:
+    name: Literal["grpo", "drgrpo"] = "grpo"
+    adv_estimator: str = "grpo"
+    norm_adv_by_std_in_grpo: bool = True
+    reward_clip: Optional[float] = None
+    reward_norm: Literal["none", "batch"] = "none"
+    reward_shift: bool = False
+    reward_scale: bool = False
+    use_kl_in_reward: bool = False
+    kl_coef: float = 0.001
+    whiten_advantages: bool = False
+    advantage_clip: Optional[float] = None
+
+
+@dataclass(frozen=True)
+class ActorConfig:
+    lr: float = 2e-3
+    weight_decay: float = 0.0
+    betas: list[float] = field(default_factory=lambda: [0.9, 0.99])
+    warmup_steps: int = 5
+    lr_schedule: Literal["constant", "cosine"] = "constant"
+    grad_clip: float = 1.0
+    ppo_epochs: int = 1
+    ppo_mini_batch_size: int = 64
+    micro_batch_size: int = 32
+    clip_ratio: float = 0.2
+    clip_ratio_low: Optional[float] = None
+    clip_ratio_high: Optional[float] = None
+    clip_ratio_c: float = 3.0
+    loss_agg_mode: str = "token-mean"
+    loss_scale_factor: Optional[float] = None
+    use_kl_loss: bool = True
+    kl_loss_coef: float = 0.001
+    kl_loss_type: str = "low_var_kl"
+    entropy_coeff: float = 0.0
+
+
+@dataclass(frozen=True)
+class KernelsConfig:
+    logprob: str = "auto"
+
+
+@dataclass(frozen=True)
+class TrainerConfig:
+    device: str = "auto"
+    seed: int = 1
+    total_steps: Optional[int] = 300
+    total_epochs: int = 1
+    save_freq: int = 100
+    test_freq: int = 40
+    max_ckpt_to_keep: int = 2
+    output_dir: Optional[str] = None
+    deterministic: bool = False
+    num_threads: Optional[int] = None
+    progress_bar: bool = True
+    tensorboard: bool = True
+    plot: bool = True
+    record_rollouts: bool = False
+    nproc_per_node: int = 1
+    nnodes: int = 1
+    devices_per_node: int = 1
+    parallel: Literal["auto", "fsdp2", "ddp"] = "auto"
+    dist_timeout_s: float = 600.0
+
+
+@dataclass(frozen=True)
+class Config:
+    model: ModelConfig = field(default_factory=ModelConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    rollout: RolloutConfig = field(default_factory=RolloutConfig)
+    reward: RewardConfig = field(default_factory=RewardConfig)
+    algorithm: AlgorithmConfig = field(default_factory=AlgorithmConfig)
+    actor: ActorConfig = field(default_factory=ActorConfig)
+    kernels: KernelsConfig = field(default_factory=KernelsConfig)
+    trainer: TrainerConfig = field(default_factory=TrainerConfig)
+
+    @property
+    def clip_low(self) -> float:
+        a = self.actor
+        return a.clip_ratio if a.clip_ratio_low is None else a.clip_ratio_low
+
+    @property
+    def clip_high(self) -> float:
+        a = self.actor
+        return a.clip_ratio if a.clip_ratio_high is None else a.clip_ratio_high
+
+    @property
+    def loss_scale_factor(self) -> float:
+        a = self.actor
+        return float(self.data.max_response_length if a.loss_scale_factor is None else a.loss_scale_factor)
+
+    @property
+    def rollout_batch_size(self) -> int:
+        return self.data.train_batch_size * self.rollout.n
+
+
+# Values the `algorithm.name` preset sets unless the user set them explicitly.
+PRESETS: dict[str, dict[str, dict[str, Any]]] = {
+    "grpo": {},
+    "drgrpo": {
+        "algorithm": {"norm_adv_by_std_in_grpo": False},
+        "actor": {"loss_agg_mode": "seq-mean-token-sum-norm", "use_kl_loss": False},
+    },
+}
