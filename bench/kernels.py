@@ -4,7 +4,7 @@ Same as `portagrpo bench kernels`; see portagrpo/bench.py for what is measured.
 """
 import sys
 
-from portagrpo.bench import main_cli
+from portagrpo.tools.bench import main_cli
 
 if __name__ == "__main__":
     sys.exit(main_cli(sys.argv[1:]))

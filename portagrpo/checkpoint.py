@@ -14,7 +14,7 @@ from typing import Any
 
 import torch
 
-from .errors import UserError
+from portagrpo.errors import UserError
 
 MANIFEST = "manifest.json"
 PREFIX = "step_"

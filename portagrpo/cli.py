@@ -7,9 +7,11 @@ import os
 import signal
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Callable
 
-from .errors import UserError
+from portagrpo.errors import UserError
 
 def _fail(err: BaseException) -> int:
     for line in str(err).splitlines():
@@ -17,8 +19,8 @@ def _fail(err: BaseException) -> int:
     return 2
 
 
-def _train_parser(sub) -> None:
-    p = sub.add_parser("train", help="train a policy with GRPO/DrGRPO")
+def _train_parser(sub, help: str) -> None:
+    p = sub.add_parser("train", help=help)
     p.add_argument("--config", help="YAML recipe (see configs/); defaults are the tiny CPU demo")
     p.add_argument("--device", help="cpu|cuda|rocm|npu|auto (same as trainer.device=...)")
     p.add_argument("--output-dir", help="run directory (default runs/<timestamp>)")
@@ -35,9 +37,9 @@ def _dry_run(config_path, overrides: list[str]) -> int:
     for the configured world size, names in every registry, the reward function. Files this
     machine lacks (models, datasets) are listed, not errors: a recipe is usually checked
     away from the cluster that holds them."""
-    from .backends import get_backend
-    from .config import ConfigError, _missing_files, load_config, validate_world
-    from .rewards import RewardResolver
+    from portagrpo.backends import get_backend
+    from portagrpo.config import ConfigError, _missing_files, load_config, validate_world
+    from portagrpo.rewards.functions import RewardResolver
 
     notices: list[str] = []
     cfg = load_config(config_path, overrides, check_files=False, notices=notices)
@@ -72,7 +74,7 @@ def _relaunch_with_torchrun(nproc: int, argv: list[str]) -> int:
 
     from torch.distributed.elastic.multiprocessing.api import SignalException
 
-    from .procs import LAUNCHER_ENV
+    from portagrpo.procs import LAUNCHER_ENV
 
     os.environ[LAUNCHER_ENV] = str(os.getpid())  # ranks stop when this launcher is gone (even kill -9)
     try:
@@ -91,12 +93,12 @@ def _relaunch_with_torchrun(nproc: int, argv: list[str]) -> int:
 
 
 def cmd_train(args) -> int:
-    from .config import load_config, to_yaml
+    from portagrpo.config import load_config, to_yaml
 
     overrides = list(args.overrides)
     if args.device:
         overrides.append(f"trainer.device={args.device}")
-    from .train.run_dir import resolve_run
+    from portagrpo.train.run_dir import resolve_run
 
     run_dir, resume = resolve_run(args.output_dir, args.resume)
     config_path = args.config
@@ -110,7 +112,7 @@ def cmd_train(args) -> int:
         for line in notices:
             print(f"portagrpo: {line}")
     if cfg.trainer.nproc_per_node > 1 and "WORLD_SIZE" not in os.environ and not args.print_config:
-        from .config import ConfigError, validate_world
+        from portagrpo.config import ConfigError, validate_world
 
         problems = validate_world(cfg, cfg.trainer.nproc_per_node)
         if problems:  # once, here, instead of once per rank
@@ -120,15 +122,15 @@ def cmd_train(args) -> int:
         print(to_yaml(cfg), end="")
         return 0
     if args.ray or args.ray_address:
-        from .ray_launcher import train_with_ray
-        from .train import default_run_dir
+        from portagrpo.ray_launcher import train_with_ray
+        from portagrpo.train import default_run_dir
 
         history = train_with_ray(cfg, run_dir or Path(cfg.trainer.output_dir or default_run_dir()),
                                  str(resume) if resume else None, args.ray_address)
         _summary(history, run_dir)
         return 0
-    from .procs import LAUNCHER_ENV, exit_with_parent
-    from .train import Trainer
+    from portagrpo.procs import LAUNCHER_ENV, exit_with_parent
+    from portagrpo.train import Trainer
 
     main_rank = os.environ.get("RANK", "0") == "0"
     if os.environ.get(LAUNCHER_ENV):
@@ -162,7 +164,7 @@ def _summary(history: list[dict], run_dir, seconds: float | None = None) -> None
 
 
 def cmd_doctor(args) -> int:
-    from .doctor import collect, render
+    from portagrpo.tools.doctor import collect, render
 
     info = collect()
     print(json.dumps(info, indent=1, default=str) if args.json else render(info))
@@ -175,72 +177,70 @@ def cmd_doctor(args) -> int:
     return 0
 
 
-def cmd_parity(argv: list[str]) -> int:
-    from .parity import main_cli
+def _tool(module: str, drop: int = 0):
+    """A sub-command whose module parses its own arguments (`main_cli(argv)`), imported when run."""
+    def run(argv: list[str]) -> int:
+        import importlib
 
-    return main_cli(argv)
+        return importlib.import_module(module).main_cli(argv[drop:])
+    return run
 
 
 def cmd_bench(argv: list[str]) -> int:
     if not argv or argv[0] != "kernels":
         print("usage: portagrpo bench kernels [--shapes NxHxV,...] [--json FILE] (see --help)", file=sys.stderr)
         return 2
-    from .bench import main_cli
-
-    return main_cli(argv[1:])
+    return _tool("portagrpo.tools.bench", drop=1)(argv)
 
 
-def cmd_replay(argv: list[str]) -> int:
-    from .replay import main_cli
-
-    return main_cli(argv)
-
-
-def cmd_export(argv: list[str]) -> int:
-    from .export import main_cli
-
-    return main_cli(argv)
+@dataclass(frozen=True)
+class Command:
+    help: str
+    run: Callable  # (argparse args) for "parsed" commands, (argv) for the others
+    parsed: bool = False  # arguments parsed here (train, doctor) or by the tool itself
 
 
-def cmd_eval(argv: list[str]) -> int:
-    from .evaluate import main_cli
-
-    return main_cli(argv)
-
-
-def cmd_data(argv: list[str]) -> int:
-    from .prepare import main_cli
-
-    return main_cli(argv)
-
-
-PASSTHROUGH = {"data": cmd_data, "parity": cmd_parity, "bench": cmd_bench, "replay": cmd_replay, "export": cmd_export, "eval": cmd_eval}
+# The one command table: `portagrpo <name> ...`.
+COMMANDS: dict[str, Command] = {
+    "train": Command("train a policy with GRPO/DrGRPO", cmd_train, parsed=True),
+    "doctor": Command("what this machine has, per backend", cmd_doctor, parsed=True),
+    "parity": Command("compare this backend with the float64 golden (`portagrpo parity --help`)",
+                      _tool("portagrpo.tools.parity")),
+    "bench": Command("benchmarks (`portagrpo bench kernels --help`)", cmd_bench),
+    "replay": Command("re-train a recorded run on another backend (`portagrpo replay --help`)",
+                      _tool("portagrpo.tools.replay")),
+    "data": Command("convert GSM8K / MATH files to the training schema (`portagrpo data --help`)",
+                    _tool("portagrpo.data.prepare")),
+    "eval": Command("greedy accuracy and pass@k of a model or run (`portagrpo eval --help`)",
+                    _tool("portagrpo.tools.evaluate")),
+    "export": Command("write the trained policy as a Hugging Face model (`portagrpo export --help`)",
+                      _tool("portagrpo.tools.export")),
+}
 
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="portagrpo", description="GRPO/DrGRPO trainer with the same numbers on every backend")
     sub = parser.add_subparsers(dest="command")
-    _train_parser(sub)
-    d = sub.add_parser("doctor", help="what this machine has, per backend")
-    d.add_argument("--json", action="store_true")
-    d.add_argument("--require", metavar="BACKEND", help="exit 1 unless this backend is usable (image health checks)")
-    sub.add_parser("parity", help="compare this backend with the float64 golden (`portagrpo parity --help`)")
-    sub.add_parser("bench", help="benchmarks (`portagrpo bench kernels --help`)")
-    sub.add_parser("replay", help="re-train a recorded run on another backend (`portagrpo replay --help`)")
-    sub.add_parser("data", help="convert GSM8K / MATH files to the training schema (`portagrpo data --help`)")
-    sub.add_parser("eval", help="greedy accuracy and pass@k of a model or run (`portagrpo eval --help`)")
-    sub.add_parser("export", help="write the trained policy as a Hugging Face model (`portagrpo export --help`)")
+    for name, command in COMMANDS.items():
+        if name == "train":
+            _train_parser(sub, command.help)
+        elif name == "doctor":
+            d = sub.add_parser("doctor", help=command.help)
+            d.add_argument("--json", action="store_true")
+            d.add_argument("--require", metavar="BACKEND", help="exit 1 unless this backend is usable (image health checks)")
+        else:
+            sub.add_parser(name, help=command.help)
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
-    from .backends.npu_env import guard_torch_import
+    from portagrpo.backends.npu_env import guard_torch_import
 
     guard_torch_import()  # must run before torch is imported (see backends/npu_env.py)
-    from .modeling import quiet_transformers
+    from portagrpo.model.loading import quiet_transformers
 
     quiet_transformers()
-    from .procs import Stopped, stop_on_sigterm
+    from portagrpo.procs import Stopped, stop_on_sigterm
 
     previous = stop_on_sigterm()
     parser = build_parser()
@@ -258,18 +258,14 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _dispatch(parser, argv: list[str]) -> int:
-    if not argv:
-        argv = ["train"]
-    if argv[0] in PASSTHROUGH:  # sub-commands with their own argument parsers
-        try:
-            return PASSTHROUGH[argv[0]](argv[1:])
-        except (UserError, FileNotFoundError) as err:
-            return _fail(err)
-    args = parser.parse_args(argv)
-    args.argv = argv
-    commands = {"train": cmd_train, "doctor": cmd_doctor}
+    argv = argv or ["train"]
+    command = COMMANDS.get(argv[0])
     try:
-        return commands[args.command](args)
+        if command is not None and not command.parsed:
+            return command.run(argv[1:])
+        args = parser.parse_args(argv)
+        args.argv = argv
+        return COMMANDS[args.command].run(args)
     except (UserError, FileNotFoundError) as err:
         return _fail(err)
 

@@ -24,7 +24,7 @@ def pass_at_k(n: int, c: int, k: int) -> float:
 def read_metrics(path: Path, warn=None) -> list[dict[str, Any]]:
     """The rows of a metrics.jsonl. A torn last line (the process was killed mid-write) is dropped
     with a notice through `warn`; a damaged line anywhere else is an error naming it."""
-    from .errors import UserError
+    from portagrpo.errors import UserError
 
     path = Path(path)
     if not path.is_file():

@@ -17,8 +17,8 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any, Callable
 
-from .config import Config, to_dict
-from .errors import UserError
+from portagrpo.config import Config, to_dict
+from portagrpo.errors import UserError
 
 
 class TrainWorker:
@@ -43,11 +43,11 @@ class TrainWorker:
     def setup(self, cfg_dict: dict, run_dir: str, resume: str | None, env: dict[str, str]) -> dict[str, Any]:
         import torch
 
-        from .config import _build
-        from .train import Trainer
+        from portagrpo.config import _build
+        from portagrpo.train import Trainer
 
         os.environ.update(env)
-        from .modeling import quiet_transformers
+        from portagrpo.model.loading import quiet_transformers
 
         quiet_transformers()
         cfg: Config = _build(Config, cfg_dict, "")
@@ -107,7 +107,7 @@ class RayRun:
             from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
         except ImportError as err:
             raise UserError("--ray needs Ray; `pip install portagrpo[ray]`.") from err
-        from .backends import get_backend
+        from portagrpo.backends import get_backend
 
         t = self.cfg.trainer
         spec = get_backend(t.device).spec if t.device != "auto" else get_backend("auto").spec
@@ -178,10 +178,10 @@ def train_with_ray(cfg: Config, run_dir: Path, resume: str | None = None, addres
     """The driver loop. `on_step(run, metrics)` is called after every step (progress hooks, tests)."""
     from tqdm.auto import tqdm
 
-    from .config import to_yaml
-    from .metrics import MetricsLogger
-    from .train import Cadence
-    from .train.run_dir import RunDir
+    from portagrpo.config import to_yaml
+    from portagrpo.metrics import MetricsLogger
+    from portagrpo.train import Cadence
+    from portagrpo.train.run_dir import RunDir
 
     run_dir = Path(run_dir)
     run_files = RunDir(run_dir)

@@ -4,7 +4,7 @@ from __future__ import annotations
 import difflib
 from typing import Generic, Iterator, TypeVar
 
-from .errors import UnknownNameError
+from portagrpo.errors import UnknownNameError
 
 T = TypeVar("T")
 

@@ -14,7 +14,7 @@ import torch  # noqa: E402
 
 @pytest.fixture(scope="session")
 def tokenizer():
-    from portagrpo.modeling import build_char_tokenizer
+    from portagrpo.model.loading import build_char_tokenizer
 
     return build_char_tokenizer()
 
@@ -23,7 +23,7 @@ def tokenizer():
 def tiny_model_dir(tmp_path_factory, tokenizer):
     """A tiny Llama saved in Hugging Face layout by the test itself (no hub)."""
     from portagrpo.config import ModelConfig, TinyModelConfig
-    from portagrpo.modeling import build_tiny_model
+    from portagrpo.model.loading import build_tiny_model
 
     path = tmp_path_factory.mktemp("tiny_model")
     cfg = ModelConfig(tiny=TinyModelConfig(hidden_size=32, num_layers=1, num_heads=2, intermediate_size=64))

@@ -1,5 +1,5 @@
 """GRPO/DrGRPO math as pure tensor functions (docs/design.md "Numerics contract")."""
-from .advantages import (
+from portagrpo.algo.advantages import (
     ADV_ESTIMATORS,
     batch_normalize_scores,
     clip_advantages,
@@ -8,7 +8,7 @@ from .advantages import (
     kl_penalized_scores,
     whiten_advantages,
 )
-from .losses import (
+from portagrpo.algo.losses import (
     AGG_MODES,
     KL_ESTIMATORS,
     aggregate_loss,

@@ -9,7 +9,7 @@ from typing import Protocol
 
 import torch
 
-from ..registry import Registry
+from portagrpo.registry import Registry
 
 ADV_EPS = 1e-6
 WHITEN_EPS = 1e-8

@@ -9,8 +9,8 @@ from typing import Protocol
 
 import torch
 
-from ..errors import UnknownNameError
-from ..registry import Registry
+from portagrpo.errors import UnknownNameError
+from portagrpo.registry import Registry
 
 LOG_RATIO_CLAMP = 20.0
 K3_CLAMP = 10.0

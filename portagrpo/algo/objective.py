@@ -10,7 +10,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .advantages import (
+from portagrpo.algo.advantages import (
     ADV_ESTIMATORS,
     batch_normalize_scores,
     clip_advantages,
@@ -19,7 +19,7 @@ from .advantages import (
     scores_to_token_rewards,
     whiten_advantages,
 )
-from .losses import aggregate_loss, clipped_policy_loss, kl_penalty, masked_mean
+from portagrpo.algo.losses import aggregate_loss, clipped_policy_loss, kl_penalty, masked_mean
 
 
 @dataclass(frozen=True)

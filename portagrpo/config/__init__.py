@@ -1,8 +1,8 @@
 """The config: schema.py (the dataclasses), load.py (YAML + overrides -> Config), rules.py (what a
 valid config satisfies), verl.py (verl's keys)."""
-from .load import _all_keys, _build, load_config, merge_raw, parse_override, read_yaml, replace, to_dict, to_yaml
-from .rules import _missing_files, validate, validate_world
-from .schema import (PRESETS, ActorConfig, AlgorithmConfig, Config, ConfigError, DataConfig, KernelsConfig,
+from portagrpo.config.load import _all_keys, _build, load_config, merge_raw, parse_override, read_yaml, replace, to_dict, to_yaml
+from portagrpo.config.rules import _missing_files, validate, validate_world
+from portagrpo.config.schema import (PRESETS, ActorConfig, AlgorithmConfig, Config, ConfigError, DataConfig, KernelsConfig,
                      LoraSettings, ModelConfig, RewardConfig, RolloutConfig, TinyModelConfig, TrainerConfig)
 
 __all__ = [

@@ -11,7 +11,7 @@ from typing import Any, Literal, Union
 
 import yaml
 
-from .schema import PRESETS, Config, ConfigError, RolloutConfig
+from portagrpo.config.schema import PRESETS, Config, ConfigError, RolloutConfig
 
 
 # ---------------------------------------------------------------- typed construction
@@ -181,7 +181,7 @@ def read_yaml(path: str | Path) -> dict:
 
 
 def merge_raw(config_path: str | Path | None, overrides: list[str] | None, notices: list[str] | None = None) -> dict:
-    from .verl import translate
+    from portagrpo.config.verl import translate
 
     raw: dict = read_yaml(config_path) if config_path else {}
     pairs = []
@@ -227,7 +227,7 @@ def load_config(
     notices: list[str] | None = None,
 ) -> Config:
     """`notices` collects one line per verl key that was mapped onto a portagrpo key."""
-    from .rules import validate
+    from portagrpo.config.rules import validate
 
     cfg = _build(Config, merge_raw(config_path, overrides, notices), "")
     problems = validate(cfg, check_files=check_files)

@@ -9,8 +9,8 @@ import math
 from pathlib import Path
 from typing import Any
 
-from ..errors import UnknownNameError
-from .schema import Config
+from portagrpo.errors import UnknownNameError
+from portagrpo.config.schema import Config
 
 # Float fields where infinity means something (no clipping).
 INFINITY_ALLOWED = {"actor.grad_clip", "algorithm.reward_clip", "algorithm.advantage_clip"}
@@ -93,8 +93,8 @@ def tiny_problems(tiny) -> list[str]:
 
 def validate(cfg: Config, *, check_files: bool = True) -> list[str]:
     """Cross-field rules. Returns one sentence per problem (empty when valid)."""
-    from ..algo import AGG_MODES, ADV_ESTIMATORS
-    from ..algo.losses import parse_kl_type
+    from portagrpo.algo import AGG_MODES, ADV_ESTIMATORS
+    from portagrpo.algo.losses import parse_kl_type
 
     p: list[str] = []
     a, d, r, alg, t = cfg.actor, cfg.data, cfg.rollout, cfg.algorithm, cfg.trainer
@@ -204,7 +204,7 @@ def validate_world(cfg: Config, world_size: int) -> list[str]:
 
 def _missing_files(cfg: Config) -> list[str]:
     p = []
-    from ..modeling import resolve_model_path
+    from portagrpo.model.loading import resolve_model_path
 
     for name in ("path", "ref_path", "tokenizer_path"):
         value = getattr(cfg.model, name)

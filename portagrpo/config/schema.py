@@ -8,7 +8,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Literal, Optional
 
-from ..errors import UserError
+from portagrpo.errors import UserError
 
 
 class ConfigError(UserError, ValueError):

@@ -7,16 +7,16 @@ from typing import Any
 
 import torch
 
-from ..backends import Backend
-from ..config import Config
-from ..data import PromptLoader, filter_long_prompts, load_records, task_records
-from ..forward import AdaptersOff, ResponseScorer
-from ..modeling import apply_lora, build_tiny_model, check_tiny_matches, load_model, load_tokenizer, resolve_model_path
-from ..reward_pool import RewardPool
-from ..rewards import RewardResolver
-from ..rollout import ROLLOUT_ENGINES, stop_token_ids
-from .run_dir import tmp_name
-from .update import objective_from, shaping_from
+from portagrpo.backends import Backend
+from portagrpo.config import Config
+from portagrpo.data.records import PromptLoader, filter_long_prompts, load_records, task_records
+from portagrpo.model.scorer import AdaptersOff, ResponseScorer
+from portagrpo.model.loading import apply_lora, build_tiny_model, check_tiny_matches, load_model, load_tokenizer, resolve_model_path
+from portagrpo.rewards.pool import RewardPool
+from portagrpo.rewards.functions import RewardResolver
+from portagrpo.rollout.engines import ROLLOUT_ENGINES, stop_token_ids
+from portagrpo.train.run_dir import tmp_name
+from portagrpo.train.update import objective_from, shaping_from
 
 
 
@@ -104,7 +104,7 @@ class Builder:
         cfg = self.cfg
         name = self.backend.rollout_engine(cfg.rollout.engine)
         if name == "vllm":
-            from .. import rollout_vllm  # noqa: F401 - registers the engine; imports vLLM only when built
+            import portagrpo.rollout.vllm as rollout_vllm  # noqa: F401 - registers the engine; imports vLLM only when built
         engine_cls = ROLLOUT_ENGINES.get(name, field="rollout.engine")
         extra: dict[str, Any] = {}
         if name == "fixed":

@@ -7,13 +7,13 @@ from typing import Any
 
 import torch
 
-from ..algo.objective import shape_and_advantage
-from ..batch import RolloutBatch, TrainBatch
-from ..data import PromptRecord, tokenize_prompts
-from ..forward import eval_mode, response_stats
-from ..metrics import pass_at_k
-from ..rewards import score_responses
-from ..rollout import SamplingParams, rollout_groups
+from portagrpo.algo.objective import shape_and_advantage
+from portagrpo.batch import RolloutBatch, TrainBatch
+from portagrpo.data.records import PromptRecord, tokenize_prompts
+from portagrpo.model.scorer import eval_mode, response_stats
+from portagrpo.metrics import pass_at_k
+from portagrpo.rewards.functions import score_responses
+from portagrpo.rollout.engines import SamplingParams, rollout_groups
 
 
 def seed_for(seed: int, step: int, salt: int) -> int:

@@ -13,18 +13,18 @@ from datetime import datetime
 from pathlib import Path
 from typing import Any
 
-from ..backends import Backend, get_backend
-from ..backends.dist import Collectives, init_collectives
-from ..config import Config, ConfigError, to_yaml, validate_world
-from ..kernels import logprob_impl
-from ..metrics import MetricsLogger
-from ..parallel import make_strategy
-from ..tolerances import DTYPES
-from .build import Builder
-from .experience import Experience, ExperienceMaker
-from .run_dir import RunDir
-from .state import RunState
-from .update import Updater
+from portagrpo.backends import Backend, get_backend
+from portagrpo.backends.dist import Collectives, init_collectives
+from portagrpo.config import Config, ConfigError, to_yaml, validate_world
+from portagrpo.kernels import logprob_impl
+from portagrpo.metrics import MetricsLogger
+from portagrpo.model.parallel import make_strategy
+from portagrpo.tolerances import DTYPES
+from portagrpo.train.build import Builder
+from portagrpo.train.experience import Experience, ExperienceMaker
+from portagrpo.train.run_dir import RunDir
+from portagrpo.train.state import RunState
+from portagrpo.train.update import Updater
 
 
 @dataclass

@@ -18,8 +18,8 @@ import os
 import shutil
 from pathlib import Path
 
-from ..checkpoint import PREFIX, latest_valid_checkpoint, list_checkpoints
-from ..errors import UserError
+from portagrpo.checkpoint import PREFIX, latest_valid_checkpoint, list_checkpoints
+from portagrpo.errors import UserError
 
 LOCK = ".lock"
 # What a portagrpo run writes; a directory holding only these and no finished step is reusable.

@@ -9,12 +9,12 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import torch
 
-from ..checkpoint import (CheckpointError, check_checkpoint_fits, latest_valid_checkpoint, load_checkpoint_state,
+from portagrpo.checkpoint import (CheckpointError, check_checkpoint_fits, latest_valid_checkpoint, load_checkpoint_state,
                           save_checkpoint)
 
 
 if TYPE_CHECKING:
-    from .loop import StepOutput
+    from portagrpo.train.loop import StepOutput
 
 
 class RunState:

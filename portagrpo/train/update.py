@@ -6,14 +6,14 @@ from typing import Any
 
 import torch
 
-from .. import algo
-from ..algo.advantages import zero_std_group_fraction
-from ..algo.losses import masked_mean
-from ..algo.objective import Objective, Shaping, total_loss
-from ..batch import RolloutBatch, TrainBatch
-from ..config import Config
-from ..forward import eval_mode, response_stats
-from .experience import Experience, seed_for
+from portagrpo import algo
+from portagrpo.algo.advantages import zero_std_group_fraction
+from portagrpo.algo.losses import masked_mean
+from portagrpo.algo.objective import Objective, Shaping, total_loss
+from portagrpo.batch import RolloutBatch, TrainBatch
+from portagrpo.config import Config
+from portagrpo.model.scorer import eval_mode, response_stats
+from portagrpo.train.experience import Experience, seed_for
 
 
 def shaping_from(cfg: Config) -> Shaping:

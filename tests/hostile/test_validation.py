@@ -65,7 +65,7 @@ def _row(**fields):
     ([_row(prompt=[])], "'prompt' is empty"),
 ])
 def test_bad_rows_are_refused(tmp_path, content, expected):
-    from portagrpo.data import load_records
+    from portagrpo.data.records import load_records
 
     f = tmp_path / "d.jsonl"
     f.write_text("".join(json.dumps(r) + "\n" for r in content))
@@ -74,7 +74,7 @@ def test_bad_rows_are_refused(tmp_path, content, expected):
 
 
 def test_bad_data_files_are_refused(tmp_path):
-    from portagrpo.data import load_records
+    from portagrpo.data.records import load_records
 
     fake = tmp_path / "train.parquet"
     fake.write_text(json.dumps(_row()) + "\n")
@@ -87,7 +87,7 @@ def test_bad_data_files_are_refused(tmp_path):
 
 
 def test_reward_files_that_fail_to_load_are_one_sentence(tmp_path):
-    from portagrpo.rewards import RewardResolver
+    from portagrpo.rewards.functions import RewardResolver
 
     (tmp_path / "syntax.py").write_text("def score(ds, s, gt, extra=None)\n    return 1.0\n")
     with pytest.raises(UserError, match=r"fails to load \(line 1\): SyntaxError"):
@@ -99,7 +99,7 @@ def test_reward_files_that_fail_to_load_are_one_sentence(tmp_path):
 
 @pytest.mark.parametrize("damage", ["empty", "no_weights", "truncated", "bad_config", "fake_gguf", "a_text_file"])
 def test_broken_model_paths_are_one_sentence(tmp_path, tiny_model_dir, damage):
-    from portagrpo.modeling import load_model
+    from portagrpo.model.loading import load_model
 
     target = tmp_path / "model"
     if damage == "empty":
@@ -122,7 +122,7 @@ def test_broken_model_paths_are_one_sentence(tmp_path, tiny_model_dir, damage):
 
 def test_lora_targets_matching_nothing_name_the_real_layers(tiny_model_dir):
     from portagrpo.config import LoraSettings
-    from portagrpo.modeling import apply_lora, load_model
+    from portagrpo.model.loading import apply_lora, load_model
 
     model = load_model(tiny_model_dir, "sdpa")
     with pytest.raises(UserError, match=r"model.lora.target_modules=\['qkv'\] cannot be adapted.*q_proj"):

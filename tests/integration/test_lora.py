@@ -42,7 +42,7 @@ def test_only_adapters_train_and_no_reference_copy(tmp_path):
 def test_reference_logprobs_are_the_base_models(tmp_path):
     from transformers import AutoModelForCausalLM
 
-    from portagrpo.forward import ResponseScorer, response_stats
+    from portagrpo.model.scorer import ResponseScorer, response_stats
 
     t = _trainer(tmp_path)
     t.step()  # adapters are now non-zero
@@ -60,7 +60,7 @@ def test_reference_logprobs_are_the_base_models(tmp_path):
 def test_checkpoint_holds_the_adapter_and_merged_export_reproduces_logprobs(tmp_path):
     from transformers import AutoModelForCausalLM
 
-    from portagrpo.forward import ResponseScorer, response_stats
+    from portagrpo.model.scorer import ResponseScorer, response_stats
 
     run = tmp_path / "run"
     assert main(["train", "--output-dir", str(run), *FAST, "trainer.total_steps=3", "trainer.save_freq=3"]) == 0

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from portagrpo.config import load_config
-from portagrpo.rollout import HFRollout, SamplingParams
+from portagrpo.rollout.engines import HFRollout, SamplingParams
 
 FAST = ["trainer.progress_bar=false", "data.train_batch_size=2", "rollout.n=4", "data.train_size=16",
         "data.val_size=4", "data.max_response_length=6", "trainer.test_freq=0", "trainer.save_freq=0",
@@ -51,7 +51,7 @@ def qwen_dir(tmp_path_factory, tokenizer):
 
 
 def load(path):
-    from portagrpo.modeling import load_model
+    from portagrpo.model.loading import load_model
 
     return load_model(path, "sdpa").eval()
 
@@ -81,7 +81,7 @@ def test_greedy_has_no_repetition_penalty_and_stops_at_every_eos(qwen_dir, token
     assert engine.eos_ids == [tokenizer.eos_token_id, expect["extra_eos"]]  # tokenizer's, then the model's
     prompts = [tokenizer.encode(t) for t in ("copy 7:", "copy 3:", "say 55", "x")]
     width = max(map(len, prompts))
-    from portagrpo.data import left_pad
+    from portagrpo.data.records import left_pad
 
     ids, mask = left_pad(prompts, engine.pad_id, width=width)
     responses, rmask = engine.generate(ids, mask, SamplingParams(max_tokens=6, temperature=0.0))

@@ -8,8 +8,8 @@ import torch
 from portagrpo.cli import main
 from portagrpo.config import load_config
 from portagrpo.metrics import REQUIRED_KEYS, read_metrics
-from portagrpo.tasks import gsm8k_style_rows
-from portagrpo.data import write_jsonl
+from portagrpo.data.tasks import gsm8k_style_rows
+from portagrpo.data.records import write_jsonl
 
 ROOT = Path(__file__).resolve().parents[2]
 FAST = ["trainer.progress_bar=false", "data.train_batch_size=4", "rollout.n=4", "actor.ppo_mini_batch_size=8",

@@ -7,7 +7,8 @@ Devices that are absent are skipped with the reason their backend gives. The sam
 import pytest
 import torch
 
-from portagrpo import algo, parity
+from portagrpo import algo
+from portagrpo.tools import parity
 from portagrpo.backends import get_backend
 from portagrpo.backends.base import BackendUnavailable
 from portagrpo.tolerances import relative_error

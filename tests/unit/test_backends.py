@@ -170,7 +170,7 @@ def test_npu_attention_adapter_matches_sdpa_in_a_real_model(tiny_model_dir):
     """The adapter's layout, mask inversion and GQA handling, checked end to end through a Llama."""
     from transformers import AutoModelForCausalLM
 
-    from portagrpo.modeling import position_ids_from_mask
+    from portagrpo.model.loading import position_ids_from_mask
 
     model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, local_files_only=True).eval()
     ids = torch.randint(4, 40, (3, 9))

@@ -8,7 +8,7 @@ import pytest
 import yaml
 
 from portagrpo.backends import backend_names
-from portagrpo.parity import DTYPES
+from portagrpo.tools.parity import DTYPES
 
 ROOT = Path(__file__).resolve().parents[2]
 MATRIX = yaml.safe_load((ROOT / "ci" / "matrix.yaml").read_text())

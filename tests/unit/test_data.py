@@ -3,7 +3,7 @@ import json
 
 import pytest
 
-from portagrpo.data import (
+from portagrpo.data.records import (
     DataError,
     PromptLoader,
     filter_long_prompts,
@@ -13,7 +13,7 @@ from portagrpo.data import (
     task_records,
     write_jsonl,
 )
-from portagrpo.tasks import gsm8k_style_rows
+from portagrpo.data.tasks import gsm8k_style_rows
 
 
 def test_jsonl_and_parquet_give_same_records(tmp_path):

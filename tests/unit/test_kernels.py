@@ -124,7 +124,7 @@ def test_rocm_tuning_differs_only_in_constants(monkeypatch):
 
 
 def _scorer_grads(model, impl, ids, mask, responses, rmask):
-    from portagrpo.forward import ResponseScorer
+    from portagrpo.model.scorer import ResponseScorer
 
     model.zero_grad(set_to_none=True)
     scorer = ResponseScorer(model, logprob_impl(impl))
@@ -164,7 +164,7 @@ def test_lora_wrapped_head(tiny_model_dir):
     from peft import LoraConfig, get_peft_model
     from transformers import AutoModelForCausalLM
 
-    from portagrpo.modeling import position_ids_from_mask
+    from portagrpo.model.loading import position_ids_from_mask
 
     base = AutoModelForCausalLM.from_pretrained(tiny_model_dir, local_files_only=True, tie_word_embeddings=False).double()
     model = get_peft_model(base, LoraConfig(r=4, lora_alpha=8, lora_dropout=0.0, target_modules=["lm_head"],

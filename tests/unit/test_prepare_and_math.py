@@ -4,10 +4,10 @@ import json
 import pytest
 
 from portagrpo.cli import main
-from portagrpo.data import DataError, load_records
-from portagrpo.math_answers import extract_boxed, is_equivalent
-from portagrpo.prepare import convert
-from portagrpo.rewards import RewardResolver, extract_gsm8k_answer, gsm8k_flexible_reward, math_reward, score_responses
+from portagrpo.data.records import DataError, load_records
+from portagrpo.rewards.math_answers import extract_boxed, is_equivalent
+from portagrpo.data.prepare import convert
+from portagrpo.rewards.functions import RewardResolver, extract_gsm8k_answer, gsm8k_flexible_reward, math_reward, score_responses
 
 
 def _gsm8k_file(tmp_path):
@@ -109,8 +109,8 @@ def test_weighted_sum_and_format_rewards():
 
 
 def test_slow_reward_times_out_in_the_pool(tmp_path):
-    from portagrpo.reward_pool import RewardPool
-    from portagrpo.rewards import RewardFunctionError
+    from portagrpo.rewards.pool import RewardPool
+    from portagrpo.rewards.functions import RewardFunctionError
 
     f = tmp_path / "slow.py"
     f.write_text("import time\ndef score(ds, s, gt, extra=None):\n    if s == 'hang':\n        time.sleep(60)\n"

@@ -1,7 +1,7 @@
 """Reward functions, user reward loading, and failure reporting."""
 import pytest
 
-from portagrpo.rewards import (
+from portagrpo.rewards.functions import (
     RewardFunctionError,
     RewardResolver,
     RewardSpecError,

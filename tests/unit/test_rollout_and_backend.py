@@ -3,7 +3,7 @@ import pytest
 import torch
 
 from portagrpo.backends import BackendUnavailable, get_backend
-from portagrpo.rollout import HFRollout, SamplingParams, decode_responses, response_mask_from_tokens
+from portagrpo.rollout.engines import HFRollout, SamplingParams, decode_responses, response_mask_from_tokens
 
 
 def test_response_mask_includes_first_eos_only():
@@ -19,7 +19,7 @@ def test_hf_engine_shapes_and_padding(tiny_model_dir, tokenizer):
     model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, local_files_only=True)
     engine = HFRollout(model, tokenizer, contextlib.nullcontext)
     prompts = [tokenizer("u:repeat 4\na:")["input_ids"], tokenizer("a:")["input_ids"]]
-    from portagrpo.data import left_pad
+    from portagrpo.data.records import left_pad
 
     ids, mask = left_pad(prompts, tokenizer.pad_token_id)
     torch.manual_seed(0)
@@ -36,7 +36,7 @@ def test_left_padding_does_not_change_greedy_output(tiny_model_dir, tokenizer):
     """Position ids follow the mask, so a padded prompt generates what it generates alone."""
     from transformers import AutoModelForCausalLM
     import contextlib
-    from portagrpo.data import left_pad
+    from portagrpo.data.records import left_pad
 
     model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, local_files_only=True)
     engine = HFRollout(model, tokenizer, contextlib.nullcontext)

@@ -8,8 +8,8 @@ from dataclasses import replace
 import pytest
 import torch
 
-from portagrpo.rollout import SamplingParams
-from portagrpo.rollout_vllm import bucket_tensors, sampling_kwargs, vllm_weight_names
+from portagrpo.rollout.engines import SamplingParams
+from portagrpo.rollout.vllm import bucket_tensors, sampling_kwargs, vllm_weight_names
 
 
 def test_sampling_parameter_mapping():
@@ -189,7 +189,7 @@ def test_samples_of_a_group_differ(tmp_path, fake_vllm):
 
 
 def test_engine_lands_on_the_ranks_device(tmp_path, fake_vllm, monkeypatch):
-    from portagrpo.rollout_vllm import VLLMRollout
+    from portagrpo.rollout.vllm import VLLMRollout
 
     monkeypatch.setenv("LOCAL_RANK", "1")
     tok = types.SimpleNamespace(eos_token_id=2, pad_token_id=0)
@@ -199,7 +199,7 @@ def test_engine_lands_on_the_ranks_device(tmp_path, fake_vllm, monkeypatch):
 
 
 def test_waking_empties_the_training_cache_first(fake_vllm):
-    from portagrpo.rollout_vllm import VLLMRollout
+    from portagrpo.rollout.vllm import VLLMRollout
 
     events = []
     tok = types.SimpleNamespace(eos_token_id=2, pad_token_id=0)
@@ -211,7 +211,7 @@ def test_waking_empties_the_training_cache_first(fake_vllm):
 
 
 def test_missing_vllm_is_one_sentence(tmp_path, monkeypatch):
-    from portagrpo.rollout_vllm import VLLMRollout
+    from portagrpo.rollout.vllm import VLLMRollout
 
     monkeypatch.setitem(sys.modules, "vllm", None)
     with pytest.raises(Exception, match="rollout.engine=vllm needs vLLM, which is not installed"):

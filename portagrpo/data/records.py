@@ -8,8 +8,8 @@ from typing import Any
 
 import torch
 
-from .errors import UserError
-from .tasks import TASKS
+from portagrpo.errors import UserError
+from portagrpo.data.tasks import TASKS
 
 
 class DataError(UserError, ValueError):

@@ -17,8 +17,8 @@ from typing import Any, Iterable, Iterator
 
 import torch
 
-from .errors import UserError
-from .rollout import ROLLOUT_ENGINES, SamplingParams, response_mask_from_tokens
+from portagrpo.errors import UserError
+from portagrpo.rollout.engines import ROLLOUT_ENGINES, SamplingParams, response_mask_from_tokens
 
 PEFT_PREFIX = "base_model.model."
 

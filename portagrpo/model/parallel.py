@@ -18,8 +18,8 @@ from torch.distributed.checkpoint.state_dict import (
     set_optimizer_state_dict,
 )
 
-from .backends.dist import Collectives
-from .modeling import decoder_of
+from portagrpo.backends.dist import Collectives
+from portagrpo.model.loading import decoder_of
 
 FULL = StateDictOptions(full_state_dict=True, cpu_offload=True)
 

@@ -9,15 +9,15 @@ from typing import Any
 
 import torch
 
-from .metrics import pass_at_k
+from portagrpo.metrics import pass_at_k
 
 
 def load_for_eval(model: str | Path, allow_untrained: bool = False):
     """(model, tokenizer, description) from a model path, a .gguf, or a run directory's newest checkpoint."""
-    from .checkpoint import latest_valid_checkpoint
-    from .config import load_config
-    from .errors import UserError
-    from .modeling import load_model, load_tokenizer
+    from portagrpo.checkpoint import latest_valid_checkpoint
+    from portagrpo.config import load_config
+    from portagrpo.errors import UserError
+    from portagrpo.model.loading import load_model, load_tokenizer
 
     path = Path(str(model))
     is_run = (path / "config.yaml").is_file() and ((path / "checkpoints").is_dir() or (path / "init_model").is_dir())
@@ -49,11 +49,11 @@ def evaluate(model_spec: str, data_files: list[str], *, n: int = 1, temperature:
              allow_untrained: bool = False) -> dict[str, Any]:
     from tqdm.auto import tqdm
 
-    from .backends import get_backend
-    from .errors import UserError
-    from .data import load_records
-    from .rewards import RewardResolver, score_responses
-    from .rollout import HFRollout, SamplingParams, rollout_groups
+    from portagrpo.backends import get_backend
+    from portagrpo.errors import UserError
+    from portagrpo.data.records import load_records
+    from portagrpo.rewards.functions import RewardResolver, score_responses
+    from portagrpo.rollout.engines import HFRollout, SamplingParams, rollout_groups
 
     backend = get_backend(device)
     records = load_records(data_files)[:max_samples]
@@ -104,7 +104,7 @@ def evaluate(model_spec: str, data_files: list[str], *, n: int = 1, temperature:
 
 def _check_args(args) -> None:
     """Everything that would otherwise fail after the whole evaluation, or mid-way with a traceback."""
-    from .errors import UserError
+    from portagrpo.errors import UserError
 
     for name in ("n", "batch_size", "max_new_tokens"):
         if getattr(args, name) < 1:

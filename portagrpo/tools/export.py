@@ -6,10 +6,10 @@ import os
 import shutil
 from pathlib import Path
 
-from .checkpoint import CheckpointError, checkpoint_dir, latest_valid_checkpoint, verify_checkpoint
-from .config import load_config
-from .errors import UserError
-from .train.run_dir import remove_dead_temporaries, tmp_name
+from portagrpo.checkpoint import CheckpointError, checkpoint_dir, latest_valid_checkpoint, verify_checkpoint
+from portagrpo.config import load_config
+from portagrpo.errors import UserError
+from portagrpo.train.run_dir import remove_dead_temporaries, tmp_name
 
 MARKER = ".portagrpo-export.json"  # marks a directory an export may replace
 
@@ -53,7 +53,7 @@ def _write(run_dir: Path, model_dir: Path, dest: Path, merge: bool) -> None:
         return
     from peft import PeftModel
 
-    from .modeling import load_model, load_tokenizer
+    from portagrpo.model.loading import load_model, load_tokenizer
 
     cfg = load_config(run_dir / "config.yaml", check_files=False)
     base_path = cfg.model.path or str(run_dir / "init_model")

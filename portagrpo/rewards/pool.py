@@ -17,11 +17,11 @@ _NOT_SCORED = (0.0, False, "NotScored: scoring stopped early because too many ot
 
 
 def _worker_main(conn, spec: str, parent_pid: int) -> None:
-    from .procs import exit_with_parent, set_parent_death_signal
+    from portagrpo.procs import exit_with_parent, set_parent_death_signal
 
     set_parent_death_signal()
     exit_with_parent(parent_pid, "reward worker")
-    from .rewards import RewardResolver, _score_one
+    from portagrpo.rewards.functions import RewardResolver, _score_one
 
     try:
         resolver = RewardResolver(spec)
@@ -71,7 +71,7 @@ class RewardPool:
 
     def score(self, items: list[tuple], max_failures: int | None = None) -> list[tuple]:
         """(score, correct, error or None) per item; stops early once more than `max_failures` failed."""
-        from .rewards import RewardSpecError
+        from portagrpo.rewards.functions import RewardSpecError
 
         results: list[tuple | None] = [None] * len(items)
         queue = list(range(len(items)))

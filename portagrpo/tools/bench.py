@@ -32,7 +32,7 @@ def naive_logprobs(hidden, weight, targets, *, compute_entropy=False, **_):
 
 
 def _variant_fn(name: str):
-    from .kernels import logprob_impl
+    from portagrpo.kernels import logprob_impl
 
     return naive_logprobs if name == "naive" else logprob_impl(name)
 
@@ -41,8 +41,8 @@ def measure_one(shape: str, variant: str, dtype: str, device: str, repeats: int,
     """Runs inside the subprocess."""
     import torch
 
-    from .backends import get_backend
-    from .tolerances import DTYPES
+    from portagrpo.backends import get_backend
+    from portagrpo.tolerances import DTYPES
 
     backend = get_backend(device)
     n, h, v = (int(x) for x in shape.split("x"))
@@ -83,7 +83,7 @@ def run_subprocess(shape, variant, dtype, device, repeats, entropy, threads) -> 
     env = {**os.environ}
     if threads:
         env["OMP_NUM_THREADS"] = str(threads)
-    cmd = [sys.executable, "-m", "portagrpo.bench", "--one", shape, variant, dtype, device, str(repeats),
+    cmd = [sys.executable, "-m", "portagrpo.tools.bench", "--one", shape, variant, dtype, device, str(repeats),
            "1" if entropy else "0"]
     res = subprocess.run(cmd, capture_output=True, text=True, env=env)
     if res.returncode != 0:
@@ -136,7 +136,7 @@ def main_cli(argv: list[str]) -> int:
     p.add_argument("--threads", type=int, default=None, help="torch threads in each measuring process")
     p.add_argument("--json", dest="json_path", help="write the rows to this file")
     args = p.parse_args(argv)
-    from .backends import get_backend
+    from portagrpo.backends import get_backend
 
     device = get_backend(args.device).name
     print(f"{'shape (NxHxV)':18} {'variant':8} {'dtype':5} {'fwd+bwd':>10}  {'peak':>12}  (device {device})")

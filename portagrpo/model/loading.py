@@ -10,10 +10,10 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from .errors import UserError
+from portagrpo.errors import UserError
 
 if TYPE_CHECKING:  # the config imports this module (model files), never the other way
-    from .config import ModelConfig
+    from portagrpo.config import ModelConfig
 
 PAD, BOS, EOS, UNK = "<pad>", "<bos>", "<eos>", "<unk>"
 CHAT_TEMPLATE = (
@@ -207,7 +207,7 @@ def apply_lora(model, lora):
     try:
         from peft import LoraConfig, get_peft_model
     except ImportError as err:
-        from .errors import UserError
+        from portagrpo.errors import UserError
 
         raise UserError("model.lora.rank > 0 needs peft; `pip install portagrpo[lora]`.") from err
     config = LoraConfig(r=lora.rank, lora_alpha=lora.alpha, lora_dropout=lora.dropout,

@@ -8,9 +8,9 @@ import json
 from pathlib import Path
 from typing import Any, Iterator
 
-from .data import DataError
-from .math_answers import extract_boxed
-from .rewards import normalize_number
+from portagrpo.data.records import DataError
+from portagrpo.rewards.math_answers import extract_boxed
+from portagrpo.rewards.functions import normalize_number
 
 GSM8K_INSTRUCTION = 'Let\'s think step by step and output the final answer after "####".'
 MATH_INSTRUCTION = "Let's think step by step and output the final answer within \\boxed{}."

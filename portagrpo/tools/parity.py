@@ -2,7 +2,7 @@
 with float64 CPU golden outputs stored in the package (`portagrpo/parity_data/`).
 
 No sampling enters: token ids, masks, rewards, old/reference log-probs and a tiny model's
-weights are fixtures. `python -m portagrpo.parity --regenerate` rebuilds them; the test suite
+weights are fixtures. `python -m portagrpo.tools.parity --regenerate` rebuilds them; the test suite
 checks that rebuilding reproduces the stored numbers.
 """
 from __future__ import annotations
@@ -15,11 +15,11 @@ from typing import Any, Callable
 
 import torch
 
-from . import algo
-from .algo.objective import Objective, Shaping, shape_and_advantage, total_loss
-from .forward import ResponseScorer
-from .kernels import logprob_impl
-from .tolerances import DTYPES, relative_error, tolerance
+from portagrpo import algo
+from portagrpo.algo.objective import Objective, Shaping, shape_and_advantage, total_loss
+from portagrpo.model.scorer import ResponseScorer
+from portagrpo.kernels import logprob_impl
+from portagrpo.tolerances import DTYPES, relative_error, tolerance
 
 DATA_DIR = Path(__file__).resolve().parent / "parity_data"
 SCENARIO_FILE = "scenario.safetensors"
@@ -198,7 +198,7 @@ def load_fixture(name: str, data_dir: Path = DATA_DIR) -> dict[str, torch.Tensor
 
     path = Path(data_dir) / name
     if not path.is_file():
-        raise FileNotFoundError(f"parity fixture {path} is missing; regenerate with `python -m portagrpo.parity --regenerate`.")
+        raise FileNotFoundError(f"parity fixture {path} is missing; regenerate with `python -m portagrpo.tools.parity --regenerate`.")
     return load_file(str(path))
 
 
@@ -212,7 +212,7 @@ def regenerate(data_dir: Path = DATA_DIR) -> dict[str, torch.Tensor]:
     save_file({k: v.contiguous() for k, v in scn.items()}, str(data_dir / SCENARIO_FILE))
     golden = compute_stages(load_fixture(SCENARIO_FILE, data_dir), reference_setting())
     save_file({k: v.contiguous() for k, v in golden.items()}, str(data_dir / GOLDEN_FILE),
-              metadata={"what": "float64 CPU reference outputs of portagrpo.parity.compute_stages"})
+              metadata={"what": "float64 CPU reference outputs of portagrpo.tools.parity.compute_stages"})
     return golden
 
 
@@ -236,7 +236,7 @@ class ParityRow:
 
 def run_parity(device: str, dtype: str, kernel: str) -> tuple[str, list[ParityRow]]:
     """Run the scenario on `device` with `dtype` and `kernel` (auto: the backend's); compare with the golden."""
-    from .backends import get_backend
+    from portagrpo.backends import get_backend
 
     backend = get_backend(device)
     chosen = backend.kernel_implementation(kernel)
@@ -261,7 +261,7 @@ def format_table(backend: str, dtype: str, kernel: str, rows: list[ParityRow]) -
 
 
 def to_json(backend: str, dtype: str, kernel: str, rows: list[ParityRow]) -> dict[str, Any]:
-    from .backends.probe import package_versions, torch_build
+    from portagrpo.backends.probe import package_versions, torch_build
 
     return {"device": backend, "dtype": dtype, "kernel": kernel, "torch": torch_build(), "packages": package_versions(),
             "passed": all(r.passed for r in rows),
@@ -277,7 +277,7 @@ def main_cli(argv: list[str]) -> int:
     p.add_argument("--kernels", default="auto", help="auto, reference, chunked, triton; comma-separated for several")
     p.add_argument("--json", dest="json_path", help="write the report(s) here")
     args = p.parse_args(argv)
-    from .backends import get_backend
+    from portagrpo.backends import get_backend
 
     backend = get_backend(args.device).name
     reports, ok = [], True

@@ -13,9 +13,9 @@ from typing import Any
 
 import torch
 
-from .config import load_config
-from .errors import UserError
-from .tolerances import DTYPES, TOLERANCES, relative_error
+from portagrpo.config import load_config
+from portagrpo.errors import UserError
+from portagrpo.tolerances import DTYPES, TOLERANCES, relative_error
 
 COMPARED = {"loss_policy": "loss", "loss_kl": "kl", "kl": "kl", "entropy": "entropy", "grad_norm": "grad_norm"}
 
@@ -39,7 +39,7 @@ def curve_error(replayed: list[float], recorded: list[float]) -> float:
 
 def replay(run_dir: str | Path, device: str, steps: int | None, output_dir: str | Path | None,
            overrides: list[str], log=print) -> dict[str, Any]:
-    from .train import Trainer
+    from portagrpo.train import Trainer
 
     run_dir = Path(run_dir)
     if not (run_dir / "config.yaml").is_file():

@@ -5,9 +5,9 @@ import platform
 from typing import Any
 
 def collect() -> dict[str, Any]:
-    from .backends import all_backends
-    from .backends.npu_env import autoload_disabled_reason
-    from .backends.probe import package_versions, torch_build
+    from portagrpo.backends import all_backends
+    from portagrpo.backends.npu_env import autoload_disabled_reason
+    from portagrpo.backends.probe import package_versions, torch_build
 
     return {
         "python": platform.python_version(),

@@ -6,7 +6,7 @@ from typing import Protocol
 
 import torch
 
-from .registry import Registry
+from portagrpo.registry import Registry
 
 
 @dataclass(frozen=True)
@@ -169,8 +169,8 @@ def rollout_groups(engine, tokenizer, records: list, n: int, params: SamplingPar
                    prompt_width: int | None = None):
     """Each record's prompt n times (a group), left-padded, generated, decoded: a RolloutBatch.
     The one prompt -> responses path of training, validation and eval."""
-    from .batch import RolloutBatch
-    from .data import left_pad, tokenize_prompts
+    from portagrpo.batch import RolloutBatch
+    from portagrpo.data.records import left_pad, tokenize_prompts
 
     ids = [x for x in tokenize_prompts(tokenizer, records) for _ in range(n)]
     prompt_ids, prompt_mask = left_pad(ids, engine.pad_id, width=prompt_width)

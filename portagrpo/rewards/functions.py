@@ -11,9 +11,9 @@ from decimal import Decimal, InvalidOperation
 from pathlib import Path
 from typing import Any, Protocol
 
-from .errors import UserError
-from .registry import Registry
-from .tasks import repeat_reward
+from portagrpo.errors import UserError
+from portagrpo.registry import Registry
+from portagrpo.data.tasks import repeat_reward
 
 
 class RewardFn(Protocol):
@@ -93,7 +93,7 @@ def gsm8k_flexible_reward(data_source: str, solution_str: str, ground_truth: str
 def math_reward(data_source: str, solution_str: str, ground_truth: str, extra_info: dict | None = None) -> dict:
     """The last \\boxed{...} of the response, checked against the ground truth (math-verify when
     installed, else a sympy/string fallback)."""
-    from .math_answers import extract_boxed, is_equivalent
+    from portagrpo.rewards.math_answers import extract_boxed, is_equivalent
 
     predicted = extract_boxed(solution_str)
     correct = predicted is not None and is_equivalent(predicted, str(ground_truth))

@@ -13,9 +13,9 @@ from typing import Callable, ContextManager
 
 import torch
 
-from .batch import RolloutBatch
-from .kernels import TokenLogprobFn, logits_from_hidden, token_logprobs_from_logits
-from .modeling import decoder_of, lm_head_of, position_ids_from_mask
+from portagrpo.batch import RolloutBatch
+from portagrpo.kernels import TokenLogprobFn, logits_from_hidden, token_logprobs_from_logits
+from portagrpo.model.loading import decoder_of, lm_head_of, position_ids_from_mask
 
 
 @dataclass

@@ -8,7 +8,7 @@ from __future__ import annotations
 import random
 from typing import Protocol
 
-from .registry import Registry
+from portagrpo.registry import Registry
 
 REPEAT_LEN = 8
 

@@ -1,0 +1,1 @@
+"""The user-facing tools beside training: parity, replay, evaluate, export, bench, doctor."""
