@@ -4,17 +4,20 @@ from __future__ import annotations
 import os
 from typing import Callable
 
+from portagrpo.registry import Registry
+
 from .base import Availability, Backend, BackendSpec, BackendUnavailable, BaseBackend
 from .cpu import CPUBackend
 from .cuda import CUDABackend
 from .npu import NPUBackend
 from .rocm import ROCmBackend
 
-_FACTORIES: dict[str, Callable[[], BaseBackend]] = {}
+# --device name -> factory; built-ins, then entry-point plugins (the one Registry every table uses)
+BACKENDS: Registry[Callable[[], Backend]] = Registry("device")
 
 
-def register_backend(name: str, factory: Callable[[], BaseBackend]) -> None:
-    _FACTORIES[name] = factory
+def register_backend(name: str, factory: Callable[[], Backend]) -> None:
+    BACKENDS.set(name, factory)
 
 
 ENTRY_POINT_GROUP = "portagrpo.backends"
@@ -32,7 +35,7 @@ def load_plugins() -> None:
     from importlib.metadata import entry_points
 
     for ep in entry_points(group=ENTRY_POINT_GROUP):
-        if ep.name not in _FACTORIES:
+        if ep.name not in BACKENDS:
             register_backend(ep.name, _lazy_factory(ep))
 
 
@@ -49,7 +52,7 @@ def _lazy_factory(ep) -> Callable[[], BaseBackend]:
 
 def backend_names() -> list[str]:
     load_plugins()
-    return list(_FACTORIES)
+    return BACKENDS.names()
 
 
 register_backend("cpu", CPUBackend)
@@ -64,7 +67,7 @@ AUTO_ORDER = ("npu", "cuda", "rocm", "cpu")
 
 def all_backends() -> list[Backend]:
     load_plugins()
-    return [factory() for factory in _FACTORIES.values()]
+    return [BACKENDS.get(name)() for name in BACKENDS]
 
 
 def get_backend(name: str | None = None, factories: dict[str, Callable[[], BaseBackend]] | None = None) -> Backend:
@@ -75,7 +78,7 @@ def get_backend(name: str | None = None, factories: dict[str, Callable[[], BaseB
     """
     if factories is None:
         load_plugins()
-    table = factories or _FACTORIES
+    table = factories or BACKENDS.mapping
     requested = (name if name not in (None, "") else None) or os.environ.get("PORTAGRPO_DEVICE") or "auto"
     if requested == "auto":
         for candidate in AUTO_ORDER:
@@ -92,6 +95,7 @@ def get_backend(name: str | None = None, factories: dict[str, Callable[[], BaseB
 
 
 __all__ = [
+    "BACKENDS",
     "Backend",
     "Availability",
     "BackendSpec",

@@ -8,7 +8,7 @@ from typing import Protocol
 
 import torch
 
-from portagrpo.errors import UnknownNameError
+from portagrpo.registry import Registry
 
 from .chunked import token_logprobs_chunked
 from .reference import logits_from_hidden, token_logprobs_from_logits, token_logprobs_reference
@@ -34,21 +34,19 @@ def _triton() -> TokenLogprobFn:
     return token_logprobs_triton
 
 
-_IMPLS: dict[str, object] = {
-    "reference": lambda: token_logprobs_reference,
-    "chunked": lambda: token_logprobs_chunked,
-    "triton": _triton,
-}
+# kernels.logprob name -> a factory returning the implementation (triton is imported only when chosen)
+LOGPROB_KERNELS: Registry = Registry("log-prob kernel")
+LOGPROB_KERNELS.register("reference")(lambda: token_logprobs_reference)
+LOGPROB_KERNELS.register("chunked")(lambda: token_logprobs_chunked)
+LOGPROB_KERNELS.register("triton")(_triton)
 
 
 def logprob_impl(name: str) -> TokenLogprobFn:
-    if name not in _IMPLS:
-        raise UnknownNameError(f"kernels.logprob={name!r} is not a known implementation; choose one of {', '.join(_IMPLS)}.")
-    return _IMPLS[name]()
+    return LOGPROB_KERNELS.get(name, field="kernels.logprob")()
 
 
 def logprob_impl_names() -> list[str]:
-    return list(_IMPLS)
+    return LOGPROB_KERNELS.names()
 
 
 __all__ = [

@@ -32,6 +32,15 @@ class Registry(Generic[T]):
             raise UnknownNameError(f"{where} is not a known {self.kind}{hint}; choose one of {', '.join(self._items)}.")
         return self._items[name]
 
+    def set(self, name: str, obj: T) -> None:
+        """Register or replace `name` (a plugin or a test standing in for a built-in)."""
+        self._items[name] = obj
+
+    @property
+    def mapping(self) -> dict[str, T]:
+        """The live name -> object table (for `monkeypatch.setitem` in tests)."""
+        return self._items
+
     def __contains__(self, name: object) -> bool:
         return name in self._items
 

@@ -20,6 +20,7 @@ from torch.distributed.checkpoint.state_dict import (
 
 from portagrpo.backends.dist import Collectives
 from portagrpo.model.loading import decoder_of
+from portagrpo.registry import Registry
 
 FULL = StateDictOptions(full_state_dict=True, cpu_offload=True)
 
@@ -120,11 +121,14 @@ class FSDP2(SingleProcess):
         return norm.full_tensor() if hasattr(norm, "full_tensor") else norm
 
 
-STRATEGIES = {"none": SingleProcess, "ddp": Replicated, "fsdp2": FSDP2}
+STRATEGIES: Registry[type] = Registry("parallel strategy")
+STRATEGIES.register("none")(SingleProcess)
+STRATEGIES.register("ddp")(Replicated)
+STRATEGIES.register("fsdp2")(FSDP2)
 
 
 def make_strategy(name: str, comm: Collectives):
     """`name` is the backend's answer to trainer.parallel (see `BaseBackend.parallel_strategy`)."""
     if comm.world_size == 1:
         return SingleProcess(comm)
-    return STRATEGIES[name](comm)
+    return STRATEGIES.get(name, field="trainer.parallel")(comm)

@@ -81,7 +81,7 @@ def test_a_kernel_off_by_one_token_fails(monkeypatch, capsys):
     from portagrpo import kernels
     from portagrpo.cli import main
 
-    monkeypatch.setitem(kernels._IMPLS, "chunked", lambda: _off_by_one)
+    monkeypatch.setitem(kernels.LOGPROB_KERNELS.mapping, "chunked", lambda: _off_by_one)
     _, rows = parity.run_parity("cpu", "fp32", "chunked")
     failed = {r.stage for r in rows if not r.passed}
     assert {"logprob", "total_loss", "grad_norm"} <= failed
