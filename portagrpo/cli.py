@@ -186,11 +186,14 @@ def _tool(module: str, drop: int = 0):
     return run
 
 
+BENCHMARKS = {"kernels": "portagrpo.tools.bench", "step": "portagrpo.tools.bench_step"}
+
+
 def cmd_bench(argv: list[str]) -> int:
-    if not argv or argv[0] != "kernels":
-        print("usage: portagrpo bench kernels [--shapes NxHxV,...] [--json FILE] (see --help)", file=sys.stderr)
+    if not argv or argv[0] not in BENCHMARKS:
+        print("usage: portagrpo bench kernels|step ... (see `portagrpo bench step --help`)", file=sys.stderr)
         return 2
-    return _tool("portagrpo.tools.bench", drop=1)(argv)
+    return _tool(BENCHMARKS[argv[0]], drop=1)(argv)
 
 
 @dataclass(frozen=True)
@@ -206,7 +209,7 @@ COMMANDS: dict[str, Command] = {
     "doctor": Command("what this machine has, per backend", cmd_doctor, parsed=True),
     "parity": Command("compare this backend with the float64 golden (`portagrpo parity --help`)",
                       _tool("portagrpo.tools.parity")),
-    "bench": Command("benchmarks (`portagrpo bench kernels --help`)", cmd_bench),
+    "bench": Command("benchmarks: `bench step` (the whole GRPO step by phase), `bench kernels`", cmd_bench),
     "replay": Command("re-train a recorded run on another backend (`portagrpo replay --help`)",
                       _tool("portagrpo.tools.replay")),
     "data": Command("convert GSM8K / MATH files to the training schema (`portagrpo data --help`)",

@@ -32,6 +32,7 @@ class Experience:
     entropy: torch.Tensor | None  # [B, T] from the scoring pass; None on on-policy steps (taken from the update)
     reward_errors: float
     t_gen: float  # perf_counter when generation ended
+    t_scored: float  # perf_counter when the rewards were in (log-probs and advantages follow)
 
 
 def solved_of(correct: torch.Tensor) -> torch.Tensor:
@@ -63,6 +64,7 @@ class ExperienceMaker:
         rb = self.rollout(records, cfg.rollout.n, params, uid_base=uid_base, prompt_width=width)
         t_gen = time.perf_counter()
         scored = self.score(rb)
+        t_scored = time.perf_counter()
         for failure in scored.failures[:3]:
             self.log(f"step {step}: reward failed on sample {failure.sample} (prompt id {failure.prompt_id}): {failure.message}")
         old_logp, entropy = self.logprobs(self.scorer, rb, entropy=True) if not self.on_policy else (None, None)
@@ -77,7 +79,7 @@ class ExperienceMaker:
         scores, adv = self.advantages(full_rb, t["scores"], t["old"], t["ref"])
         return Experience(TrainBatch(full_rb, adv, t["old"], t["ref"]), raw_scores=t["scores"], scores=scores,
                           correct=t["correct"], entropy=t["entropy"], reward_errors=float(t["errors"].sum()),
-                          t_gen=t_gen)
+                          t_gen=t_gen, t_scored=t_scored)
 
     def experience_from_record(self, rec: dict[str, Any]) -> Experience:
         """Rebuild a recorded step's global batch on this backend: log-probs and advantages are
@@ -93,7 +95,7 @@ class ExperienceMaker:
         scores, adv = self.advantages(rb, raw, old_logp, ref_logp)
         return Experience(TrainBatch(rb, adv, old_logp, ref_logp), raw_scores=raw, scores=scores,
                           correct=rec["correct"].to(d), entropy=entropy, reward_errors=0.0,
-                          t_gen=t_start)  # nothing generated: time_gen_s is 0
+                          t_gen=t_start, t_scored=t_start)  # nothing generated or scored: both times are 0
 
     def local_records(self, records: list[PromptRecord]) -> list[PromptRecord]:
         """This rank's share of the global prompt batch (whole prompts, so whole groups)."""

@@ -69,6 +69,7 @@ class Updater:
             "ratio_mean": upd["ratio_mean"],
             "grad_norm": upd["grad_norm"],
             "response_len_mean": resp_tokens / rb.size,
+            "prompt_len_mean": float(rb.prompt_mask.sum()) / rb.size,
             # share of responses that hit data.max_response_length (verl's response_length/clip_ratio)
             "response_clip_ratio": float((mask.sum(dim=1) >= mask.shape[1]).float().mean()),
             "zero_std_group_frac": float(zero_std_group_fraction(raw, rb.uid)),
@@ -76,7 +77,9 @@ class Updater:
             "lr": lr_used,
             "time_step_s": t_end - t0,
             "time_gen_s": exp.t_gen - t0,
-            "time_prep_s": t_prep - exp.t_gen,
+            "time_prep_s": t_prep - exp.t_gen,  # reward + log-probs + gather + advantages
+            "time_reward_s": exp.t_scored - exp.t_gen,
+            "time_logprob_s": t_prep - exp.t_scored,  # log-probs, gather and advantages
             "time_update_s": t_end - t_prep,
             # response tokens of all ranks per second of step time (the batch's generation + training rate)
             "response_tokens_per_s": resp_tokens / (t_end - t0),

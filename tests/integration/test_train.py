@@ -14,7 +14,7 @@ from portagrpo.data.records import write_jsonl
 ROOT = Path(__file__).resolve().parents[2]
 FAST = ["trainer.progress_bar=false", "data.train_batch_size=4", "rollout.n=4", "actor.ppo_mini_batch_size=8",
         "actor.micro_batch_size=4", "data.train_size=64", "data.val_size=8"]
-TIMING = {"time_step_s", "time_gen_s", "time_prep_s", "time_update_s", "response_tokens_per_s", "tokens_per_s_per_device",
+TIMING = {"time_step_s", "time_gen_s", "time_prep_s", "time_reward_s", "time_logprob_s", "time_update_s", "response_tokens_per_s", "tokens_per_s_per_device",
           "mem_peak_gb"}
 
 

@@ -7,7 +7,7 @@ from portagrpo.data.records import write_jsonl
 from portagrpo.metrics import read_metrics
 from portagrpo.data.tasks import gsm8k_style_rows
 
-TIMING = {"time_step_s", "time_gen_s", "time_prep_s", "time_update_s", "response_tokens_per_s", "tokens_per_s_per_device",
+TIMING = {"time_step_s", "time_gen_s", "time_prep_s", "time_reward_s", "time_logprob_s", "time_update_s", "response_tokens_per_s", "tokens_per_s_per_device",
           "mem_peak_gb"}
 
 
