@@ -93,11 +93,21 @@ def tiny_problems(tiny) -> list[str]:
 
 def validate(cfg: Config, *, check_files: bool = True) -> list[str]:
     """Cross-field rules. Returns one sentence per problem (empty when valid)."""
+    p = _names_and_sizes(cfg)
+    if p:  # divisions and ranges below assume known names and positive sizes
+        return p
+    p = _batch_and_loss(cfg) + _run_settings(cfg) + value_problems(cfg)
+    if check_files:
+        p.extend(_missing_files(cfg))
+    return p
+
+
+def _names_and_sizes(cfg: Config) -> list[str]:
     from portagrpo.algo import AGG_MODES, ADV_ESTIMATORS
     from portagrpo.algo.losses import parse_kl_type
 
     p: list[str] = []
-    a, d, r, alg, t = cfg.actor, cfg.data, cfg.rollout, cfg.algorithm, cfg.trainer
+    a, d, r, alg = cfg.actor, cfg.data, cfg.rollout, cfg.algorithm
     if alg.adv_estimator not in ADV_ESTIMATORS:
         p.append(f"algorithm.adv_estimator={alg.adv_estimator!r} is unknown; use one of {', '.join(ADV_ESTIMATORS)}.")
     if alg.adv_estimator == "grpo" and r.n < 2:
@@ -117,8 +127,12 @@ def validate(cfg: Config, *, check_files: bool = True) -> list[str]:
                         ("data.max_prompt_length", d.max_prompt_length)):
         if value < 1:
             p.append(f"{name}={value} must be at least 1.")
-    if p:
-        return p
+    return p
+
+
+def _batch_and_loss(cfg: Config) -> list[str]:
+    p: list[str] = []
+    a, d, r = cfg.actor, cfg.data, cfg.rollout
     total = cfg.rollout_batch_size
     if total % a.ppo_mini_batch_size:
         p.append(
@@ -149,6 +163,12 @@ def validate(cfg: Config, *, check_files: bool = True) -> list[str]:
                  f"{cfg.reward.timeout_s} positive.")
     if not 0 <= cfg.reward.max_error_frac <= 1:
         p.append(f"reward.max_error_frac={cfg.reward.max_error_frac} must be between 0 and 1.")
+    return p
+
+
+def _run_settings(cfg: Config) -> list[str]:
+    p: list[str] = []
+    a, d, alg, t = cfg.actor, cfg.data, cfg.algorithm, cfg.trainer
     if alg.use_kl_in_reward and a.use_kl_loss:
         p.append("algorithm.use_kl_in_reward and actor.use_kl_loss are both true; docs/design.md uses one or the other, so set actor.use_kl_loss=false.")
     if t.total_steps is not None and t.total_steps < 1:
@@ -178,9 +198,6 @@ def validate(cfg: Config, *, check_files: bool = True) -> list[str]:
         p.append("data.train_files is empty and data.task is null; give a JSONL/Parquet file or a built-in task such as data.task=repeat.")
     if d.train_files and d.task:
         p.append(f"data.train_files and data.task={d.task!r} are both set; set data.task=null to train on the files.")
-    p.extend(value_problems(cfg))
-    if check_files:
-        p.extend(_missing_files(cfg))
     return p
 
 
