@@ -59,20 +59,13 @@ def _coerce(value: Any, tp: Any, where: str) -> Any:
             return value
         if isinstance(value, str) and value.lower() in ("true", "false"):
             return value.lower() == "true"
-    elif tp is int:
-        if isinstance(value, int) and not isinstance(value, bool):
-            return value
+    elif tp in (int, float):  # an int field takes ints only; a float field takes both
+        number = isinstance(value, (int, float)) and not isinstance(value, bool)
+        if number and (tp is float or isinstance(value, int)):
+            return tp(value)
         if isinstance(value, str):
             try:
-                return int(value)
-            except ValueError:
-                pass
-    elif tp is float:
-        if isinstance(value, (int, float)) and not isinstance(value, bool):
-            return float(value)
-        if isinstance(value, str):
-            try:
-                return float(value)
+                return tp(value)
             except ValueError:
                 pass
     elif tp is str:
