@@ -41,6 +41,11 @@ class BackendSpec:
     rollout_engines: tuple[str, ...] = ("hf", "fixed", "vllm")
     # dtypes the collective library reduces; None = any. HCCL on Atlas A2/A3 refuses float64.
     collective_dtypes: tuple[torch.dtype, ...] | None = None
+    # Environment for the collective library's watchdog, set (unless the user set it) before the process
+    # group forms: on a dead or silent peer the watchdog aborts the communicators but keeps the process,
+    # so the next collective raises in Python and ends the run with one sentence (`PeerFailure`) instead
+    # of the vendor's default of tearing the process down from its own thread (SIGABRT, a C++ trace).
+    collective_env: tuple[tuple[str, str], ...] = ()
 
 
 @dataclass
@@ -112,6 +117,8 @@ class Backend(Protocol):
     def to_collective(self, tensor: torch.Tensor) -> torch.Tensor: ...
 
     def from_collective(self, result: torch.Tensor, like: torch.Tensor) -> torch.Tensor: ...
+
+    def collective_env(self) -> dict[str, str]: ...
 
 
 def _rss_peak_gb() -> float:
@@ -229,6 +236,10 @@ class BaseBackend:
 
     def deterministic_env(self) -> dict[str, str]:
         return {}
+
+    def collective_env(self) -> dict[str, str]:
+        """Variables the collective library reads when the process group forms (see `BackendSpec`)."""
+        return dict(self.spec.collective_env)
 
     def rng_state(self) -> dict[str, Any]:
         return {}

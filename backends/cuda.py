@@ -7,6 +7,12 @@ from .accelerator import AcceleratorBackend
 from .base import BackendSpec, BackendUnavailable
 from .probe import RuntimeProbe
 
+# ProcessGroupNCCL's ErrorHandlingMode 2 (CleanUpOnly): the watchdog aborts the communicators of a
+# timed-out or failed collective and leaves the process alive; the next collective then raises
+# "NCCL communicator was aborted" in Python. torch's default (3, SkipCleanUp) ends the process from the
+# watchdog thread instead. RCCL reads the same variable through the same ProcessGroupNCCL.
+NCCL_WATCHDOG_ENV = (("TORCH_NCCL_ASYNC_ERROR_HANDLING", "2"),)
+
 SPEC = BackendSpec(
     name="cuda",
     device_type="cuda",
@@ -17,6 +23,7 @@ SPEC = BackendSpec(
     attention_choices=("sdpa", "eager", "flash_attention_2"),
     kernel_choices=("reference", "chunked", "triton"),
     default_kernel="chunked",
+    collective_env=NCCL_WATCHDOG_ENV,
     install_hint="install a CUDA build of torch for your driver (see pytorch.org), then `pip install portagrpo[cuda]`",
 )
 

@@ -173,6 +173,8 @@ def init_collectives(backend: BaseBackend, timeout_s: float, env: DistEnv | None
         raise UserError(f"WORLD_SIZE={env.world_size} but {', '.join(missing)} is not set; launch with torchrun "
                         f"(torchrun --nproc-per-node K -m portagrpo train ...) or trainer.nproc_per_node=K.")
     backend.set_device(env.local_rank)
+    for var, value in backend.collective_env().items():
+        os.environ.setdefault(var, value)  # read by the collective library when the group forms; the user's value wins
     if not dist.is_initialized():
         dist.init_process_group(backend=backend.dist_backend, rank=env.rank, world_size=env.world_size,
                                 timeout=timedelta(seconds=timeout_s))

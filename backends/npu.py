@@ -30,6 +30,10 @@ SPEC = BackendSpec(
     # HCCL on Atlas A2/A3 answers "Unsupported data type" for float64.
     collective_dtypes=(torch.float32, torch.float16, torch.bfloat16, torch.int64, torch.int32, torch.int16,
                        torch.int8, torch.uint8, torch.bool),
+    # torch_npu's ProcessGroupHCCL has the same ErrorHandlingMode: 2 (CleanUpOnly) aborts the HCCL
+    # communicators on an error and keeps the process, so the next collective raises in Python
+    # (its default, 1, rethrows in the watchdog thread and takes the process down).
+    collective_env=(("HCCL_ASYNC_ERROR_HANDLING", "2"),),
     install_hint=("install the CANN toolkit and the torch_npu release matching your torch "
                   "(`pip install torch-npu==<torch version>`), then `" + SET_ENV_HINT + "`"),
 )

@@ -6,7 +6,7 @@ Triton kernels take ROCm tuning constants from `kernels` (chosen by `is_hip()`),
 from __future__ import annotations
 
 from .base import BackendSpec
-from .cuda import CUDALikeBackend
+from .cuda import NCCL_WATCHDOG_ENV, CUDALikeBackend
 from .probe import RuntimeProbe
 
 SPEC = BackendSpec(
@@ -19,6 +19,7 @@ SPEC = BackendSpec(
     attention_choices=("sdpa", "eager", "flash_attention_2"),
     kernel_choices=("reference", "chunked", "triton"),
     default_kernel="chunked",
+    collective_env=NCCL_WATCHDOG_ENV,
     install_hint="install torch from the ROCm wheel index (see pytorch.org), then `pip install portagrpo[rocm]`",
 )
 

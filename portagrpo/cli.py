@@ -67,6 +67,42 @@ def _dry_run(config_path, overrides: list[str]) -> int:
     return 0
 
 
+# How a rank that ended by a signal ended: the collective libraries' watchdogs (NCCL's in torch's default
+# mode, HCCL's, the heartbeat monitor) take a rank down with SIGABRT from their own thread.
+_SIGNAL_CAUSES = {
+    signal.SIGABRT: "aborted (SIGABRT), as a collective library's watchdog ends a rank whose collective lost a peer "
+                    "or waited past trainer.dist_timeout_s",
+    signal.SIGKILL: "killed (SIGKILL), often by the out-of-memory killer",
+    signal.SIGSEGV: "crashed (SIGSEGV)",
+}
+
+
+def describe_rank_failures(failures: dict, nproc: int) -> str:
+    """One sentence for the ranks torchrun reports failed ({rank: ProcessFailure with .exitcode}). Ranks
+    that torchrun itself stopped (SIGTERM) after another failed are named last, as stopped."""
+    codes = {rank: getattr(failure, "exitcode", 1) for rank, failure in failures.items()}
+    stopped = sorted(r for r, c in codes.items() if c == -signal.SIGTERM)
+    failed = sorted(r for r in codes if r not in stopped) or stopped
+    if not failed:
+        return f"a rank of {nproc} failed; the first error is printed above."
+    parts = []
+    for rank in failed:
+        code = codes[rank]
+        if code is not None and code < 0:
+            try:
+                sig = signal.Signals(-code)
+            except ValueError:
+                parts.append(f"rank {rank} ended by signal {-code}")
+                continue
+            parts.append(f"rank {rank} was " + _SIGNAL_CAUSES.get(sig, f"ended by {sig.name}"))
+        else:
+            parts.append(f"rank {rank} exited with status {code}")
+    if failed is not stopped and stopped:
+        parts.append(f"the launcher then stopped rank{'s' if len(stopped) > 1 else ''} {', '.join(map(str, stopped))}")
+    return (f"{'; '.join(parts)} (of {nproc} ranks); any Python error is printed above. Every checkpoint written "
+            f"so far is whole: continue with --resume.")
+
+
 def _relaunch_with_torchrun(nproc: int, argv: list[str]) -> int:
     """`trainer.nproc_per_node=K` starts K local ranks exactly as `torchrun --nproc-per-node K` would."""
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
@@ -81,9 +117,8 @@ def _relaunch_with_torchrun(nproc: int, argv: list[str]) -> int:
         # `run`, not torchrun's `main`: main's error recorder prints each rank's failure a second time
         run(parse_args(["--standalone", "--nproc-per-node", str(nproc), "--module", "portagrpo", *argv]))
     except ChildFailedError as err:
-        ranks = sorted(err.failures) if getattr(err, "failures", None) else []
-        which = f"rank {ranks[0]}" if len(ranks) == 1 else f"ranks {', '.join(map(str, ranks))}" if ranks else "a rank"
-        print(f"portagrpo: error: {which} of {nproc} failed; the first error is printed above.", file=sys.stderr)
+        print(f"portagrpo: error: {describe_rank_failures(getattr(err, 'failures', None) or {}, nproc)}",
+              file=sys.stderr)
         return 1
     except SignalException as err:
         print(f"portagrpo: stopped by signal {err.sigval.name}; every checkpoint written so far is whole (continue "
