@@ -16,6 +16,7 @@ from typing import Protocol
 
 import torch
 
+from .matmul import mm, operand_dtype
 from .reference import compute_dtype
 
 # Elements of one logits chunk (chunk_tokens * V); 2**25 fp32 values = 128 MiB.
@@ -40,7 +41,8 @@ class LinearLogprob(torch.autograd.Function):
     @staticmethod
     def forward(ctx, hidden, weight, bias, targets, temperature, compute_entropy, chunk_elements, row_ops):
         dtype = compute_dtype(hidden, weight, bias)
-        w = weight.to(dtype)
+        op = operand_dtype(dtype, hidden, weight)
+        w_t = weight.to(op).t()
         b = None if bias is None else bias.to(dtype)
         n, vocab = hidden.shape[0], weight.shape[0]
         step = chunk_tokens(vocab, chunk_elements)
@@ -49,7 +51,7 @@ class LinearLogprob(torch.autograd.Function):
         lse = torch.empty(n, dtype=dtype, device=hidden.device)
         ent = torch.empty(n, dtype=dtype, device=hidden.device) if compute_entropy else None
         for s in range(0, n, step):
-            z = hidden[s:s + step].to(dtype) @ w.t()
+            z = mm(hidden[s:s + step], w_t, op, dtype)
             if b is not None:
                 z += b
             lp, ls, en = row_ops.forward_rows(z, targets[s:s + step], inv_temp, compute_entropy)
@@ -65,7 +67,8 @@ class LinearLogprob(torch.autograd.Function):
         hidden, weight, bias, targets, lse, ent = ctx.saved_tensors
         inv_temp, step, row_ops = ctx.cfg
         dtype = lse.dtype
-        w = weight.to(dtype)
+        op = operand_dtype(dtype, hidden, weight)
+        w = weight.to(op)
         b = None if bias is None else bias.to(dtype)
         need_h, need_w, need_b = ctx.needs_input_grad[0], ctx.needs_input_grad[1], bias is not None and ctx.needs_input_grad[2]
         grad_h = torch.empty(hidden.shape, dtype=dtype, device=hidden.device) if need_h else None
@@ -74,16 +77,16 @@ class LinearLogprob(torch.autograd.Function):
         g_logp = torch.zeros_like(lse) if g_logp is None else g_logp.to(dtype)
         g_ent = None if (g_ent is None or ent is None) else g_ent.to(dtype)
         for s in range(0, hidden.shape[0], step):
-            h = hidden[s:s + step].to(dtype)
-            z = h @ w.t()
+            h = hidden[s:s + step].to(op)
+            z = mm(h, w.t(), op, dtype)
             if b is not None:
                 z += b
             gz = row_ops.backward_rows(z, targets[s:s + step], lse[s:s + step], None if ent is None else ent[s:s + step],
                                        g_logp[s:s + step], None if g_ent is None else g_ent[s:s + step], inv_temp)
             if need_h:
-                grad_h[s:s + step] = gz @ w
+                grad_h[s:s + step] = mm(gz, w, op, dtype)
             if need_w:
-                grad_w.addmm_(gz.t(), h)
+                grad_w += mm(gz.t(), h, op, dtype)
             if need_b:
                 grad_b += gz.sum(0)
         return (None if grad_h is None else grad_h.to(hidden.dtype), None if grad_w is None else grad_w.to(weight.dtype),
@@ -117,7 +120,8 @@ class VocabChunkedLogprob(torch.autograd.Function):
     @staticmethod
     def forward(ctx, hidden, weight, bias, targets, temperature, compute_entropy, chunk_elements):
         dtype = compute_dtype(hidden, weight, bias)
-        h = hidden.to(dtype)
+        op = operand_dtype(dtype, hidden, weight)
+        h = hidden.to(op)
         n, vocab = hidden.shape[0], weight.shape[0]
         block = _block_size(n, vocab, chunk_elements)
         inv_temp = 1.0 / temperature
@@ -125,11 +129,12 @@ class VocabChunkedLogprob(torch.autograd.Function):
         run_sum = torch.zeros(n, dtype=dtype, device=h.device)
         run_zsum = torch.zeros(n, dtype=dtype, device=h.device) if compute_entropy else None
         z_target = torch.zeros(n, dtype=dtype, device=h.device)
-        rows = torch.arange(n, device=h.device)
         for v0 in range(0, vocab, block):
-            z = _block_logits(h, weight, bias, v0, block, dtype, inv_temp)
-            inside = (targets >= v0) & (targets < v0 + z.shape[1])
-            z_target[inside] = z[rows[inside], targets[inside] - v0]
+            z = _block_logits(h, weight, bias, v0, block, op, dtype, inv_temp)
+            # The target's logit, when it falls in this block: a gather and a select, no boolean
+            # indexing (whose data-dependent shape makes the host wait for the device every block).
+            inside, local = _in_block(targets, v0, z.shape[1])
+            z_target = torch.where(inside, z.gather(1, local).squeeze(1), z_target)
             new_max = torch.maximum(run_max, z.max(-1).values)
             scale = torch.exp(run_max - new_max)
             if compute_entropy:
@@ -150,7 +155,8 @@ class VocabChunkedLogprob(torch.autograd.Function):
         hidden, weight, bias, targets, lse, ent = ctx.saved_tensors
         inv_temp, block = ctx.cfg
         dtype = lse.dtype
-        h = hidden.to(dtype)
+        op = operand_dtype(dtype, hidden, weight)
+        h = hidden.to(op)
         n, vocab = hidden.shape[0], weight.shape[0]
         need_h, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
         need_b = bias is not None and ctx.needs_input_grad[2]
@@ -160,9 +166,8 @@ class VocabChunkedLogprob(torch.autograd.Function):
         g_logp = torch.zeros_like(lse) if g_logp is None else g_logp.to(dtype)
         use_ent = g_ent is not None and ent is not None
         mean_z = (lse - ent).unsqueeze(-1) if use_ent else None
-        rows = torch.arange(n, device=h.device)
         for v0 in range(0, vocab, block):
-            z = _block_logits(h, weight, bias, v0, block, dtype, inv_temp)
+            z = _block_logits(h, weight, bias, v0, block, op, dtype, inv_temp)
             v1 = v0 + z.shape[1]
             if use_ent:
                 p = torch.exp(z - lse.unsqueeze(-1))
@@ -171,22 +176,30 @@ class VocabChunkedLogprob(torch.autograd.Function):
                 gz = p.mul_(-g_logp.unsqueeze(-1)).sub_(ent_term)
             else:
                 gz = z.sub_(lse.unsqueeze(-1)).exp_().mul_(-g_logp.unsqueeze(-1))
-            inside = (targets >= v0) & (targets < v1)
-            gz[rows[inside], targets[inside] - v0] += g_logp[inside]
+            inside, local = _in_block(targets, v0, v1 - v0)
+            gz.scatter_add_(1, local, torch.where(inside, g_logp, 0.0).unsqueeze(1))  # rows outside add 0
             gz.mul_(inv_temp)
             if need_h:
-                grad_h.addmm_(gz, weight[v0:v1].to(dtype))
+                grad_h += mm(gz, weight[v0:v1], op, dtype)
             if need_w:
-                torch.mm(gz.t(), h, out=grad_w[v0:v1])
+                grad_w[v0:v1] = mm(gz.t(), h, op, dtype)
             if need_b:
                 grad_b[v0:v1] = gz.sum(0)
         return (None if grad_h is None else grad_h.to(hidden.dtype), None if grad_w is None else grad_w.to(weight.dtype),
                 None if grad_b is None else grad_b.to(bias.dtype), None, None, None, None)
 
 
-def _block_logits(h, weight, bias, v0, block, dtype, inv_temp):
-    """Logits of vocabulary rows [v0, v0 + block) for every token: [N, block] in `dtype`, temperature applied."""
-    z = h @ weight[v0:v0 + block].to(dtype).t()
+def _in_block(targets: torch.Tensor, v0: int, width: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(whether each target lies in vocabulary rows [v0, v0 + width), its column there clamped into
+    the block, as an [N, 1] index for gather/scatter)."""
+    inside = (targets >= v0) & (targets < v0 + width)
+    return inside, (targets - v0).clamp(0, width - 1).unsqueeze(1)
+
+
+def _block_logits(h, weight, bias, v0, block, op, dtype, inv_temp):
+    """Logits of vocabulary rows [v0, v0 + block) for every token: [N, block] in `dtype` (operands in
+    `op`, see kernels/matmul.py), temperature applied."""
+    z = mm(h, weight[v0:v0 + block].t(), op, dtype)
     if bias is not None:
         z += bias[v0:v0 + block].to(dtype)
     return z.mul_(inv_temp)

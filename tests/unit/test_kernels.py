@@ -187,3 +187,35 @@ def test_lora_wrapped_head(tiny_model_dir):
         logits = logits[:, 7:11][rmask] / 0.9
     direct, _ = token_logprobs_from_logits(logits, responses[rmask])
     assert_close(out_logp[rmask], direct, torch.float64, "logprob")
+
+
+@pytest.mark.parametrize("entropy", [False, True])
+def test_chunked_kernel_never_makes_the_host_wait(entropy):
+    """Under FakeTensorMode an op whose output shape depends on the data (boolean-mask indexing,
+    nonzero, .item()) raises: on a GPU each such op is a host synchronisation, once per vocabulary block."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from portagrpo.kernels.chunked import token_logprobs_chunked
+
+    with FakeTensorMode():
+        h = torch.randn(12, 16, requires_grad=True)
+        w = torch.randn(50, 16, requires_grad=True)
+        logp, ent = token_logprobs_chunked(h, w, torch.randint(0, 50, (12,)), compute_entropy=entropy,
+                                           chunk_elements=12 * 8)  # 7 vocabulary blocks
+        (logp.sum() + (ent.sum() if entropy else 0)).backward()
+        assert h.grad.shape == h.shape and w.grad.shape == w.shape
+
+
+def test_lm_head_operands_stay_low_precision_with_fp32_results():
+    from portagrpo.kernels.matmul import mm, operand_dtype
+
+    bf, f32 = torch.ones(1, dtype=torch.bfloat16), torch.ones(1)
+    assert operand_dtype(torch.float32, bf, bf) == torch.bfloat16
+    assert operand_dtype(torch.float32, bf, f32) == torch.float32  # mixed inputs: no rounding of the fp32 one
+    assert operand_dtype(torch.float64, bf, bf) == torch.float64
+    a, b = torch.randn(5, 64), torch.randn(64, 7)
+    out = mm(a, b, torch.bfloat16, torch.float32)
+    assert out.dtype == torch.float32
+    # the fp32 product of the bf16-rounded operands (bf16 -> fp32 is exact), not of the fp32 originals
+    exact = a.to(torch.bfloat16).double() @ b.to(torch.bfloat16).double()
+    assert (out.double() - exact).abs().max() < 1e-4 < (a.double() @ b.double() - exact).abs().max()
