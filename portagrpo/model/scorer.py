@@ -83,9 +83,38 @@ def response_stats(
     vocab: bool = False,
     autocast: Callable[[], ContextManager] = contextlib.nullcontext,
 ) -> ResponseStats:
-    logp, entropy, logp_vocab = scorer(batch.input_ids, batch.attention_mask, batch.responses,
-                                       batch.response_mask.bool(), temperature, compute_entropy, vocab, autocast)
-    return ResponseStats(logp, entropy, logp_vocab)
+    trimmed, t_full = trim_padding(batch)
+    logp, entropy, logp_vocab = scorer(trimmed.input_ids, trimmed.attention_mask, trimmed.responses,
+                                       trimmed.response_mask.bool(), temperature, compute_entropy, vocab, autocast)
+    grow = lambda x: None if x is None else _pad_time(x, t_full)  # noqa: E731
+    return ResponseStats(grow(logp), grow(entropy), grow(logp_vocab))
+
+
+def trim_padding(batch: RolloutBatch) -> tuple[RolloutBatch, int]:
+    """The batch without the columns no row uses: prompt columns that are padding in every row (prompts
+    are left-padded to the longest in the whole step) and response columns past the longest response
+    of these rows (responses are right-padded to max_response_length). Causal attention makes every
+    kept position's output independent of the dropped ones, so only work is saved. One host read of
+    two numbers; returns the trimmed batch and the original response width."""
+    from dataclasses import replace
+
+    t_full = batch.responses.shape[1]
+    used_prompt = batch.prompt_mask.sum(0) > 0
+    first = torch.where(used_prompt, torch.arange(used_prompt.numel(), device=used_prompt.device), used_prompt.numel())
+    p0, t = (int(v) for v in torch.stack([first.min(), batch.response_mask.sum(1).max().long()]).tolist())
+    p0, t = min(p0, batch.prompt_len - 1), max(t, 1)
+    if p0 == 0 and t == t_full:
+        return batch, t_full
+    return replace(batch, prompt_ids=batch.prompt_ids[:, p0:], prompt_mask=batch.prompt_mask[:, p0:],
+                   responses=batch.responses[:, :t], response_mask=batch.response_mask[:, :t]), t_full
+
+
+def _pad_time(x: torch.Tensor, t_full: int) -> torch.Tensor:
+    """[B, t, ...] -> [B, t_full, ...] with zeros after t (keeps autograd)."""
+    missing = t_full - x.shape[1]
+    if missing == 0:
+        return x
+    return torch.cat([x, x.new_zeros((x.shape[0], missing) + tuple(x.shape[2:]))], dim=1)
 
 
 class AdaptersOff:

@@ -103,11 +103,16 @@ def response_mask_from_tokens(responses: torch.Tensor, eos_ids: list[int]) -> to
 class HFRollout:
     """transformers `generate` with sampling; runs wherever the model runs."""
 
-    def __init__(self, model, tokenizer, autocast, generate_kwargs: dict | None = None) -> None:
+    def __init__(self, model, tokenizer, autocast, generate_kwargs: dict | None = None,
+                 share_prefill: bool = True) -> None:
         """`model` is anything with transformers' `generate` (the LM, or a wrapper forwarding to it);
-        `generate_kwargs` adds engine options such as `synced_gpus` for sharded models."""
+        `generate_kwargs` adds engine options such as `synced_gpus` for sharded models.
+        `share_prefill`: prompts repeated in the batch (a group's n samples) are prefilled once and
+        their KV cache copied to every repeat (not under sharded generation, where every rank must
+        run the same forwards)."""
         self.model, self.tokenizer, self.autocast = model, tokenizer, autocast
         self.generate_kwargs = dict(generate_kwargs or {})
+        self.share_prefill = share_prefill and not self.generate_kwargs
         self.eos_ids = stop_token_ids(tokenizer, model)
         self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else self.eos_ids[0]
 
@@ -118,8 +123,10 @@ class HFRollout:
         self.model.eval()
         try:
             with self.autocast(), blank_generation_config(self.model):
+                cache = self._shared_prefill(prompt_ids, prompt_mask) if self.share_prefill else None
+                extra = {} if cache is None else {"past_key_values": cache}
                 out = self.model.generate(input_ids=prompt_ids, attention_mask=prompt_mask, generation_config=gen,
-                                          **self.generate_kwargs)
+                                          **extra, **self.generate_kwargs)
         finally:
             self.model.train(was_training)
         responses = out[:, prompt_ids.shape[1]:]
@@ -129,6 +136,29 @@ class HFRollout:
         mask = response_mask_from_tokens(responses, self.eos_ids)
         responses = torch.where(mask.bool(), responses, torch.full_like(responses, self.pad_id))
         return responses, mask
+
+    def _shared_prefill(self, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor):
+        """A KV cache of every row's prompt but its last token, computed once per distinct prompt and
+        copied to its repeats; `generate` then starts from the last prompt token. None when no
+        prompt repeats (nothing to share)."""
+        from transformers import DynamicCache
+
+        from portagrpo.model.loading import decoder_of, position_ids_from_mask
+
+        width = prompt_ids.shape[1]
+        if width < 2:
+            return None
+        rows = torch.cat([prompt_ids, prompt_mask.to(prompt_ids.dtype)], dim=1)
+        distinct, inverse = torch.unique(rows, dim=0, return_inverse=True)
+        if distinct.shape[0] == rows.shape[0]:
+            return None
+        ids, mask = distinct[:, :width - 1], distinct[:, width:2 * width - 1]
+        lm = hf_model_of(self.model)
+        cache = DynamicCache(config=lm.config)
+        decoder_of(lm)(input_ids=ids, attention_mask=mask, position_ids=position_ids_from_mask(mask),
+                       past_key_values=cache, use_cache=True)
+        cache.batch_select_indices(inverse)
+        return cache
 
 
 @ROLLOUT_ENGINES.register("fixed")

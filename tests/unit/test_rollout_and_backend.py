@@ -73,3 +73,63 @@ def test_kernel_choice_validated(monkeypatch):
         b.kernel_implementation("triton")
     with pytest.raises(BackendUnavailable, match="kernels.logprob='cuda_magic' is not available"):
         b.kernel_implementation("cuda_magic")
+
+
+def test_repeated_prompts_share_one_prefill(tiny_model_dir, tokenizer):
+    """A group's n samples: the prompt is prefilled once per distinct prompt (the decoder's first call
+    sees 2 rows, not 6), and greedy decoding from the shared cache equals decoding without it,
+    left padding included."""
+    import contextlib
+
+    from transformers import AutoModelForCausalLM
+
+    from portagrpo.data.records import left_pad
+    from portagrpo.model.loading import decoder_of
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, local_files_only=True)
+    prompts = [tokenizer("a:7")["input_ids"]] * 3 + [tokenizer("u:repeat 1234\na:")["input_ids"]] * 3
+    ids, mask = left_pad(prompts, tokenizer.pad_token_id)
+    rows_seen = []
+    hook = decoder_of(model).register_forward_pre_hook(lambda m, a, kw: rows_seen.append(kw["input_ids"].shape),
+                                                       with_kwargs=True)
+    greedy = SamplingParams(max_tokens=6, temperature=0.0)
+    try:
+        shared, shared_mask = HFRollout(model, tokenizer, contextlib.nullcontext).generate(ids, mask, greedy)
+        first_call = rows_seen[0]
+        rows_seen.clear()
+        plain, plain_mask = HFRollout(model, tokenizer, contextlib.nullcontext, share_prefill=False).generate(
+            ids, mask, greedy)
+    finally:
+        hook.remove()
+    assert first_call == (2, ids.shape[1] - 1)  # two distinct prompts, all but the last token
+    assert rows_seen[0] == ids.shape  # without sharing: every row's whole prompt
+    assert torch.equal(shared, plain) and torch.equal(shared_mask, plain_mask)
+
+
+def test_scoring_skips_columns_no_row_uses(tiny_model_dir, tokenizer):
+    """Log-probs of a batch with all-padding prompt columns and responses shorter than the response
+    width equal those computed on the full padded grid, in the same [B, T] shape."""
+    from transformers import AutoModelForCausalLM
+
+    from portagrpo.batch import RolloutBatch
+    from portagrpo.kernels import logprob_impl
+    from portagrpo.model.scorer import ResponseScorer, response_stats, trim_padding
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, local_files_only=True).double()
+    scorer = ResponseScorer(model, logprob_impl("reference"))
+    g = torch.Generator().manual_seed(3)
+    prompt = torch.randint(4, 40, (3, 9), generator=g)
+    pmask = torch.ones_like(prompt)
+    pmask[:, :3] = 0  # three padding columns in every row
+    pmask[1, 3] = 0
+    responses = torch.randint(4, 40, (3, 10), generator=g)
+    rmask = (torch.arange(10) < torch.tensor([[4], [6], [2]])).float()  # longest response: 6 of 10
+    batch = RolloutBatch(prompt, pmask, responses, rmask, torch.zeros(3, dtype=torch.long),
+                         torch.zeros(3, dtype=torch.long), [], [], [], [])
+    trimmed, width = trim_padding(batch)
+    assert trimmed.prompt_ids.shape == (3, 6) and trimmed.responses.shape == (3, 6) and width == 10
+    stats = response_stats(scorer, batch, temperature=1.0, compute_entropy=True)
+    full_logp, full_ent, _ = scorer(batch.input_ids, batch.attention_mask, responses, rmask.bool(), 1.0, True, False)
+    assert stats.logp.shape == (3, 10)
+    torch.testing.assert_close(stats.logp, full_logp, rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(stats.entropy, full_ent, rtol=1e-12, atol=1e-12)
