@@ -1,0 +1,283 @@
+"""portagrpo against TRL's GRPOTrainer on the same work, side by side.
+
+    python bench/vs_trl.py [--size 3m|24m] [--rounds 3] [--steps 5] [--warmup 1] [--prompts 1] [--n 8]
+                           [--max-new-tokens 32] [--threads 1] [--json out.json]
+
+One random-init Qwen2 model directory (built here, saved with the character tokenizer), one prompt
+file and one reward (`repeat`) feed both trainers: GRPO with n completions per prompt, no KL and no
+reference model, token-mean loss (TRL's `dapo`), one optimizer step per generation batch, one
+micro-batch, fp32, the same learning rate, Adam betas, clipping and sampling (temperature 1, no
+top-k/top-p). TRL generates with transformers (`use_vllm=False`) and runs without gradient
+checkpointing, its fastest setting here.
+
+Each system runs in a fresh process with `--threads` torch threads; the rounds interleave them (the
+order flips every round) so that drift of a shared machine falls on both. A run's step time is the
+median over its measured steps of the time between consecutive step ends (generation, reward,
+log-probs and update included); the result is the median over rounds and the ratio portagrpo / TRL.
+Each run reports the settings it actually trained with, read back from its trainer; if the two
+differ, nothing is compared. TRL is only needed here: `pip install portagrpo[bench]`.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+SIZES = {  # hidden, layers, heads, intermediate -> about 3M and 24M parameters with the character vocabulary
+    "3m": (256, 4, 4, 768),
+    "24m": (512, 7, 8, 1536),
+}
+SYSTEMS = ("trl", "portagrpo")
+
+
+def build_workdir(workdir: Path, size: str, prompts: int, steps: int, seed: int = 0) -> dict:
+    """The shared model directory and prompt file; returns the spec both workers read."""
+    import torch
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    from portagrpo.data.tasks import repeat_task
+    from portagrpo.model.loading import build_char_tokenizer
+
+    model_dir, data = workdir / f"qwen2-{size}", workdir / "prompts.jsonl"
+    if not (model_dir / "config.json").is_file():
+        tok = build_char_tokenizer()
+        hidden, layers, heads, inter = SIZES[size]
+        config = Qwen2Config(vocab_size=len(tok), hidden_size=hidden, num_hidden_layers=layers,
+                             num_attention_heads=heads, num_key_value_heads=heads, intermediate_size=inter,
+                             max_position_embeddings=512, tie_word_embeddings=True, bos_token_id=tok.bos_token_id,
+                             eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id)
+        torch.manual_seed(seed)
+        Qwen2ForCausalLM(config).save_pretrained(model_dir)
+        tok.save_pretrained(model_dir)
+    rows = repeat_task(max(64, prompts * (steps + 8)), seed)
+    data.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return {"model": str(model_dir), "data": str(data)}
+
+
+def wanted_settings(args) -> dict:
+    """What both runs must have trained with (each worker reads its own back from its trainer)."""
+    return {"prompts_per_step": args.prompts, "completions_per_prompt": args.n, "max_new_tokens": args.max_new_tokens,
+            "temperature": 1.0, "top_p": 1.0, "top_k": None, "kl_coef": 0.0, "reference_model": False,
+            "loss": "token-mean", "updates_per_step": 1, "micro_batches_per_update": 1, "lr": 1e-5,
+            "adam_betas": [0.9, 0.999], "weight_decay": 0.0, "grad_clip": 1.0, "clip_eps": [0.2, 0.2],
+            "dtype": "float32", "gradient_checkpointing": False, "threads": args.threads}
+
+
+def run_trl(spec: dict) -> dict:
+    import torch
+    from datasets import Dataset
+    from transformers import TrainerCallback
+    from trl import GRPOConfig, GRPOTrainer
+
+    from portagrpo.data.tasks import repeat_reward
+
+    want = spec["settings"]
+    rows = [json.loads(line) for line in Path(spec["data"]).read_text().splitlines()]
+    dataset = Dataset.from_list([{"prompt": r["prompt"], "ground_truth": r["reward_model"]["ground_truth"]}
+                                 for r in rows])
+
+    def reward(completions, ground_truth, **kwargs):
+        return [repeat_reward(c[0]["content"], g) for c, g in zip(completions, ground_truth)]
+
+    ends: list[float] = []
+
+    class StepClock(TrainerCallback):
+        def on_train_begin(self, args, state, control, **kw):
+            ends.append(time.perf_counter())
+
+        def on_step_end(self, args, state, control, **kw):
+            ends.append(time.perf_counter())
+
+    batch = want["prompts_per_step"] * want["completions_per_prompt"]
+    config = GRPOConfig(
+        output_dir=spec["out"], max_steps=spec["steps"] + spec["warmup"], per_device_train_batch_size=batch,
+        gradient_accumulation_steps=1, num_generations=want["completions_per_prompt"],
+        max_completion_length=want["max_new_tokens"], temperature=1.0, top_p=1.0, top_k=0, beta=0.0,
+        loss_type="dapo", num_iterations=1, learning_rate=want["lr"], adam_beta1=0.9, adam_beta2=0.999,
+        weight_decay=0.0, max_grad_norm=1.0, epsilon=0.2, lr_scheduler_type="constant", warmup_steps=0,
+        gradient_checkpointing=False, bf16=False, fp16=False, use_cpu=True, use_vllm=False, logging_steps=1,
+        save_strategy="no", report_to=[], disable_tqdm=True, seed=1, dataloader_num_workers=0,
+    )
+    trainer = GRPOTrainer(model=spec["model"], reward_funcs=reward, args=config, train_dataset=dataset,
+                          callbacks=[StepClock()])
+    trainer.train()
+    a, model = trainer.args, trainer.model
+    lengths = [h["completions/mean_length"] for h in trainer.state.log_history if "completions/mean_length" in h]
+    settings = {
+        "prompts_per_step": a.per_device_train_batch_size * a.gradient_accumulation_steps // a.num_generations,
+        "completions_per_prompt": a.num_generations, "max_new_tokens": a.max_completion_length,
+        "temperature": a.temperature, "top_p": a.top_p, "top_k": a.top_k or None, "kl_coef": a.beta,
+        "reference_model": getattr(trainer, "ref_model", None) is not None,
+        "loss": {"dapo": "token-mean"}.get(a.loss_type, a.loss_type),
+        "updates_per_step": a.num_iterations * a.steps_per_generation // a.gradient_accumulation_steps,
+        "micro_batches_per_update": a.gradient_accumulation_steps, "lr": a.learning_rate,
+        "adam_betas": [a.adam_beta1, a.adam_beta2], "weight_decay": a.weight_decay, "grad_clip": a.max_grad_norm,
+        "clip_eps": [a.epsilon, a.epsilon_high if a.epsilon_high is not None else a.epsilon],
+        "dtype": str(next(model.parameters()).dtype).removeprefix("torch."),
+        "gradient_checkpointing": bool(getattr(model, "is_gradient_checkpointing", False)),
+        "threads": torch.get_num_threads(),
+    }
+    return {"settings": settings, "step_s": _step_times(ends, spec["warmup"]),
+            "completion_len_mean": statistics.mean(lengths[spec["warmup"]:]) if lengths else None}
+
+
+def run_portagrpo(spec: dict) -> dict:
+    import torch
+
+    from portagrpo.config import load_config
+    from portagrpo.train import Trainer
+
+    want = spec["settings"]
+    p, n = want["prompts_per_step"], want["completions_per_prompt"]
+    cfg = load_config(None, [
+        f"model.path={spec['model']}", f"data.train_files=[{spec['data']}]", "data.task=null",
+        f"data.train_batch_size={p}", f"rollout.n={n}", f"data.max_response_length={want['max_new_tokens']}",
+        "data.max_prompt_length=64", "rollout.temperature=1.0", "rollout.top_p=1.0", "rollout.top_k=-1",
+        "reward.function=repeat", "actor.use_kl_loss=false", "algorithm.use_kl_in_reward=false",
+        "actor.loss_agg_mode=token-mean", "actor.ppo_epochs=1", f"actor.ppo_mini_batch_size={p * n}",
+        f"actor.micro_batch_size={p * n}", f"actor.lr={want['lr']}", "actor.betas=[0.9,0.999]",
+        "actor.weight_decay=0.0", "actor.grad_clip=1.0", "actor.clip_ratio=0.2", "actor.warmup_steps=0",
+        "model.dtype=fp32", "model.gradient_checkpointing=false", f"trainer.num_threads={want['threads']}",
+        "trainer.device=cpu", f"trainer.total_steps={spec['steps'] + spec['warmup']}", "trainer.save_freq=0",
+        "trainer.test_freq=0", "trainer.progress_bar=false", "trainer.tensorboard=false", "trainer.plot=false",
+        "trainer.seed=1"])
+    trainer = Trainer(cfg, run_dir=Path(spec["out"]) / "run", log=lambda message: None).setup()
+    ends, lengths = [time.perf_counter()], []
+    try:
+        for _ in range(spec["steps"] + spec["warmup"]):
+            lengths.append(trainer.step().metrics["response_len_mean"])
+            ends.append(time.perf_counter())
+        a, r = cfg.actor, cfg.rollout
+        settings = {
+            "prompts_per_step": cfg.data.train_batch_size, "completions_per_prompt": r.n,
+            "max_new_tokens": cfg.data.max_response_length, "temperature": r.temperature, "top_p": r.top_p,
+            "top_k": r.top_k if r.top_k > 0 else None,
+            "kl_coef": a.kl_loss_coef if a.use_kl_loss else (cfg.algorithm.kl_coef if cfg.algorithm.use_kl_in_reward else 0.0),
+            "reference_model": trainer.ref_scorer is not None, "loss": a.loss_agg_mode,
+            "updates_per_step": a.ppo_epochs * (cfg.rollout_batch_size // a.ppo_mini_batch_size),
+            "micro_batches_per_update": a.ppo_mini_batch_size // a.micro_batch_size, "lr": a.lr,
+            "adam_betas": list(a.betas), "weight_decay": a.weight_decay, "grad_clip": a.grad_clip,
+            "clip_eps": [cfg.clip_low, cfg.clip_high], "dtype": str(trainer.dtype).removeprefix("torch."),
+            "gradient_checkpointing": cfg.model.gradient_checkpointing, "threads": torch.get_num_threads(),
+        }
+    finally:
+        trainer.close()
+    return {"settings": settings, "step_s": _step_times(ends, spec["warmup"]),
+            "completion_len_mean": statistics.mean(lengths[spec["warmup"]:])}
+
+
+def _step_times(ends: list[float], warmup: int) -> list[float]:
+    return [b - a for a, b in zip(ends, ends[1:])][warmup:]
+
+
+def differing(a: dict, b: dict) -> list[str]:
+    """Keys whose values differ between the asked settings `a` and a run's `b` (floats to 1e-9 relative)."""
+    out = []
+    for key in sorted(set(a) | set(b)):
+        x, y = a.get(key), b.get(key)
+        if isinstance(x, float) or isinstance(y, float):
+            same = x is not None and y is not None and abs(x - y) <= 1e-9 * max(abs(x), abs(y), 1.0)
+        else:
+            same = x == y
+        if not same:
+            out.append(f"{key}: asked {x!r}, ran {y!r}")
+    return out
+
+
+def spawn(system: str, spec: dict, threads: int) -> dict:
+    env = {**os.environ, "OMP_NUM_THREADS": str(threads), "MKL_NUM_THREADS": str(threads),
+           "TOKENIZERS_PARALLELISM": "false", "HF_HUB_OFFLINE": "1", "TRANSFORMERS_VERBOSITY": "error"}
+    res = subprocess.run([sys.executable, __file__, "--worker", system, json.dumps(spec)], env=env,
+                         capture_output=True, text=True)
+    if res.returncode != 0:
+        raise SystemExit(f"vs_trl: the {system} run failed:\n{res.stderr[-3000:]}")
+    return json.loads(res.stdout.strip().splitlines()[-1])
+
+
+def compare(args) -> dict:
+    from tqdm.auto import tqdm
+
+    workdir = Path(args.workdir)
+    workdir.mkdir(parents=True, exist_ok=True)
+    spec = {**build_workdir(workdir, args.size, args.prompts, args.steps + args.warmup), "steps": args.steps,
+            "warmup": args.warmup, "settings": wanted_settings(args)}
+    runs: dict[str, list[dict]] = {s: [] for s in SYSTEMS}
+    with tqdm(total=2 * args.rounds, desc="vs_trl", unit="run") as bar:
+        for i in range(args.rounds):
+            for system in (SYSTEMS if i % 2 == 0 else SYSTEMS[::-1]):
+                run = spawn(system, {**spec, "out": str(workdir / f"{system}-{i}")}, args.threads)
+                problems = differing(spec["settings"], run["settings"])
+                if problems:
+                    raise SystemExit(f"vs_trl: refusing to compare: the {system} run trained with other settings than "
+                                     f"asked ({'; '.join(problems)}).")
+                runs[system].append(run)
+                bar.update()
+    medians = {s: statistics.median(statistics.median(r["step_s"]) for r in runs[s]) for s in SYSTEMS}
+    return {
+        "command": "python bench/vs_trl.py " + " ".join(args.argv), "size": args.size, "settings": spec["settings"],
+        "rounds": args.rounds, "step_s_median": medians, "ratio_portagrpo_over_trl": medians["portagrpo"] / medians["trl"],
+        "per_round_step_s": {s: [statistics.median(r["step_s"]) for r in runs[s]] for s in SYSTEMS},
+        "completion_len_mean": {s: statistics.mean(r["completion_len_mean"] for r in runs[s]) for s in SYSTEMS},
+        "versions": _versions(),
+    }
+
+
+def _versions() -> dict:
+    from importlib.metadata import PackageNotFoundError, version
+
+    out = {}
+    for name in ("torch", "transformers", "trl", "portagrpo"):
+        try:
+            out[name] = version(name)
+        except PackageNotFoundError:
+            out[name] = None
+    return out
+
+
+def main(argv: list[str]) -> int:
+    p = argparse.ArgumentParser(prog="bench/vs_trl.py", description=__doc__.split("\n\n")[0])
+    p.add_argument("--size", choices=sorted(SIZES), default="3m")
+    p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--steps", type=int, default=5, help="measured steps per run")
+    p.add_argument("--warmup", type=int, default=1, help="steps per run not counted")
+    p.add_argument("--prompts", type=int, default=1, help="prompts per step")
+    p.add_argument("--n", type=int, default=8, help="completions per prompt")
+    p.add_argument("--max-new-tokens", type=int, default=32)
+    p.add_argument("--threads", type=int, default=1)
+    p.add_argument("--workdir", default="/tmp/portagrpo-vs-trl")
+    p.add_argument("--json", default=None)
+    args = p.parse_args(argv)
+    args.argv = argv
+    if min(args.rounds, args.steps, args.prompts, args.n, args.max_new_tokens, args.threads) < 1 or args.warmup < 0:
+        p.error("--rounds, --steps, --prompts, --n, --max-new-tokens and --threads must be >= 1, --warmup >= 0")
+    if args.n < 2:
+        p.error("--n must be at least 2: GRPO compares completions within a group")
+    try:
+        import trl  # noqa: F401
+    except ImportError:
+        p.error("TRL is not installed: pip install portagrpo[bench] (TRL is never a runtime dependency)")
+    report = compare(args)
+    m = report["step_s_median"]
+    print(f"{args.size}: TRL {m['trl']:.3f} s/step, portagrpo {m['portagrpo']:.3f} s/step, ratio "
+          f"{report['ratio_portagrpo_over_trl']:.2f}x (median of {args.rounds} interleaved rounds; mean completion "
+          f"length TRL {report['completion_len_mean']['trl']:.1f}, portagrpo {report['completion_len_mean']['portagrpo']:.1f})")
+    if args.json:
+        Path(args.json).write_text(json.dumps(report, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    if len(sys.argv) == 4 and sys.argv[1] == "--worker":
+        import torch
+
+        spec = json.loads(sys.argv[3])
+        torch.set_num_threads(spec["settings"]["threads"])
+        result = (run_trl if sys.argv[2] == "trl" else run_portagrpo)(spec)
+        print(json.dumps(result))
+    else:
+        sys.exit(main(sys.argv[1:]))
