@@ -31,6 +31,26 @@ def _scatter(values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     return out.index_put(mask.nonzero(as_tuple=True), values)
 
 
+# Attention implementations that read packed sequences from restarting position ids: a dense
+# block-causal mask (sdpa, eager) or variable-length kernels (flash_attention_2).
+PACKABLE_ATTENTION = ("sdpa", "eager", "flash_attention_2")
+MAX_DENSE_PACKED_MASK = 2**24  # elements of the [N, N] mask a dense implementation builds
+
+
+def packing_pays(n_valid: int, batch: int, width: int, hidden_size: int, attention: str | None) -> bool:
+    """Whether one packed row of the `n_valid` real tokens costs less than the padded [batch, width]
+    grid. Per layer the linear maps cost ~3 x hidden per token and attention ~1 per attended pair
+    (both in units of 4 x hidden FLOPs); a dense mask attends all n_valid^2 pairs of the packed row,
+    a variable-length kernel only each sequence's own."""
+    if attention not in PACKABLE_ATTENTION or n_valid >= batch * width:
+        return False
+    if attention == "flash_attention_2":
+        return True
+    if n_valid * n_valid > MAX_DENSE_PACKED_MASK:
+        return False
+    return n_valid * (3 * hidden_size + n_valid) < batch * width * (3 * hidden_size + width)
+
+
 class ResponseScorer(torch.nn.Module):
     """Causal LM + token log-prob kernel as one module. `generate` is forwarded to the LM."""
 
@@ -51,12 +71,30 @@ class ResponseScorer(torch.nn.Module):
         autocast: Callable[[], ContextManager] = contextlib.nullcontext,
     ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
         prompt_len, t = input_ids.shape[1] - responses.shape[1], responses.shape[1]
+        decoder = decoder_of(self.lm)
+        positions = position_ids_from_mask(attention_mask)
+        valid = attention_mask.bool()
+        # Row-major index of every grid position among the valid tokens (what packing keeps).
+        packed_index = valid.flatten().long().cumsum(0).sub_(1).view(valid.shape)
+        n_valid = int(packed_index[-1, -1]) + 1
         with autocast():
-            out = decoder_of(self.lm)(input_ids=input_ids, attention_mask=attention_mask,
-                                      position_ids=position_ids_from_mask(attention_mask), use_cache=False)
+            if packing_pays(n_valid, *valid.shape, decoder.config.hidden_size,
+                            getattr(decoder.config, "_attn_implementation", None)):
+                # One row of every sequence's tokens, positions restarting per sequence: transformers
+                # then attends within each sequence only (block-causal), and no work goes to padding.
+                out = decoder(input_ids=input_ids[valid].unsqueeze(0), position_ids=positions[valid].unsqueeze(0),
+                              use_cache=False)
+                grid = None
+            else:
+                out = decoder(input_ids=input_ids, attention_mask=attention_mask, position_ids=positions,
+                              use_cache=False)
+                grid = True
         hidden = out[0] if isinstance(out, tuple) else out.last_hidden_state
         # The hidden state at position p predicts token p + 1.
-        h = hidden[:, prompt_len - 1:prompt_len + t - 1][response_mask]  # [N, H]
+        if grid:
+            h = hidden[:, prompt_len - 1:prompt_len + t - 1][response_mask]  # [N, H]
+        else:
+            h = hidden[0, packed_index[:, prompt_len - 1:prompt_len + t - 1][response_mask]]
         targets = responses[response_mask]
         weight, bias = lm_head_of(self.lm)
         if vocab:

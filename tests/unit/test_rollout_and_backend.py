@@ -128,8 +128,28 @@ def test_scoring_skips_columns_no_row_uses(tiny_model_dir, tokenizer):
                          torch.zeros(3, dtype=torch.long), [], [], [], [])
     trimmed, width = trim_padding(batch)
     assert trimmed.prompt_ids.shape == (3, 6) and trimmed.responses.shape == (3, 6) and width == 10
-    stats = response_stats(scorer, batch, temperature=1.0, compute_entropy=True)
+    from portagrpo.model.loading import decoder_of
+
+    shapes = []
+    hook = decoder_of(model).register_forward_pre_hook(lambda m, a, kw: shapes.append(kw["input_ids"].shape),
+                                                       with_kwargs=True)
+    try:
+        stats = response_stats(scorer, batch, temperature=1.0, compute_entropy=True)
+    finally:
+        hook.remove()
+    assert shapes == [(1, int(trimmed.attention_mask.sum()))]  # one packed row of the real tokens
     full_logp, full_ent, _ = scorer(batch.input_ids, batch.attention_mask, responses, rmask.bool(), 1.0, True, False)
     assert stats.logp.shape == (3, 10)
     torch.testing.assert_close(stats.logp, full_logp, rtol=1e-12, atol=1e-12)
     torch.testing.assert_close(stats.entropy, full_ent, rtol=1e-12, atol=1e-12)
+
+
+def test_packing_is_chosen_only_where_it_saves_work():
+    from portagrpo.model.scorer import packing_pays
+
+    assert packing_pays(280, 8, 46, 512, "sdpa")  # the 24M benchmark's micro-batch: 24% padding
+    assert not packing_pays(368, 8, 46, 512, "sdpa")  # no padding
+    assert not packing_pays(3000, 8, 400, 64, "sdpa")  # a dense mask over 3000 tokens costs more than the padding
+    assert packing_pays(3000, 8, 400, 64, "flash_attention_2")  # variable-length kernel: each sequence alone
+    assert not packing_pays(280, 8, 46, 512, "npu_fusion")  # an implementation that may not read packed positions
+    assert not packing_pays(6000, 64, 100, 4096, "sdpa")  # the [N, N] mask would be too large
