@@ -7,7 +7,9 @@ global mini-batch is the SUM of the per-rank gradients: both strategies sum, nev
 """
 from __future__ import annotations
 
-from typing import Any
+import contextlib
+
+from typing import Any, Iterator
 
 import torch
 from torch.distributed.checkpoint.state_dict import (
@@ -39,8 +41,19 @@ class SingleProcess:
     def generate_kwargs(self) -> dict[str, Any]:
         return {}
 
-    def wrap(self, scorer: torch.nn.Module, *, trainable: bool) -> torch.nn.Module:
+    def wrap(self, scorer: torch.nn.Module, *, trainable: bool, compute_dtype: torch.dtype | None = None
+             ) -> torch.nn.Module:
         return scorer
+
+    def generation(self, scorer: torch.nn.Module):
+        """Context for sampling with the training model itself (the `hf` engine)."""
+        return contextlib.nullcontext()
+
+    def full_tensors(self, scorer: torch.nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
+        """(name, full tensor) of every LM weight, one at a time (keys as in the Hugging Face model): a
+        consumer that drops each after use (the vLLM weight push) never holds the whole gathered model."""
+        for name, value in scorer.state_dict().items():
+            yield name.removeprefix("lm."), value.detach()
 
     def sync_grads(self, params: list[torch.nn.Parameter]) -> None:
         return None
@@ -77,7 +90,8 @@ class Replicated(SingleProcess):
     def generate_kwargs(self) -> dict[str, Any]:
         return {}
 
-    def wrap(self, scorer: torch.nn.Module, *, trainable: bool) -> torch.nn.Module:
+    def wrap(self, scorer: torch.nn.Module, *, trainable: bool, compute_dtype: torch.dtype | None = None
+             ) -> torch.nn.Module:
         with torch.no_grad():
             for tensor in list(scorer.parameters()) + list(scorer.buffers()):
                 self.comm.broadcast_(tensor.data, src=0)  # identical starting weights everywhere
@@ -103,12 +117,17 @@ class FSDP2(SingleProcess):
         # Ranks finish sampling at different steps; sharded forwards must stay in lockstep.
         return {"synced_gpus": True}
 
-    def wrap(self, scorer: torch.nn.Module, *, trainable: bool) -> torch.nn.Module:
-        from torch.distributed.fsdp import FSDPModule, fully_shard, register_fsdp_forward_method
+    def wrap(self, scorer: torch.nn.Module, *, trainable: bool, compute_dtype: torch.dtype | None = None
+             ) -> torch.nn.Module:
+        from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard, register_fsdp_forward_method
 
+        # Under bf16/fp16 the all-gathers carry parameters in that dtype (half the bytes of the fp32 master
+        # copy) and gradients reduce-scatter in fp32: verl's FSDP2 setting. fp32/fp64 runs move their own dtype.
+        low = compute_dtype in (torch.bfloat16, torch.float16)
+        mp = {"mp_policy": MixedPrecisionPolicy(param_dtype=compute_dtype, reduce_dtype=torch.float32)} if low else {}
         for layer in getattr(decoder_of(scorer.lm), "layers", []):
-            fully_shard(layer)
-        fully_shard(scorer)
+            fully_shard(layer, **mp)
+        fully_shard(scorer, **mp)
         register_fsdp_forward_method(scorer, "generate")
         for module in scorer.modules():
             if isinstance(module, FSDPModule):
@@ -119,6 +138,30 @@ class FSDP2(SingleProcess):
     def clip_grad_norm(self, params: list[torch.nn.Parameter], max_norm: float) -> torch.Tensor:
         norm = torch.nn.utils.clip_grad_norm_(params, max_norm)
         return norm.full_tensor() if hasattr(norm, "full_tensor") else norm
+
+    @contextlib.contextmanager
+    def generation(self, scorer: torch.nn.Module):
+        """Gather every shard once for the whole rollout and keep it gathered across the forwards of
+        `generate`, instead of an all-gather per layer per generated token; resharded afterwards."""
+        from torch.distributed.fsdp import FSDPModule
+
+        units = [m for m in scorer.modules() if isinstance(m, FSDPModule)]  # the root (scorer) first
+        for unit in units:
+            unit.set_reshard_after_forward(False, recurse=False)
+            unit.unshard()
+        try:
+            yield
+        finally:
+            for unit in units:
+                unit.reshard()
+            for unit in units[1:]:  # the layers reshard after forward again; FSDP keeps the root's gathered anyway
+                unit.set_reshard_after_forward(True, recurse=False)
+
+    def full_tensors(self, scorer: torch.nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
+        """One parameter gathered at a time (a collective on every rank, in the same order everywhere)."""
+        for name, value in scorer.state_dict().items():
+            full = value.full_tensor() if hasattr(value, "full_tensor") else value
+            yield name.removeprefix("lm."), full.detach()
 
 
 STRATEGIES: Registry[type] = Registry("parallel strategy")

@@ -40,14 +40,15 @@ def sampling_kwargs(params: SamplingParams, *, seed: int | None, stop_token_ids:
     }
 
 
-def vllm_weight_names(state: dict[str, torch.Tensor], *, tied_embeddings: bool) -> Iterator[tuple[str, torch.Tensor]]:
+def vllm_weight_names(state: dict[str, torch.Tensor] | Iterable[tuple[str, torch.Tensor]], *,
+                      tied_embeddings: bool) -> Iterator[tuple[str, torch.Tensor]]:
     """Hugging Face parameter names as vLLM's `load_weights` expects them.
 
     vLLM loads checkpoints by their Hugging Face names (it fuses q/k/v and gate/up itself), so
     names pass through, except: peft's wrapper prefix is removed (adapters are merged before
     this), LoRA factors are never sent, and a tied LM head is skipped (vLLM ties it itself).
     """
-    for name, tensor in state.items():
+    for name, tensor in (state.items() if isinstance(state, dict) else state):
         if "lora_" in name:
             continue
         name = name.removeprefix("lm.").removeprefix(PEFT_PREFIX).replace(".base_layer.", ".")
@@ -148,14 +149,17 @@ class VLLMRollout:
         """vLLM's model object in this process (the path verl and TRL's colocate mode use)."""
         return self.llm.llm_engine.model_executor.driver_worker.worker.model_runner.model
 
-    def update_weights(self, state: dict[str, torch.Tensor]) -> int:
-        """Load a full state dict into the engine, bucket by bucket. Returns the bucket count. The weights
-        stay mapped (the next thing the engine does is generate); the KV cache stays asleep."""
+    def update_weights(self, state: dict[str, torch.Tensor] | Iterable[tuple[str, torch.Tensor]]) -> int:
+        """Load the full weights into the engine, bucket by bucket: from an iterator of (name, tensor) that
+        gathers each tensor when asked, a bucket's tensors are freed once loaded, so at most one bucket of
+        gathered weights exists at a time. Returns the bucket count. The weights stay mapped (the next
+        thing the engine does is generate); the KV cache stays asleep."""
         self._wake(("weights",))
         model, count = self._model(), 0
         for bucket in bucket_tensors(vllm_weight_names(state, tied_embeddings=self.tied), self.bucket_bytes):
             model.load_weights(weights=bucket)
             count += 1
+            bucket.clear()  # drop this bucket's gathered tensors before the next ones are gathered
         return count
 
     def request_seeds(self, count: int) -> list[int]:

@@ -73,14 +73,14 @@ class Builder:
         if cfg.model.gradient_checkpointing:
             self.policy.gradient_checkpointing_enable()
         self.policy.config.use_cache = True
-        self.scorer = self.strategy.wrap(ResponseScorer(self.policy, self.kernel), trainable=True)
+        self.scorer = self.strategy.wrap(ResponseScorer(self.policy, self.kernel), trainable=True, compute_dtype=self.dtype)
         self.ref = self.ref_scorer = None
         if (cfg.actor.use_kl_loss or cfg.algorithm.use_kl_in_reward) and self.is_lora:
             self.ref_scorer = AdaptersOff(self.scorer)
         elif cfg.actor.use_kl_loss or cfg.algorithm.use_kl_in_reward:
             self.ref = load_model(ref_path, attn).to(device=self.device, dtype=self.master_dtype).eval()
             self.ref.requires_grad_(False)
-            self.ref_scorer = self.strategy.wrap(ResponseScorer(self.ref, self.kernel), trainable=False)
+            self.ref_scorer = self.strategy.wrap(ResponseScorer(self.ref, self.kernel), trainable=False, compute_dtype=self.dtype)
         self.kl_needs_vocab = cfg.actor.kl_loss_type.rstrip("+") == "full"
         self.shaping, self.objective = shaping_from(cfg), objective_from(cfg)
 
@@ -129,12 +129,11 @@ class Builder:
         merge = self.is_lora
         if merge:
             self.policy.merge_adapter()
-        try:
-            state = self.strategy.model_state_everywhere(self.scorer)
+        try:  # one parameter gathered at a time, loaded bucket by bucket and freed (never the whole model at once)
+            self.engine.update_weights(self.strategy.full_tensors(self.scorer))
         finally:
             if merge:
                 self.policy.unmerge_adapter()
-        self.engine.update_weights(state)
 
     def _set_threads(self) -> None:
         threads = self.cfg.trainer.num_threads

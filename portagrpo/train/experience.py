@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import time
+from contextlib import nullcontext
 from dataclasses import dataclass
 from typing import Any
 
@@ -109,8 +110,12 @@ class ExperienceMaker:
 
     def rollout(self, records: list[PromptRecord], n: int, params: SamplingParams, uid_base: int,
                 prompt_width: int | None = None) -> RolloutBatch:
-        return rollout_groups(self.engine, self.tokenizer, records, n, params, self.device, uid_base=uid_base,
-                              prompt_width=prompt_width)
+        # Sampling with the training model itself (not an engine holding its own weights): a sharded
+        # policy is gathered once for the whole rollout.
+        gather = self.strategy.generation(self.scorer) if not hasattr(self.engine, "update_weights") else nullcontext()
+        with gather:
+            return rollout_groups(self.engine, self.tokenizer, records, n, params, self.device, uid_base=uid_base,
+                                  prompt_width=prompt_width)
 
     def prompt_width(self, records: list[PromptRecord]) -> int:
         """One left-padded prompt width for all ranks, so rollouts can be gathered."""

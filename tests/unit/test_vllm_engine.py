@@ -223,3 +223,33 @@ def test_cpu_refuses_vllm(capsys):
 
     assert main(["train", "--device", "cpu", "rollout.engine=vllm"]) == 2
     assert "rollout.engine='vllm' does not run on --device cpu" in capsys.readouterr().err
+
+
+def test_weight_push_holds_one_bucket_of_gathered_weights_at_a_time(fake_vllm):
+    """The push consumes a stream that gathers one tensor when asked (FSDP2's `full_tensors`): each
+    bucket is loaded and dropped before the next is gathered."""
+    import gc
+    import weakref
+
+    from portagrpo.rollout.vllm import VLLMRollout
+
+    tok = types.SimpleNamespace(eos_token_id=2, pad_token_id=0)
+    engine = VLLMRollout(None, tok, None, model_path="m", bucket_mb=1)  # 1 MiB buckets
+    alive: list[weakref.ref] = []
+    most_alive = []
+
+    def gathered():
+        for i in range(6):
+            gc.collect()
+            most_alive.append(sum(r() is not None for r in alive))
+            t = torch.zeros(2**17)  # 0.5 MiB: two per bucket
+            alive.append(weakref.ref(t))
+            yield f"model.layers.{i}.mlp.weight", t
+
+    engine.llm.log.clear()
+    assert engine.update_weights(gathered()) == 3
+    loaded = [n for kind, bucket in engine.llm.log if kind == "load" for n, _ in bucket]  # the stand-in keeps clones
+    assert loaded == [f"model.layers.{i}.mlp.weight" for i in range(6)]
+    # When a tensor is gathered at most one bucket is alive (the bucket is closed by the tensor that does
+    # not fit, so that one bucket plus it is the peak), never the whole model (6 tensors).
+    assert max(most_alive) == 2

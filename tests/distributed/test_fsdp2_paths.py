@@ -1,0 +1,83 @@
+"""FSDP2 paths of the GPU efficiency work, run over gloo with one rank on the CPU: bf16 all-gathers with
+fp32 gradient reduction, one gather for a whole rollout, and weights streamed one tensor at a time."""
+import pytest
+import torch
+import torch.distributed as dist
+
+
+@pytest.fixture
+def one_rank_group(tmp_path):
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'pg'}", rank=0, world_size=1)
+    yield
+    dist.destroy_process_group()
+
+
+def _fsdp2_scorer(tiny_model_dir, compute_dtype):
+    from transformers import AutoModelForCausalLM
+
+    from portagrpo.backends.dist import Collectives
+    from portagrpo.kernels import logprob_impl
+    from portagrpo.model.parallel import FSDP2
+    from portagrpo.model.scorer import ResponseScorer
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, local_files_only=True)
+    strategy = FSDP2(Collectives())
+    scorer = strategy.wrap(ResponseScorer(model, logprob_impl("chunked")), trainable=True, compute_dtype=compute_dtype)
+    return strategy, scorer, model
+
+
+def _batch(vocab=40):
+    g = torch.Generator().manual_seed(0)
+    ids = torch.randint(4, vocab, (2, 8), generator=g)
+    return ids, torch.ones_like(ids), ids[:, 5:], torch.ones(2, 3, dtype=torch.bool)
+
+
+def test_bf16_runs_gather_bf16_parameters_and_reduce_fp32_gradients(one_rank_group, tiny_model_dir):
+    strategy, scorer, model = _fsdp2_scorer(tiny_model_dir, torch.bfloat16)
+    layer = model.model.layers[0]
+    seen = []
+    layer.mlp.register_forward_pre_hook(lambda m, a: seen.append(m.gate_proj.weight.dtype))
+    ids, mask, resp, rmask = _batch()
+    logp, _, _ = scorer(ids, mask, resp, rmask, 1.0, False, False)
+    logp.sum().backward()
+    assert seen == [torch.bfloat16]  # the all-gathered (unsharded) weights are bf16
+    sharded = layer.mlp.gate_proj.weight
+    assert sharded.dtype == torch.float32 and sharded.grad is not None and sharded.grad.dtype == torch.float32
+
+
+def test_fp32_runs_keep_fp32_parameters(one_rank_group, tiny_model_dir):
+    _, scorer, model = _fsdp2_scorer(tiny_model_dir, torch.float32)
+    seen = []
+    model.model.layers[0].mlp.register_forward_pre_hook(lambda m, a: seen.append(m.gate_proj.weight.dtype))
+    scorer(*_batch(), 1.0, False, False)
+    assert seen == [torch.float32]
+
+
+def test_a_rollout_gathers_the_shards_once(one_rank_group, tiny_model_dir):
+    from torch.distributed.tensor import DTensor
+
+    strategy, scorer, model = _fsdp2_scorer(tiny_model_dir, None)
+    layer_weight = lambda: model.model.layers[0].mlp.gate_proj.weight  # noqa: E731
+    ids, mask, resp, rmask = _batch()
+    with torch.no_grad():
+        scorer(ids, mask, resp, rmask, 1.0, False, False)
+        assert isinstance(layer_weight(), DTensor)  # outside a rollout a layer reshards after its forward
+        with strategy.generation(scorer):
+            for _ in range(3):  # the forwards of generate
+                scorer(ids, mask, resp, rmask, 1.0, False, False)
+                assert not isinstance(layer_weight(), DTensor)  # still gathered: no all-gather per token
+        assert isinstance(layer_weight(), DTensor)  # resharded after the rollout
+        scorer(ids, mask, resp, rmask, 1.0, False, False)
+        assert isinstance(layer_weight(), DTensor)  # and resharding after forward again
+
+
+def test_weights_stream_one_full_tensor_at_a_time(one_rank_group, tiny_model_dir):
+    strategy, scorer, model = _fsdp2_scorer(tiny_model_dir, None)
+    full = strategy.model_state_everywhere(scorer)
+    streamed = strategy.full_tensors(scorer)
+    first_name, first = next(streamed)  # a generator: nothing else gathered yet
+    rest = dict(streamed)
+    rest[first_name] = first
+    assert rest.keys() == full.keys()
+    for name, value in full.items():
+        assert not hasattr(rest[name], "full_tensor") and torch.equal(rest[name], value), name
