@@ -157,7 +157,7 @@ class VocabChunkedLogprob(torch.autograd.Function):
         dtype = lse.dtype
         op = operand_dtype(dtype, hidden, weight)
         h = hidden.to(op)
-        n, vocab = hidden.shape[0], weight.shape[0]
+        vocab = weight.shape[0]
         need_h, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
         need_b = bias is not None and ctx.needs_input_grad[2]
         grad_h = torch.zeros(h.shape, dtype=dtype, device=h.device) if need_h else None
