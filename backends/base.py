@@ -46,6 +46,9 @@ class BackendSpec:
     # so the next collective raises in Python and ends the run with one sentence (`PeerFailure`) instead
     # of the vendor's default of tearing the process down from its own thread (SIGABRT, a C++ trace).
     collective_env: tuple[tuple[str, str], ...] = ()
+    # KV cache of the `hf` rollout engine: "static" lets transformers compile the decode step (one graph
+    # per shape, no Python per token); "dynamic" decodes eagerly. Not yet measured on hardware.
+    decode_cache: str = "dynamic"
 
 
 @dataclass

@@ -24,6 +24,7 @@ SPEC = BackendSpec(
     kernel_choices=("reference", "chunked", "triton"),
     default_kernel="chunked",
     collective_env=NCCL_WATCHDOG_ENV,
+    decode_cache="static",
     install_hint="install a CUDA build of torch for your driver (see pytorch.org), then `pip install portagrpo[cuda]`",
 )
 

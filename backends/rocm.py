@@ -20,6 +20,7 @@ SPEC = BackendSpec(
     kernel_choices=("reference", "chunked", "triton"),
     default_kernel="chunked",
     collective_env=NCCL_WATCHDOG_ENV,
+    decode_cache="static",
     install_hint="install torch from the ROCm wheel index (see pytorch.org), then `pip install portagrpo[rocm]`",
 )
 

@@ -104,14 +104,19 @@ class HFRollout:
     """transformers `generate` with sampling; runs wherever the model runs."""
 
     def __init__(self, model, tokenizer, autocast, generate_kwargs: dict | None = None,
-                 share_prefill: bool = True) -> None:
+                 share_prefill: bool = True, cache: str = "dynamic", notice=None) -> None:
         """`model` is anything with transformers' `generate` (the LM, or a wrapper forwarding to it);
         `generate_kwargs` adds engine options such as `synced_gpus` for sharded models.
         `share_prefill`: prompts repeated in the batch (a group's n samples) are prefilled once and
         their KV cache copied to every repeat (not under sharded generation, where every rank must
-        run the same forwards)."""
+        run the same forwards).
+        `cache`: "dynamic" (eager decoding) or "static", the backend's answer where a preallocated KV cache
+        lets transformers compile the decode step (CUDA); a static attempt that fails falls back to
+        dynamic for the rest of the run, with one notice."""
         self.model, self.tokenizer, self.autocast = model, tokenizer, autocast
         self.generate_kwargs = dict(generate_kwargs or {})
+        self.cache = cache
+        self.notice = notice or (lambda message: print(f"portagrpo: {message}"))
         self.share_prefill = share_prefill and not self.generate_kwargs
         self.eos_ids = stop_token_ids(tokenizer, model)
         self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else self.eos_ids[0]
@@ -123,10 +128,7 @@ class HFRollout:
         self.model.eval()
         try:
             with self.autocast(), blank_generation_config(self.model):
-                cache = self._shared_prefill(prompt_ids, prompt_mask) if self.share_prefill else None
-                extra = {} if cache is None else {"past_key_values": cache}
-                out = self.model.generate(input_ids=prompt_ids, attention_mask=prompt_mask, generation_config=gen,
-                                          **extra, **self.generate_kwargs)
+                out = self._generate(prompt_ids, prompt_mask, gen)
         finally:
             self.model.train(was_training)
         responses = out[:, prompt_ids.shape[1]:]
@@ -136,6 +138,22 @@ class HFRollout:
         mask = response_mask_from_tokens(responses, self.eos_ids)
         responses = torch.where(mask.bool(), responses, torch.full_like(responses, self.pad_id))
         return responses, mask
+
+    def _generate(self, prompt_ids, prompt_mask, gen):
+        if self.cache == "static":
+            gen.cache_implementation = "static"
+            try:
+                return self.model.generate(input_ids=prompt_ids, attention_mask=prompt_mask, generation_config=gen,
+                                           **self.generate_kwargs)
+            except Exception as err:  # noqa: BLE001 - any compile/cache failure: decode eagerly instead
+                self.cache = "dynamic"
+                self.notice(f"a static KV cache with a compiled decode step failed here ({type(err).__name__}: "
+                            f"{str(err).splitlines()[0][:200]}); generating with the dynamic cache from now on.")
+                gen.cache_implementation = None
+        cache = self._shared_prefill(prompt_ids, prompt_mask) if self.share_prefill else None
+        extra = {} if cache is None else {"past_key_values": cache}
+        return self.model.generate(input_ids=prompt_ids, attention_mask=prompt_mask, generation_config=gen,
+                                   **extra, **self.generate_kwargs)
 
     def _shared_prefill(self, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor):
         """A KV cache of every row's prompt but its last token, computed once per distinct prompt and

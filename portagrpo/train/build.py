@@ -109,6 +109,8 @@ class Builder:
         extra: dict[str, Any] = {}
         if name == "fixed":
             extra = {"n": cfg.rollout.n}
+        elif name == "hf" and not self.strategy.generate_kwargs:  # not under sharded (lockstep) generation
+            extra = {"cache": self.backend.spec.decode_cache}
         elif name == "vllm":
             r = cfg.rollout
             extra = {"model_path": str(resolve_model_path(cfg.model.path) if cfg.model.path else self.run_dir / "init_model"),

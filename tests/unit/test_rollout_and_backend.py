@@ -153,3 +153,37 @@ def test_packing_is_chosen_only_where_it_saves_work():
     assert packing_pays(3000, 8, 400, 64, "flash_attention_2")  # variable-length kernel: each sequence alone
     assert not packing_pays(280, 8, 46, 512, "npu_fusion")  # an implementation that may not read packed positions
     assert not packing_pays(6000, 64, 100, 4096, "sdpa")  # the [N, N] mask would be too large
+
+
+def test_static_cache_decoding_matches_and_falls_back_to_eager(tiny_model_dir, tokenizer):
+    """The backend's static KV cache (compiled decode on CUDA) gives the greedy tokens of the dynamic
+    cache; where it fails, the engine says so once and decodes with the dynamic cache from then on."""
+    import contextlib
+
+    from transformers import AutoModelForCausalLM
+
+    from portagrpo.backends.cuda import SPEC as CUDA
+    from portagrpo.data.records import left_pad
+
+    assert CUDA.decode_cache == "static" and get_backend("cpu").spec.decode_cache == "dynamic"
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, local_files_only=True)
+    ids, mask = left_pad([tokenizer("a:7")["input_ids"], tokenizer("u:repeat 1234\na:")["input_ids"]],
+                         tokenizer.pad_token_id)
+    greedy = SamplingParams(max_tokens=6, temperature=0.0)
+    static = HFRollout(model, tokenizer, contextlib.nullcontext, cache="static")
+    plain = HFRollout(model, tokenizer, contextlib.nullcontext)
+    assert torch.equal(static.generate(ids, mask, greedy)[0], plain.generate(ids, mask, greedy)[0])
+    assert static.cache == "static"
+
+    notices, real = [], model.generate
+
+    def no_static(**kw):
+        if kw["generation_config"].cache_implementation == "static":
+            raise RuntimeError("torch.compile is not available here")
+        return real(**kw)
+
+    model.generate = no_static
+    broken = HFRollout(model, tokenizer, contextlib.nullcontext, cache="static", notice=notices.append)
+    for _ in range(2):
+        assert torch.equal(broken.generate(ids, mask, greedy)[0], plain.generate(ids, mask, greedy)[0])
+    assert broken.cache == "dynamic" and len(notices) == 1 and "torch.compile is not available" in notices[0]
