@@ -4,8 +4,10 @@ Each variant (a set of config overrides) runs in a fresh subprocess with a pinne
 it trains `--warmup` steps that are not counted, then `--steps` measured ones, and reports the
 median time of each phase (generate, reward, log-probs, update), response tokens/s, tokens/s per
 device counted as verl does ((prompt + response) / (step time x devices)), peak memory, and each
-phase's FLOP floor: the phase's model FLOPs divided by the matmul rate this process measured on
-this device in the same run (so "x floor" is a ratio on the same hardware, not a datasheet figure).
+phase's floor: the phase's model FLOPs divided by the matmul rate this process measured on this
+device in the same run, and for generation the larger of that and the time to read every weight once
+per generated token at the copy bandwidth measured the same way (so "x floor" is a ratio on the same
+hardware, not a datasheet figure).
 """
 from __future__ import annotations
 
@@ -37,6 +39,22 @@ def matmul_flops_per_s(device, dtype, size: int = 1024, repeats: int = 5) -> flo
     return 2 * size**3 / min(times)
 
 
+def copy_bytes_per_s(device, megabytes: int = 256, repeats: int = 3) -> float:
+    """Achieved memory bandwidth on `device`: bytes read plus written by a large copy."""
+    import torch
+
+    src = torch.empty(megabytes * 2**20 // 4, device=device)
+    dst = torch.empty_like(src)
+    dst.copy_(src)
+    times = []
+    for _ in range(repeats):
+        t = time.perf_counter()
+        dst.copy_(src)
+        dst[:1].sum().item()
+        times.append(time.perf_counter() - t)
+    return 2 * src.numel() * src.element_size() / min(times)
+
+
 def phase_flops(params: int, prompt_tokens: float, response_tokens: float, *, scoring_passes: int,
                 ppo_epochs: int) -> dict[str, float]:
     """Model FLOPs of one step (2 x params per token forward, 6 x params forward+backward):
@@ -65,6 +83,8 @@ def run_variant(config: str | None, overrides: list[str], steps: int, warmup: in
             scoring_passes = (0 if trainer.on_policy else 1) + (1 if trainer.ref_scorer is not None else 0)
             params = sum(p.numel() for p in trainer.policy.parameters())
             rate = matmul_flops_per_s(trainer.device, trainer.dtype if trainer.dtype != torch.float64 else torch.float32)
+            bandwidth = copy_bytes_per_s(trainer.device)
+            param_bytes = sum(p.numel() * p.element_size() for p in trainer.policy.parameters())
             world = trainer.comm.world_size
         finally:
             trainer.close()
@@ -77,12 +97,17 @@ def run_variant(config: str | None, overrides: list[str], steps: int, warmup: in
     flops = phase_flops(params, prompt_tokens, response_tokens, scoring_passes=scoring_passes,
                         ppo_epochs=cfg.actor.ppo_epochs)
     floors = {k: flops[k] / rate for k in PHASES}
+    # Every decode step reads every weight at least once, and a response of L tokens needs L steps: at
+    # small batches this, not the FLOPs, is what generation cannot beat.
+    read_floor = med["response_len_mean"] * param_bytes / bandwidth
+    floors["generate"] = max(floors["generate"], read_floor)
     return {
         "overrides": overrides, "threads": torch.get_num_threads(), "device": str(trainer.device),
         "params": params, "steps": steps, "warmup": warmup, "world_size": world,
         "time_step_s": med["time_step_s"], "phases_s": times,
         "floor_s": floors, "x_floor": {k: (times[k] / floors[k] if floors[k] else None) for k in PHASES},
-        "matmul_flops_per_s": rate, "response_tokens_per_s": med["response_tokens_per_s"],
+        "matmul_flops_per_s": rate, "copy_bytes_per_s": bandwidth, "generate_weight_read_floor_s": read_floor,
+        "response_tokens_per_s": med["response_tokens_per_s"],
         "tokens_per_s_per_device": med["tokens_per_s_per_device"], "mem_peak_gb": med["mem_peak_gb"],
         "response_len_mean": med["response_len_mean"],
     }
