@@ -81,8 +81,10 @@ def describe_rank_failures(failures: dict, nproc: int) -> str:
     """One sentence for the ranks torchrun reports failed ({rank: ProcessFailure with .exitcode}). Ranks
     that torchrun itself stopped (SIGTERM) after another failed are named last, as stopped."""
     codes = {rank: getattr(failure, "exitcode", 1) for rank, failure in failures.items()}
-    stopped = sorted(r for r, c in codes.items() if c == -signal.SIGTERM)
-    failed = sorted(r for r in codes if r not in stopped) or stopped
+    # SIGTERM kills a rank (-15) or, once portagrpo's handler is installed, ends it with 128 + 15
+    stopped = sorted(r for r, c in codes.items() if c in (-signal.SIGTERM, 128 + signal.SIGTERM))
+    # ranks ended by a signal first: the likeliest cause (a peer then fails its collective and exits)
+    failed = sorted((r for r in codes if r not in stopped), key=lambda r: ((codes[r] or 0) >= 0, r)) or stopped
     if not failed:
         return f"a rank of {nproc} failed; the first error is printed above."
     parts = []

@@ -77,24 +77,23 @@ class ResponseScorer(torch.nn.Module):
         # Row-major index of every grid position among the valid tokens (what packing keeps).
         packed_index = valid.flatten().long().cumsum(0).sub_(1).view(valid.shape)
         n_valid = int(packed_index[-1, -1]) + 1
+        packed = packing_pays(n_valid, *valid.shape, decoder.config.hidden_size,
+                              getattr(decoder.config, "_attn_implementation", None))
         with autocast():
-            if packing_pays(n_valid, *valid.shape, decoder.config.hidden_size,
-                            getattr(decoder.config, "_attn_implementation", None)):
+            if packed:
                 # One row of every sequence's tokens, positions restarting per sequence: transformers
                 # then attends within each sequence only (block-causal), and no work goes to padding.
                 out = decoder(input_ids=input_ids[valid].unsqueeze(0), position_ids=positions[valid].unsqueeze(0),
                               use_cache=False)
-                grid = None
             else:
                 out = decoder(input_ids=input_ids, attention_mask=attention_mask, position_ids=positions,
                               use_cache=False)
-                grid = True
         hidden = out[0] if isinstance(out, tuple) else out.last_hidden_state
         # The hidden state at position p predicts token p + 1.
-        if grid:
-            h = hidden[:, prompt_len - 1:prompt_len + t - 1][response_mask]  # [N, H]
+        if packed:
+            h = hidden[0, packed_index[:, prompt_len - 1:prompt_len + t - 1][response_mask]]  # [N, H]
         else:
-            h = hidden[0, packed_index[:, prompt_len - 1:prompt_len + t - 1][response_mask]]
+            h = hidden[:, prompt_len - 1:prompt_len + t - 1][response_mask]
         targets = responses[response_mask]
         weight, bias = lm_head_of(self.lm)
         if vocab:

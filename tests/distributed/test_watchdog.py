@@ -108,9 +108,9 @@ def test_failure_sentences_for_each_way_a_rank_ends():
     from portagrpo.cli import describe_rank_failures
 
     fail = {0: ProcessFailure(0, 11, 1, "/nonexistent"), 1: ProcessFailure(1, 12, -9, "/nonexistent"),
-            2: ProcessFailure(2, 13, -15, "/nonexistent"), 3: ProcessFailure(3, 14, -15, "/nonexistent")}
+            2: ProcessFailure(2, 13, -15, "/nonexistent"), 3: ProcessFailure(3, 14, 143, "/nonexistent")}
     text = describe_rank_failures(fail, 4)
-    assert text.startswith("rank 0 exited with status 1; rank 1 was killed (SIGKILL), often by the out-of-memory "
-                           "killer; the launcher then stopped ranks 2, 3 (of 4 ranks)")
+    assert text.startswith("rank 1 was killed (SIGKILL), often by the out-of-memory killer; rank 0 exited with "
+                           "status 1; the launcher then stopped ranks 2, 3 (of 4 ranks)")
     assert "(of 4 ranks)" in text
     assert describe_rank_failures({}, 2).startswith("a rank of 2 failed")
