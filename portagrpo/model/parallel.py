@@ -65,10 +65,6 @@ class SingleProcess:
         """Full state dict of the LM (keys as in the Hugging Face model); a collective when sharded."""
         return _strip("lm.", get_model_state_dict(scorer, options=FULL))
 
-    def model_state_everywhere(self, scorer: torch.nn.Module) -> dict[str, torch.Tensor]:
-        """Full state dict on every rank (each rank's rollout engine needs the whole model)."""
-        return _strip("lm.", get_model_state_dict(scorer, options=StateDictOptions(full_state_dict=True)))
-
     def optimizer_state(self, scorer: torch.nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
         """Full optimizer state keyed by parameter name, so any strategy can resume any other's checkpoint."""
         return get_optimizer_state_dict(scorer, optimizer, options=FULL)
