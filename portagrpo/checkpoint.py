@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
 import shutil
 from pathlib import Path
 from typing import Any
@@ -15,6 +14,7 @@ from typing import Any
 import torch
 
 from portagrpo.errors import UserError
+from portagrpo.fileio import atomic_path
 
 MANIFEST = "manifest.json"
 PREFIX = "step_"
@@ -30,13 +30,6 @@ def _sha256(path: Path) -> str:
         for block in iter(lambda: fh.read(1 << 20), b""):
             h.update(block)
     return h.hexdigest()
-
-
-def _fsync_tree(root: Path) -> None:
-    for path in sorted(root.rglob("*")):
-        if path.is_file():
-            with path.open("rb") as fh:
-                os.fsync(fh.fileno())
 
 
 def checkpoint_dir(run_dir: Path, step: int) -> Path:
@@ -62,23 +55,17 @@ def save_checkpoint(
     Hugging Face config so the weights load with `from_pretrained`.
     """
     final = checkpoint_dir(run_dir, step)
-    tmp = final.parent / f".tmp_{final.name}_{os.getpid()}"
-    if tmp.exists():
-        shutil.rmtree(tmp)
-    tmp.mkdir(parents=True)
-    model.save_pretrained(tmp / "model", state_dict=model_state, safe_serialization=True)
-    tokenizer.save_pretrained(tmp / "model")
-    torch.save(optimizer_state, tmp / "optimizer.pt")
-    torch.save(scheduler.state_dict(), tmp / "scheduler.pt")
-    torch.save(rng, tmp / "rng.pt")
-    (tmp / "trainer_state.json").write_text(json.dumps({"step": step, **state}, indent=1))
-    files = {str(p.relative_to(tmp)): {"size": p.stat().st_size, "sha256": _sha256(p)}
-             for p in sorted(tmp.rglob("*")) if p.is_file()}
-    (tmp / MANIFEST).write_text(json.dumps({"step": step, "files": files}, indent=1))
-    _fsync_tree(tmp)
-    if final.exists():
-        shutil.rmtree(final)
-    os.replace(tmp, final)
+    # written whole or not at all: a full disk or a kill leaves the previous checkpoints as they were
+    with atomic_path(final, directory=True, what=f"saving checkpoint step {step} to") as tmp:
+        model.save_pretrained(tmp / "model", state_dict=model_state, safe_serialization=True)
+        tokenizer.save_pretrained(tmp / "model")
+        torch.save(optimizer_state, tmp / "optimizer.pt")
+        torch.save(scheduler.state_dict(), tmp / "scheduler.pt")
+        torch.save(rng, tmp / "rng.pt")
+        (tmp / "trainer_state.json").write_text(json.dumps({"step": step, **state}, indent=1))
+        files = {str(p.relative_to(tmp)): {"size": p.stat().st_size, "sha256": _sha256(p)}
+                 for p in sorted(tmp.rglob("*")) if p.is_file()}
+        (tmp / MANIFEST).write_text(json.dumps({"step": step, "files": files}, indent=1))
     prune_checkpoints(run_dir, keep)
     return final
 

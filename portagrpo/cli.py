@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import argparse
+import errno
 import json
 import os
 import signal
@@ -227,8 +228,13 @@ BENCHMARKS = {"kernels": "portagrpo.tools.bench", "step": "portagrpo.tools.bench
 
 
 def cmd_bench(argv: list[str]) -> int:
+    usage = ("usage: portagrpo bench kernels|step ...\n  step     the whole GRPO step by phase against its FLOP floor "
+             "(`portagrpo bench step --help`)\n  kernels  log-prob kernel time and memory (`portagrpo bench kernels --help`)")
+    if argv[:1] in (["--help"], ["-h"]):
+        print(usage)
+        return 0
     if not argv or argv[0] not in BENCHMARKS:
-        print("usage: portagrpo bench kernels|step ... (see `portagrpo bench step --help`)", file=sys.stderr)
+        print(usage, file=sys.stderr)
         return 2
     return _tool(BENCHMARKS[argv[0]], drop=1)(argv)
 
@@ -289,25 +295,57 @@ def main(argv: list[str] | None = None) -> int:
         return _dispatch(parser, argv)
     except (KeyboardInterrupt, Stopped) as err:
         what = "Ctrl-C" if isinstance(err, KeyboardInterrupt) else "SIGTERM"
-        print(f"portagrpo: stopped by {what}; every checkpoint written so far is whole (continue a training run with "
-              f"--resume).", file=sys.stderr)
+        if _speaks_for_the_run():
+            print(f"portagrpo: stopped by {what}; every checkpoint written so far is whole (continue a training run "
+                  f"with --resume).", file=sys.stderr)
         return 130 if isinstance(err, KeyboardInterrupt) else 143
     finally:
         if previous is not None:
             signal.signal(signal.SIGTERM, previous)
 
 
+def _subparser(parser: argparse.ArgumentParser, name: str) -> argparse.ArgumentParser:
+    action = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))  # noqa: SLF001
+    return action.choices[name]
+
+
+def _speaks_for_the_run() -> bool:
+    """Whether this process reports a stop: one line per run, so not a rank under portagrpo's own
+    launcher (the launcher reports it) and, under a plain torchrun, only rank 0."""
+    from portagrpo.procs import LAUNCHER_ENV
+
+    return not os.environ.get(LAUNCHER_ENV) and os.environ.get("RANK", "0") == "0"
+
+
+# Operating-system refusals that a user fixes (disk, permissions, names), as one sentence each.
+_USER_OS_ERRORS = (errno.ENOSPC, errno.EDQUOT, errno.EFBIG, errno.EROFS, errno.EACCES, errno.EPERM, errno.ENAMETOOLONG,
+                   errno.ENOTDIR, errno.EISDIR)
+
+
 def _dispatch(parser, argv: list[str]) -> int:
-    argv = argv or ["train"]
+    if not argv:  # a bare `portagrpo` asks what it can do; it never starts a training run
+        parser.print_help()
+        print("\nportagrpo train   # the embedded default: a tiny policy on a built-in task, about a minute on a CPU")
+        return 2
     command = COMMANDS.get(argv[0])
     try:
         if command is not None and not command.parsed:
             return command.run(argv[1:])
-        args = parser.parse_args(argv)
+        if argv[0] == "train":  # options may come before, between or after the key=value overrides
+            args = _subparser(parser, "train").parse_intermixed_args(argv[1:])
+            args.command = "train"
+        else:
+            args = parser.parse_args(argv)
         args.argv = argv
         return COMMANDS[args.command].run(args)
     except (UserError, FileNotFoundError) as err:
         return _fail(err)
+    except OSError as err:
+        if err.errno not in _USER_OS_ERRORS:
+            raise
+        from portagrpo.fileio import describe_os_error
+
+        return _fail(RuntimeError(describe_os_error(err, err.filename or "a file", "writing or reading")))
 
 
 if __name__ == "__main__":

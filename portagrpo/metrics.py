@@ -3,9 +3,10 @@ from __future__ import annotations
 
 import json
 import math
-import os
 from pathlib import Path
 from typing import Any
+
+from portagrpo.fileio import WriteError, describe_os_error, write_text_atomic
 
 REQUIRED_KEYS = (
     "step", "reward_mean", "reward_std", "adv_mean", "adv_std", "loss_policy", "entropy",
@@ -49,9 +50,7 @@ class MetricsLogger:
         # A resumed run drops rows written after its checkpoint, so every step appears once; the
         # rewrite is atomic, so a kill here cannot lose the rows before the checkpoint.
         rows = [r for r in read_metrics(self.path, warn) if r.get("step", 0) <= resume_step] if resume_step else []
-        tmp = self.path.with_name(f".tmp_metrics.jsonl_{os.getpid()}")
-        tmp.write_text("".join(json.dumps(r) + "\n" for r in rows))
-        os.replace(tmp, self.path)
+        write_text_atomic(self.path, "".join(json.dumps(r) + "\n" for r in rows), what="writing")
         self.writer = None
         if tensorboard:
             try:
@@ -63,8 +62,11 @@ class MetricsLogger:
 
     def log(self, metrics: dict[str, Any]) -> None:
         clean = {k: (None if isinstance(v, float) and not math.isfinite(v) else v) for k, v in metrics.items()}
-        with self.path.open("a") as fh:
-            fh.write(json.dumps(clean) + "\n")
+        try:  # a line torn by a full disk is dropped on resume, like one torn by a kill
+            with self.path.open("a") as fh:
+                fh.write(json.dumps(clean) + "\n")
+        except OSError as err:
+            raise WriteError(describe_os_error(err, self.path, "appending to")) from None
         if self.writer is not None:
             for key, value in metrics.items():
                 if key != "step" and isinstance(value, (int, float)) and math.isfinite(value):

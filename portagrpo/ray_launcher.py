@@ -179,6 +179,7 @@ def train_with_ray(cfg: Config, run_dir: Path, resume: str | None = None, addres
     from tqdm.auto import tqdm
 
     from portagrpo.config import to_yaml
+    from portagrpo.fileio import write_text_atomic
     from portagrpo.metrics import MetricsLogger
     from portagrpo.train import Cadence
     from portagrpo.train.run_dir import RunDir
@@ -186,12 +187,13 @@ def train_with_ray(cfg: Config, run_dir: Path, resume: str | None = None, addres
     run_dir = Path(run_dir)
     run_files = RunDir(run_dir)
     run_files.claim(resuming=resume is not None, log=log)  # the driver is the run's one writer
-    run_files.config.write_text(to_yaml(cfg))
     run = RayRun(cfg, run_dir, resume, address, log)
     t = cfg.trainer
     history = []
     try:
         run.start()
+        # only once the workers accepted the config (a refused resume leaves the run's config.yaml as it was)
+        write_text_atomic(run_files.config, to_yaml(cfg), what="writing")
         done, total = run.info["step_done"], run.info["total_steps"]
         when = Cadence(total, t.test_freq, t.save_freq)  # the single-process loop's cadence
         logger = MetricsLogger(run_dir, tensorboard=t.tensorboard, resume_step=done, warn=log)

@@ -45,14 +45,14 @@ def _coerce(value: Any, tp: Any, where: str) -> Any:
         if value not in choices:
             close = difflib.get_close_matches(str(value), [str(c) for c in choices], n=1)
             hint = f" (did you mean {close[0]!r}?)" if close else ""
-            raise ConfigError([f"{where}={value!r} is not allowed{hint}; use one of {', '.join(map(repr, choices))}."])
+            raise ConfigError([f"{where}={short(value)} is not allowed{hint}; use one of {', '.join(map(repr, choices))}."])
         return value
     if origin is list:
         (inner,) = typing.get_args(tp)
         if isinstance(value, (str, int, float)) and not isinstance(value, bool):
             value = [value] if not isinstance(value, str) else [v for v in value.split(",") if v]
         if not isinstance(value, (list, tuple)):
-            raise ConfigError([f"{where} must be {_type_name(tp)}, got {type(value).__name__} {value!r}."])
+            raise ConfigError([f"{where} must be {_type_name(tp)}, got {type(value).__name__} {short(value)}."])
         return [_coerce(v, inner, f"{where}[{i}]") for i, v in enumerate(value)]
     if tp is bool:
         if isinstance(value, bool):
@@ -75,30 +75,48 @@ def _coerce(value: Any, tp: Any, where: str) -> Any:
             return str(value)
     elif dataclasses.is_dataclass(tp):
         return _build(tp, value, where)
-    raise ConfigError([f"{where} must be {_type_name(tp)}, got {type(value).__name__} {value!r}."])
+    raise ConfigError([f"{where} must be {_type_name(tp)}, got {type(value).__name__} {short(value)}."])
 
 
-def _build(cls: type, raw: Any, prefix: str) -> Any:
+def _build(cls: type, raw: Any, prefix: str, problems: list[str] | None = None) -> Any:
+    """`cls` from the mapping `raw`. With a `problems` list, every wrong key or type is appended
+    there and left at its default, so the caller can go on to report every other problem too;
+    without one, the first section with problems raises ConfigError."""
+    collect = problems is not None
+    problems = [] if problems is None else problems
     if raw is None:
         raw = {}
     if not isinstance(raw, dict):
-        raise ConfigError([f"{prefix or 'the config'} must be a mapping of keys, got {type(raw).__name__} {raw!r}."])
+        message = f"{prefix or 'the config'} must be a mapping of keys, got {type(raw).__name__} {short(raw)}."
+        if collect:
+            problems.append(message)
+            return cls()
+        raise ConfigError([message])
     hints = typing.get_type_hints(cls)
     names = [f.name for f in dataclasses.fields(cls)]
-    problems: list[str] = []
+    before = len(problems)
     kwargs: dict[str, Any] = {}
     for key, value in raw.items():
         where = f"{prefix}.{key}" if prefix else str(key)
         if key not in names:
             problems.append(_unknown_key(where, str(key), names, prefix))
             continue
+        if dataclasses.is_dataclass(hints[key]):
+            kwargs[key] = _build(hints[key], value, where, problems if collect else None)
+            continue
         try:
             kwargs[key] = _coerce(value, hints[key], where)
         except ConfigError as err:
             problems.extend(err.problems)
-    if problems:
+    if len(problems) > before and not collect:
         raise ConfigError(problems)
     return cls(**kwargs)
+
+
+def short(value: Any, limit: int = 80) -> str:
+    """`repr(value)`, cut to `limit` characters: a bad value is named, never echoed whole."""
+    text = repr(value)
+    return text if len(text) <= limit else f"{text[:limit - 20]}...{text[-8:]} ({len(text)} characters)"
 
 
 def _all_keys(cls: type = None, prefix: str = "") -> list[str]:
@@ -141,16 +159,20 @@ def parse_override(item: str) -> tuple[list[str], Any]:
         raise ConfigError([f"override {item!r} has an empty key; write key=value."])
     try:
         value = yaml.safe_load(text) if text.strip() else ""
-    except yaml.YAMLError:
+    except (yaml.YAMLError, ValueError):  # ValueError: an integer longer than Python converts
         value = text
     return key.split("."), value
 
 
 def set_dotted(raw: dict, path: list[str], value: Any) -> None:
     node = raw
-    for part in path[:-1]:
+    for depth, part in enumerate(path[:-1]):
         child = node.get(part)
-        if not isinstance(child, dict):
+        if child is not None and not isinstance(child, dict):  # never silently replace what the file says
+            section = ".".join(path[:depth + 1])
+            raise ConfigError([f"{section} is {short(child)} in the config, not a section of keys, so "
+                               f"{'.'.join(path)} cannot be set inside it; make {section} a mapping (or remove it)."])
+        if child is None:
             child = {}
             node[part] = child
         node = child
@@ -160,12 +182,18 @@ def set_dotted(raw: dict, path: list[str], value: Any) -> None:
 def read_yaml(path: str | Path) -> dict:
 
     p = Path(path)
+    if p.is_dir():
+        raise ConfigError([f"--config {str(path)!r} is a directory; pass the path of a YAML file (see configs/)."])
     if not p.is_file():
         raise ConfigError([f"--config {str(path)!r} does not exist; pass the path of a YAML file (see configs/)."])
     try:
-        data = yaml.load(p.read_text(), Loader=UniqueKeyLoader)  # noqa: S506 - a SafeLoader subclass
+        data = yaml.load(p.read_text(encoding="utf-8"), Loader=UniqueKeyLoader)  # noqa: S506 - a SafeLoader subclass
+    except UnicodeDecodeError:
+        raise ConfigError([f"--config {str(path)!r} is not a text file (not UTF-8); pass a YAML recipe."]) from None
     except yaml.YAMLError as err:
         raise ConfigError([f"--config {str(path)!r} is not valid YAML ({err}); fix the file."]) from err
+    except ValueError as err:  # e.g. an integer longer than Python converts
+        raise ConfigError([f"--config {str(path)!r} holds a value YAML cannot read ({str(err)[:100]}); fix the file."]) from None
     if data is None:
         return {}
     if not isinstance(data, dict):
@@ -173,18 +201,25 @@ def read_yaml(path: str | Path) -> dict:
     return data
 
 
-def merge_raw(config_path: str | Path | None, overrides: list[str] | None, notices: list[str] | None = None) -> dict:
+def merge_raw(config_path: str | Path | None, overrides: list[str] | None, notices: list[str] | None = None,
+              problems: list[str] | None = None) -> dict:
+    """The raw mapping: the YAML file, then the overrides. With a `problems` list, a bad override
+    is appended there and skipped, so every problem is reported at once; without one it raises."""
     from portagrpo.config.verl import translate
 
+    found: list[str] = []
     raw: dict = read_yaml(config_path) if config_path else {}
     pairs = []
     for item in overrides or []:
-        path, value = parse_override(item)
+        try:
+            path, value = parse_override(item)
+        except ConfigError as err:
+            found.extend(err.problems)
+            continue
         pairs.append((".".join(path), value))
     pairs, verl_notices, rejected = translate(pairs)
-    if rejected:
-        raise ConfigError([f"verl key {k} has no portagrpo equivalent; remove it (docs/config.md lists the verl keys "
-                           f"portagrpo accepts)." for k in rejected])
+    found += [f"verl key {k} has no portagrpo equivalent; remove it (docs/config.md lists the verl keys portagrpo "
+              f"accepts)." for k in rejected]
     if notices is not None:
         notices.extend(verl_notices)
     mini_prompts = None
@@ -192,7 +227,14 @@ def merge_raw(config_path: str | Path | None, overrides: list[str] | None, notic
         if key == "__verl_mini_batch_prompts":
             mini_prompts = value
             continue
-        set_dotted(raw, key.split("."), value)
+        try:
+            set_dotted(raw, key.split("."), value)
+        except ConfigError as err:
+            found.extend(p for p in err.problems if p not in found)
+    if found and problems is None:
+        raise ConfigError(found)
+    if problems is not None:
+        problems.extend(found)
     explicit = {k for k, _ in pairs}
     # Giving files means training on them; giving epochs means counting steps by epochs.
     if "data.train_files" in explicit and "data.task" not in explicit:
@@ -222,8 +264,10 @@ def load_config(
     """`notices` collects one line per verl key that was mapped onto a portagrpo key."""
     from portagrpo.config.rules import validate
 
-    cfg = _build(Config, merge_raw(config_path, overrides, notices), "")
-    problems = validate(cfg, check_files=check_files)
+    problems: list[str] = []
+    cfg = _build(Config, merge_raw(config_path, overrides, notices, problems), "", problems)
+    # every problem at once: wrong keys and types (left at their defaults) and then the rules
+    problems += [p for p in validate(cfg, check_files=check_files) if p not in problems]
     if problems:
         raise ConfigError(problems)
     return cfg
@@ -261,4 +305,14 @@ def _mapping(loader: UniqueKeyLoader, node: yaml.MappingNode, deep: bool = False
     return loader.construct_mapping(node, deep=deep)
 
 
+def _int_or_float(loader: UniqueKeyLoader, node: yaml.ScalarNode):
+    """An integer too long for Python's conversion limit is read as the float it is (then refused by
+    the range rules) instead of ending the load in a ValueError."""
+    try:
+        return loader.construct_yaml_int(node)
+    except ValueError:
+        return float(loader.construct_scalar(node).replace("_", ""))
+
+
 UniqueKeyLoader.add_constructor(yaml.resolver.BaseResolver.DEFAULT_MAPPING_TAG, _mapping)
+UniqueKeyLoader.add_constructor("tag:yaml.org,2002:int", _int_or_float)

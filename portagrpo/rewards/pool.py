@@ -8,8 +8,11 @@ Workers die with the trainer (parent-death signal plus a watcher thread).
 """
 from __future__ import annotations
 
+import contextlib
 import multiprocessing
 import os
+import signal
+import threading
 import time
 from multiprocessing.connection import wait
 
@@ -19,6 +22,9 @@ _NOT_SCORED = (0.0, False, "NotScored: scoring stopped early because too many ot
 def _worker_main(conn, spec: str, parent_pid: int) -> None:
     from portagrpo.procs import exit_with_parent, set_parent_death_signal
 
+    # Ctrl-C reaches the whole process group; the trainer stops its workers itself, and a worker's
+    # own KeyboardInterrupt traceback would only bury the trainer's one line.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
     set_parent_death_signal()
     exit_with_parent(parent_pid, "reward worker")
     from portagrpo.rewards.functions import RewardResolver, _score_one
@@ -37,11 +43,24 @@ def _worker_main(conn, spec: str, parent_pid: int) -> None:
         conn.send(("result", (index, _score_one(resolver, *item))))
 
 
+@contextlib.contextmanager
+def _sigint_ignored():
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    previous = signal.signal(signal.SIGINT, signal.SIG_IGN)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, previous)
+
+
 class _Worker:
     def __init__(self, ctx, spec: str) -> None:
         self.conn, child = ctx.Pipe()
         self.proc = ctx.Process(target=_worker_main, args=(child, spec, os.getpid()), daemon=True)
-        self.proc.start()
+        with _sigint_ignored():  # inherited through exec: Python in the child then never turns Ctrl-C into a traceback
+            self.proc.start()
         child.close()
         self.ready = False
         self.task: int | None = None
@@ -92,6 +111,7 @@ class RewardPool:
                 try:
                     kind, payload = conn.recv()
                 except (EOFError, OSError):
+                    w.proc.join(timeout=5)  # the exit code is known only once the process is reaped
                     if not w.ready:
                         self._deaths_at_start += 1
                         if self._deaths_at_start > 3:

@@ -137,14 +137,16 @@ def main_cli(argv: list[str]) -> int:
     p.add_argument("--json", dest="json_path", help="write the rows to this file")
     args = p.parse_args(argv)
     from portagrpo.backends import get_backend
+    from portagrpo.fileio import check_report_destination, write_report
 
+    if args.json_path:  # before any work
+        check_report_destination(args.json_path, "--json", "bench-kernels")
     device = get_backend(args.device).name
     print(f"{'shape (NxHxV)':18} {'variant':8} {'dtype':5} {'fwd+bwd':>10}  {'peak':>12}  (device {device})")
     rows = bench_kernels(args.shapes.split(","), args.variants.split(","), args.dtype, device, args.repeats,
                          args.entropy, args.threads)
     if args.json_path:
-        with open(args.json_path, "w") as fh:
-            json.dump({"device": device, "rows": rows, "argv": argv}, fh, indent=1)
+        write_report(args.json_path, {"device": device, "rows": rows, "argv": argv}, "bench-kernels")
     return 0
 
 

@@ -168,17 +168,21 @@ def main_cli(argv: list[str]) -> int:
     p.add_argument("--json", default=None, help="write the results here")
     p.add_argument("overrides", nargs="*", help="key=value overrides applied to every variant")
     args = p.parse_args(argv)
+    from portagrpo.fileio import check_report_destination, write_report
+
     if args.steps < 1 or args.warmup < 0 or args.threads < 1:
         from portagrpo.errors import UserError
 
         raise UserError("--steps and --threads must be at least 1 and --warmup at least 0.")
+    if args.json:  # before any work
+        check_report_destination(args.json, "--json", "bench-step")
     results = []
     for name, extra in tqdm(parse_variants(args.variant), desc="bench step", unit="variant"):
         results.append(_spawn(name, args.config, [*args.overrides, *extra], args.steps, args.warmup, args.threads))
     report = {"command": "portagrpo bench step " + " ".join(argv), "results": results}
     print(render(results))
     if args.json:
-        Path(args.json).write_text(json.dumps(report, indent=1))
+        write_report(args.json, report, "bench-step")
     return 0
 
 

@@ -2,13 +2,13 @@
 mean@k from k samples per prompt, on any backend, batched, with a JSON report."""
 from __future__ import annotations
 
-import json
 import math
 from pathlib import Path
 from typing import Any
 
 import torch
 
+from portagrpo.fileio import check_report_destination, write_report
 from portagrpo.metrics import pass_at_k
 
 
@@ -39,7 +39,7 @@ def load_for_eval(model: str | Path, allow_untrained: bool = False):
         return load_model(model_dir, "sdpa"), load_tokenizer(str(model_dir)), str(model_dir)
     if not str(model).startswith("pkg:") and not path.exists():
         raise UserError(f"--model {str(model)!r} does not exist; give a model directory, a .gguf file or a run directory.")
-    return load_model(model, "sdpa"), load_tokenizer(str(model)), str(model)
+    return load_model(model, "sdpa", "--model"), load_tokenizer(str(model), "--model"), str(model)
 
 
 def evaluate(model_spec: str, data_files: list[str], *, n: int = 1, temperature: float = 1.0, top_p: float = 1.0,
@@ -118,11 +118,26 @@ def _check_args(args) -> None:
     if args.top_k < -1 or not 0 <= args.min_p < 1 or not args.repetition_penalty > 0:
         raise UserError(f"--top-k={args.top_k} must be >= -1, --min-p={args.min_p} in [0, 1) and --repetition-penalty="
                         f"{args.repetition_penalty} positive.")
+    if args.output is None:
+        return
     out = Path(args.output)
     if not out.parent.is_dir():
         raise UserError(f"--output {out}: the directory {out.parent} does not exist; create it first.")
     if out.is_dir():
         raise UserError(f"--output {out} is a directory; name the JSON file to write.")
+    check_report_destination(out, "--output", "eval")  # a new file, or an earlier eval report
+
+
+def fresh_report_path(stem: str = "eval") -> Path:
+    """`eval-<time>.json` in the working directory, never an existing file."""
+    from datetime import datetime
+
+    base = f"{stem}-{datetime.now().strftime('%Y%m%d-%H%M%S')}"
+    path, k = Path(f"{base}.json"), 1
+    while path.exists():
+        k += 1
+        path = Path(f"{base}-{k}.json")
+    return path
 
 
 def main_cli(argv: list[str]) -> int:
@@ -143,7 +158,8 @@ def main_cli(argv: list[str]) -> int:
     p.add_argument("--device", default="auto")
     p.add_argument("--reward", default="auto", help="reward function (as reward.function)")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--output", default="eval.json", help="the JSON report")
+    p.add_argument("--output", default=None, help="the JSON report: a new file or an earlier eval report (default: a new "
+                                                  "eval-<time>.json in the working directory)")
     p.add_argument("--untrained", action="store_true", help="allow a run directory without a checkpoint (its init model)")
     args = p.parse_args(argv)
     _check_args(args)
@@ -151,11 +167,12 @@ def main_cli(argv: list[str]) -> int:
                       top_k=args.top_k, min_p=args.min_p, repetition_penalty=args.repetition_penalty,
                       max_new_tokens=args.max_new_tokens, batch_size=args.batch_size, device=args.device,
                       reward=args.reward, seed=args.seed, max_samples=args.max_samples, allow_untrained=args.untrained)
-    Path(args.output).write_text(json.dumps(report, indent=1))
+    output = Path(args.output) if args.output else fresh_report_path()
+    write_report(output, report, "eval")
     g = report["greedy"]
     line = f"greedy accuracy {g['accuracy']:.3f} (mean reward {g['reward_mean']:.3f}) on {report['prompts']} prompts"
     if "sampled" in report:
         s = report["sampled"]
         line += f"; n={args.n}: pass@1 {s['pass@1']:.3f}, pass@{args.n} {s[f'pass@{args.n}']:.3f}, mean@{args.n} {s[f'mean@{args.n}']:.3f}"
-    print(line + f"; report in {args.output}")
+    print(line + f"; report in {output}")
     return 0

@@ -2,14 +2,15 @@
 from __future__ import annotations
 
 import json
-import os
 import shutil
 from pathlib import Path
 
-from portagrpo.checkpoint import CheckpointError, checkpoint_dir, latest_valid_checkpoint, verify_checkpoint
+from portagrpo.checkpoint import (PREFIX, CheckpointError, checkpoint_dir, latest_valid_checkpoint, list_checkpoints,
+                                  verify_checkpoint)
 from portagrpo.config import load_config
 from portagrpo.errors import UserError
-from portagrpo.train.run_dir import remove_dead_temporaries, tmp_name
+from portagrpo.fileio import atomic_path, check_output_path
+from portagrpo.train.run_dir import remove_dead_temporaries
 
 MARKER = ".portagrpo-export.json"  # marks a directory an export may replace
 
@@ -19,6 +20,10 @@ def export(run_dir: str | Path, output: str | Path | None = None, *, merge: bool
     run_dir = Path(run_dir)
     if step is not None:
         ckpt = checkpoint_dir(run_dir, step)
+        if not ckpt.exists():
+            kept = ", ".join(str(int(p.name.removeprefix(PREFIX))) for p in list_checkpoints(run_dir)) or "none"
+            raise CheckpointError(f"--step {step}: {run_dir} has no checkpoint of step {step} (it keeps steps: {kept}; "
+                                  f"older ones are pruned after trainer.max_ckpt_to_keep); pick one of those.")
         problems = verify_checkpoint(ckpt)
         if problems:
             raise CheckpointError(f"checkpoint {ckpt} cannot be exported: {problems[0]}.")
@@ -28,10 +33,12 @@ def export(run_dir: str | Path, output: str | Path | None = None, *, merge: bool
             raise UserError(f"{run_dir} has no whole checkpoint to export; train with trainer.save_freq > 0.")
     out = Path(output) if output else run_dir / ("export-merged" if merge else "export")
     check_destination(out)
-    tmp = tmp_name(out)
-    _write(run_dir, ckpt / "model", tmp, merge)
-    (tmp / MARKER).write_text(json.dumps({"run": str(run_dir.resolve()), "checkpoint": ckpt.name, "merged": merge}))
-    _replace(tmp, out)
+    # an earlier export is moved aside and removed only once the new one is in place, so a kill or a
+    # full disk at any moment leaves one whole export (or the old one) and no temporary
+    with atomic_path(out, directory=True, what="exporting to") as tmp:
+        tmp.rmdir()  # copytree and save_pretrained create it
+        _write(run_dir, ckpt / "model", tmp, merge)
+        (tmp / MARKER).write_text(json.dumps({"run": str(run_dir.resolve()), "checkpoint": ckpt.name, "merged": merge}))
     return out
 
 
@@ -39,10 +46,10 @@ def check_destination(out: Path) -> None:
     """An export replaces only an earlier export: never a user's directory that merely exists."""
     if out.exists() and not out.is_dir():
         raise UserError(f"export --output {out} is a file; pass a new or empty directory.")
+    check_output_path(out, "export --output")
     if out.is_dir() and any(out.iterdir()) and not (out / MARKER).is_file():
         raise UserError(f"export --output {out} is not empty and is not an earlier portagrpo export; pass a new or "
                         f"empty directory (nothing was written).")
-    out.parent.mkdir(parents=True, exist_ok=True)
     for prefix in (f".tmp_{out.name}_", f".tmp_old_{out.name}_"):  # left by killed exports
         remove_dead_temporaries(out.parent, prefix=prefix)
 
@@ -61,16 +68,6 @@ def _write(run_dir: Path, model_dir: Path, dest: Path, merge: bool) -> None:
     merged = PeftModel.from_pretrained(base, str(model_dir)).merge_and_unload()
     merged.save_pretrained(dest, safe_serialization=True)
     load_tokenizer(cfg.model.tokenizer_path or base_path).save_pretrained(dest)
-
-
-def _replace(tmp: Path, out: Path) -> None:
-    """Put the finished export in place; an earlier export is moved aside first and removed only
-    once the new one is there, so a kill at any moment leaves one whole export (or the old one)."""
-    old = out.parent / f".tmp_old_{out.name}_{os.getpid()}"
-    if out.exists():
-        os.replace(out, old)
-    os.replace(tmp, out)
-    shutil.rmtree(old, ignore_errors=True)
 
 
 def main_cli(argv: list[str]) -> int:

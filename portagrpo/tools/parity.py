@@ -8,7 +8,6 @@ checks that rebuilding reproduces the stored numbers.
 from __future__ import annotations
 
 import contextlib
-import json
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
@@ -278,20 +277,29 @@ def main_cli(argv: list[str]) -> int:
     p.add_argument("--json", dest="json_path", help="write the report(s) here")
     args = p.parse_args(argv)
     from portagrpo.backends import get_backend
+    from portagrpo.errors import UserError
+    from portagrpo.fileio import check_report_destination, write_report
 
+    dtypes, kernels = args.dtype.split(","), args.kernels.split(",")
+    for dtype in dtypes:  # every argument checked before any work
+        if dtype not in DTYPES:
+            raise UserError(f"--dtype {args.dtype!r}: {dtype!r} is not one of {', '.join(DTYPES)}; give one or more of "
+                            f"them separated by commas, e.g. --dtype fp32,bf16.")
+    if "" in kernels:
+        raise UserError(f"--kernels {args.kernels!r} has an empty name; give names separated by commas, e.g. auto,chunked.")
+    if args.json_path:
+        check_report_destination(args.json_path, "--json", "parity")
     backend = get_backend(args.device).name
     reports, ok = [], True
-    for dtype in args.dtype.split(","):
-        if dtype not in DTYPES:
-            raise ValueError(f"--dtype {dtype!r} is not one of {', '.join(DTYPES)}.")
-        for kernel in args.kernels.split(","):
+    for dtype in dtypes:
+        for kernel in kernels:
             chosen, rows = run_parity(backend, dtype, kernel)
             print(format_table(backend, dtype, chosen, rows))
             print()
             reports.append(to_json(backend, dtype, chosen, rows))
             ok &= all(r.passed for r in rows)
     if args.json_path:
-        Path(args.json_path).write_text(json.dumps(reports if len(reports) > 1 else reports[0], indent=1))
+        write_report(args.json_path, reports if len(reports) > 1 else reports[0], "parity")
     return 0 if ok else 1
 
 

@@ -37,6 +37,10 @@ def curve_error(replayed: list[float], recorded: list[float]) -> float:
     return relative_error(torch.tensor(replayed, dtype=torch.float64), torch.tensor(recorded, dtype=torch.float64))
 
 
+from portagrpo.fileio import check_output_path  # noqa: E402
+from portagrpo.train.run_dir import RunDir  # noqa: E402
+
+
 def replay(run_dir: str | Path, device: str, steps: int | None, output_dir: str | Path | None,
            overrides: list[str], log=print) -> dict[str, Any]:
     from portagrpo.train import Trainer
@@ -45,10 +49,15 @@ def replay(run_dir: str | Path, device: str, steps: int | None, output_dir: str 
     if not (run_dir / "config.yaml").is_file():
         raise UserError(f"{run_dir} is not a portagrpo run directory (no config.yaml).")
     files = recorded_steps(run_dir)
+    if steps is not None and not 1 <= steps <= len(files):
+        raise UserError(f"--steps {steps}: {run_dir} has {len(files)} recorded step(s); give a number from 1 to "
+                        f"{len(files)}, or leave --steps out to replay them all.")
     files = files[:steps] if steps else files
     base = load_config(run_dir / "config.yaml", check_files=False)
     model_path = base.model.path or str(run_dir / "init_model")
     out_dir = Path(output_dir) if output_dir else run_dir / f"replay-{device}"
+    check_output_path(out_dir, "--output-dir")
+    RunDir(out_dir).check_new_run()  # before any work: a replay never writes into an earlier one
     cfg = load_config(run_dir / "config.yaml", [
         f"model.path={model_path}", f"trainer.device={device}", "trainer.record_rollouts=false",
         "trainer.save_freq=0", "trainer.test_freq=0", "trainer.tensorboard=false", "trainer.plot=false",

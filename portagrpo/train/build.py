@@ -11,11 +11,12 @@ from portagrpo.backends import Backend
 from portagrpo.config import Config
 from portagrpo.data.records import PromptLoader, filter_long_prompts, load_records, task_records
 from portagrpo.model.scorer import AdaptersOff, ResponseScorer
-from portagrpo.model.loading import apply_lora, build_tiny_model, check_tiny_matches, load_model, load_tokenizer, resolve_model_path
+from portagrpo.model.loading import apply_lora, build_tiny_model, check_tiny_matches, load_model, load_tokenizer
+from portagrpo.paths import resolve_model_path
 from portagrpo.rewards.pool import RewardPool
 from portagrpo.rewards.functions import RewardResolver
 from portagrpo.rollout.engines import ROLLOUT_ENGINES, stop_token_ids
-from portagrpo.train.run_dir import tmp_name
+from portagrpo.fileio import atomic_path
 from portagrpo.train.update import objective_from, shaping_from
 
 
@@ -28,7 +29,8 @@ class Builder:
 
     def _setup_data(self) -> None:
         cfg = self.cfg
-        self.tokenizer = load_tokenizer(cfg.model.tokenizer_path or cfg.model.path)
+        self.tokenizer = load_tokenizer(cfg.model.tokenizer_path or cfg.model.path,
+                                        "model.tokenizer_path" if cfg.model.tokenizer_path else "model.path")
         if cfg.data.task:
             train = task_records(cfg.data.task, cfg.data.train_size, cfg.trainer.seed)
             val = task_records(cfg.data.task, cfg.data.val_size, cfg.trainer.seed + 10_007)
@@ -57,11 +59,10 @@ class Builder:
         else:
             if self.comm.is_main and not (init_dir / "config.json").is_file():
                 # written whole or not at all: a kill here must leave a run that can start again
-                tmp = tmp_name(init_dir)
                 model = build_tiny_model(cfg.model, self.tokenizer, cfg.trainer.seed)
-                model.save_pretrained(tmp, safe_serialization=True)
-                self.tokenizer.save_pretrained(tmp)
-                os.replace(tmp, init_dir)
+                with atomic_path(init_dir, directory=True, what="writing the initial model to") as tmp:
+                    model.save_pretrained(tmp, safe_serialization=True)
+                    self.tokenizer.save_pretrained(tmp)
             self.comm.barrier()
             check_tiny_matches(cfg.model.tiny, init_dir)
             self.policy = load_model(init_dir, attn)
@@ -78,7 +79,7 @@ class Builder:
         if (cfg.actor.use_kl_loss or cfg.algorithm.use_kl_in_reward) and self.is_lora:
             self.ref_scorer = AdaptersOff(self.scorer)
         elif cfg.actor.use_kl_loss or cfg.algorithm.use_kl_in_reward:
-            self.ref = load_model(ref_path, attn).to(device=self.device, dtype=self.master_dtype).eval()
+            self.ref = load_model(ref_path, attn, "model.ref_path" if cfg.model.ref_path else "model.path").to(device=self.device, dtype=self.master_dtype).eval()
             self.ref.requires_grad_(False)
             self.ref_scorer = self.strategy.wrap(ResponseScorer(self.ref, self.kernel), trainable=False, compute_dtype=self.dtype)
         self.kl_needs_vocab = cfg.actor.kl_loss_type.rstrip("+") == "full"

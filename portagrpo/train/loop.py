@@ -7,6 +7,8 @@ backend, and every pluggable piece is reached through a registry.
 """
 from __future__ import annotations
 
+import os
+import shutil
 import time
 from dataclasses import dataclass
 from datetime import datetime
@@ -16,6 +18,7 @@ from typing import Any
 from portagrpo.backends import Backend, get_backend
 from portagrpo.backends.dist import Collectives, init_collectives
 from portagrpo.config import Config, ConfigError, to_yaml, validate_world
+from portagrpo.fileio import write_text_atomic
 from portagrpo.kernels import logprob_impl
 from portagrpo.metrics import MetricsLogger
 from portagrpo.model.parallel import make_strategy
@@ -83,11 +86,33 @@ class Trainer(Builder, ExperienceMaker, Updater, RunState):
         # Rank 0 names the run directory (a timestamp would differ between processes).
         self.run_dir = Path(self.comm.broadcast_object(str(self.run_dir)))
         self.run = RunDir(self.run_dir)
+        existed = self.run_dir.is_dir()
+        before = set(os.listdir(self.run_dir)) if existed else set()
         if self.comm.is_main:
             if self.own_outputs:  # a Ray driver claims the directory itself
                 self.run.claim(resuming=self.resume_from is not None, log=self.log)
             self.run_dir.mkdir(parents=True, exist_ok=True)
-            self.run.config.write_text(to_yaml(cfg))
+        try:
+            self._setup_parts()
+        except BaseException:
+            if self.comm.is_main and self.own_outputs and self.resume_from is None:
+                self._undo_new_run(existed, before)
+            raise
+        return self
+
+    def _undo_new_run(self, existed: bool, before: set[str]) -> None:
+        """A new run refused during setup leaves the disk as it found it: the directory it created,
+        or the entries it added to an empty one (a new run only ever starts in one of those)."""
+        self.run.unlock()
+        if not existed:
+            shutil.rmtree(self.run_dir, ignore_errors=True)
+            return
+        for name in set(os.listdir(self.run_dir)) - before:
+            entry = self.run_dir / name
+            shutil.rmtree(entry, ignore_errors=True) if entry.is_dir() else entry.unlink(missing_ok=True)
+
+    def _setup_parts(self) -> None:
+        cfg = self.cfg
         self.strategy = make_strategy(self.backend.parallel_strategy(cfg.trainer.parallel), self.comm)
         self.kernel_name = self.backend.kernel_implementation(cfg.kernels.logprob)
         self.kernel = logprob_impl(self.kernel_name)
@@ -101,7 +126,8 @@ class Trainer(Builder, ExperienceMaker, Updater, RunState):
         self.logger = (MetricsLogger(self.run_dir, tensorboard=cfg.trainer.tensorboard, resume_step=resume_step,
                                      warn=self.log)
                        if self.comm.is_main and self.own_outputs else None)
-        return self
+        if self.comm.is_main:  # last: a resume refused anywhere above leaves the run's config.yaml as it was
+            write_text_atomic(self.run.config, to_yaml(cfg), what="writing")
 
     def fit(self, progress: bool | None = None) -> list[dict[str, Any]]:
         from tqdm.auto import tqdm

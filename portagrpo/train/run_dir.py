@@ -20,6 +20,7 @@ from pathlib import Path
 
 from portagrpo.checkpoint import PREFIX, latest_valid_checkpoint, list_checkpoints
 from portagrpo.errors import UserError
+from portagrpo.fileio import check_output_path
 
 LOCK = ".lock"
 # What a portagrpo run writes; a directory holding only these and no finished step is reusable.
@@ -39,11 +40,6 @@ def pid_alive(pid: int) -> bool:
     except PermissionError:  # alive, owned by someone else
         return True
     return True
-
-
-def tmp_name(final: Path) -> Path:
-    """The temporary sibling a writer fills before renaming it to `final`; it names the writer."""
-    return final.parent / f".tmp_{final.name}_{os.getpid()}"
 
 
 def remove_dead_temporaries(folder: Path, *, prefix: str = ".tmp_", everyone: bool = False) -> list[Path]:
@@ -132,8 +128,8 @@ class RunDir:
                     shutil.rmtree(entry) if entry.is_dir() else entry.unlink()
                 if leftovers:
                     log(f"{self.path} held an earlier run that never finished a step; starting it afresh")
-            removed = remove_dead_temporaries(self.checkpoints, everyone=True)
-            removed += remove_dead_temporaries(self.path, everyone=True)
+            removed = [p for folder in (self.checkpoints, self.rollouts, self.path)
+                       for p in remove_dead_temporaries(folder, everyone=True)]
             if removed:
                 log(f"removed {len(removed)} half-written temporary entr{'y' if len(removed) == 1 else 'ies'} left by "
                     f"a killed run ({', '.join(p.name for p in removed[:3])})")
@@ -145,6 +141,8 @@ class RunDir:
 def resolve_run(output_dir: str | Path | None, resume: str | None) -> tuple[Path | None, Path | None]:
     """(run directory or None for the default, checkpoint or run to resume from or None), checked
     before anything is written."""
+    if output_dir:
+        check_output_path(output_dir, "--output-dir")
     if resume is None:
         return (Path(output_dir) if output_dir else None), None
     if resume == "auto":

@@ -1,7 +1,6 @@
 """Run state: checkpoints (save and resume), RNG streams, parameter fingerprints, rollout records."""
 from __future__ import annotations
 
-import os
 import random
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -11,6 +10,7 @@ import torch
 
 from portagrpo.checkpoint import (CheckpointError, check_checkpoint_fits, latest_valid_checkpoint, load_checkpoint_state,
                           save_checkpoint)
+from portagrpo.fileio import WriteError, atomic_path
 
 
 if TYPE_CHECKING:
@@ -26,15 +26,24 @@ class RunState:
         optimizer_state = self.strategy.optimizer_state(self.scorer, self.optimizer)
         path = None
         if self.comm.is_main:
-            path = save_checkpoint(
+            path = self._save_checkpoint(model_state, optimizer_state)
+            self.log(f"saved checkpoint {path}")
+        self.comm.barrier()
+        return path
+
+    def _save_checkpoint(self, model_state, optimizer_state) -> Path:
+        try:
+            return save_checkpoint(
                 self.run_dir, self.step_done, model=self.policy, tokenizer=self.tokenizer, model_state=model_state,
                 optimizer_state=optimizer_state, scheduler=self.scheduler,
                 state={"loader": self.loader.state_dict(), "world_size": self.comm.world_size},
                 rng=self.rng_state(), keep=self.cfg.trainer.max_ckpt_to_keep,
             )
-            self.log(f"saved checkpoint {path}")
-        self.comm.barrier()
-        return path
+        except WriteError as err:  # the temporary is gone; say what is still there to resume from
+            last = latest_valid_checkpoint(self.run_dir, warn=lambda message: None)
+            after = (f"The last whole checkpoint, {last.name}, is untouched: free space, then continue with --resume "
+                     f"{self.run_dir}." if last else "No earlier checkpoint exists, so the run cannot be resumed.")
+            raise WriteError(f"{err} {after}") from None
 
     def _maybe_resume(self) -> int:
         if self.resume_from is None:
@@ -104,9 +113,8 @@ class RunState:
         record.update(scores=out.experience.raw_scores.cpu(), correct=out.experience.correct.cpu(),
                       metrics=out.metrics, fingerprint=fingerprint,
                       setting={"device": self.backend.name, "dtype": self.cfg.model.dtype, "kernel": self.kernel_name})
-        tmp = folder / f".step_{out.metrics['step']:08d}.pt.tmp"
-        torch.save(record, tmp)
-        os.replace(tmp, folder / f"step_{out.metrics['step']:08d}.pt")
+        with atomic_path(folder / f"step_{out.metrics['step']:08d}.pt", what="recording the rollout to") as tmp:
+            torch.save(record, tmp)
 
     def param_fingerprint(self) -> dict[str, list[float]]:
         """Per parameter tensor: (sum, sum of squares) in fp64. Both add up over shards, so the

@@ -136,3 +136,39 @@ def test_reward_timeout_does_not_count_worker_start_up(tmp_path):
         assert out.scores == [1.0, 1.0, 1.0] and not out.failures
     finally:
         pool.close()
+
+
+def _ctrl_c(tmp_path, *overrides, started):
+    """Start training in its own process group with Ctrl-C's default meaning, then do what a terminal
+    does on Ctrl-C: SIGINT to every process of the group (trainer, ranks, reward workers)."""
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
+    proc = subprocess.Popen([sys.executable, "-m", "portagrpo", "train", "--output-dir", str(tmp_path / "run"), *TINY,
+                             *overrides], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            start_new_session=True, preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
+    try:
+        wait_for(lambda: started(proc), "training to start")
+        os.killpg(proc.pid, signal.SIGINT)
+        _, err = proc.communicate(timeout=600)
+    finally:
+        proc.kill()
+    return proc.returncode, err
+
+
+@linux_only
+def test_ctrl_c_with_reward_workers_is_one_line(tmp_path):
+    code, err = _ctrl_c(tmp_path, "reward.num_workers=2", "trainer.total_steps=100000", "trainer.save_freq=0",
+                        started=lambda p: len(children(p.pid)) >= 2 and (tmp_path / "run" / "metrics.jsonl").is_file())
+    assert code == 130
+    assert "Traceback" not in err and "KeyboardInterrupt" not in err
+    assert [line for line in err.splitlines() if "stopped by" in line] == [err.strip().splitlines()[-1]]
+
+
+@linux_only
+def test_ctrl_c_of_a_two_rank_launcher_is_one_line(tmp_path):
+    code, err = _ctrl_c(tmp_path, "trainer.nproc_per_node=2", "actor.micro_batch_size=2", "reward.num_workers=1",
+                        "trainer.total_steps=100000", "trainer.save_freq=0",
+                        started=lambda p: (tmp_path / "run" / "metrics.jsonl").is_file())
+    assert code == 130
+    assert "Traceback" not in err and "KeyboardInterrupt" not in err
+    stops = [line for line in err.splitlines() if "stopped by" in line]
+    assert len(stops) == 1 and "portagrpo: stopped by" in stops[0], err

@@ -116,7 +116,10 @@ def test_broken_model_paths_are_one_sentence(tmp_path, tiny_model_dir, damage):
             weights.write_bytes(weights.read_bytes()[: weights.stat().st_size // 2])
         else:
             (target / "config.json").write_text("{not json")
-    with pytest.raises(UserError, match=r"model path .* (cannot be loaded|has no config.json)"):
+    expected = {"empty": "has no config.json", "no_weights": "has a config.json but no weight files",
+                "truncated": "cannot be loaded", "bad_config": "its config.json is not valid JSON",
+                "fake_gguf": "is not a GGUF file", "a_text_file": "is a file, not a model directory"}[damage]
+    with pytest.raises(UserError, match=rf"model.path='{target}'.* {expected}"):
         load_model(target, "sdpa")
 
 
@@ -164,7 +167,7 @@ def test_eval_checks_its_arguments_before_working(tmp_path, capsys):
     (tmp_path / "notes.txt").write_text("hello")
     assert main(["eval", "--model", str(tmp_path / "notes.txt"), "--data", str(data),
                  "--output", str(tmp_path / "e.json")]) == 2
-    assert "cannot be loaded" in capsys.readouterr().err
+    assert "is a file, not a model directory" in capsys.readouterr().err
 
 
 def test_eval_of_a_run_without_checkpoint_is_refused_unless_asked(tmp_path, capsys):
