@@ -49,6 +49,9 @@ class BackendSpec:
     # KV cache of the `hf` rollout engine: "static" lets transformers compile the decode step (one graph
     # per shape, no Python per token); "dynamic" decodes eagerly. Not yet measured on hardware.
     decode_cache: str = "dynamic"
+    # The vLLM platform plugin this vendor's vLLM runs through ("vllm-ascend" on Ascend), whose settings
+    # the vLLM engine applies before building the engine (see rollout/vllm.py: PLUGIN_SETTINGS).
+    vllm_plugin: str | None = None
 
 
 @dataclass
@@ -137,12 +140,12 @@ def _rss_peak_gb() -> float:
         return 0.0
 
 
-def fsdp2_sum_reduction_available() -> bool:
-    try:
-        from torch.distributed.fsdp import FSDPModule
-    except ImportError:
-        return False
-    return hasattr(FSDPModule, "set_force_sum_reduction_for_comms")
+def fsdp2_sum_reduction_available() -> str | None:
+    """None when FSDP2 can sum gradients on this torch (natively from 2.8, through portagrpo's fallback on
+    2.6/2.7), else the sentence why not."""
+    from portagrpo.model.fsdp_compat import fsdp2_problem
+
+    return fsdp2_problem()
 
 
 class BaseBackend:
@@ -288,13 +291,12 @@ class BaseBackend:
 
     def parallel_strategy(self, requested: str) -> str:
         choice = self.spec.default_parallel if requested == "auto" else requested
-        if choice == "fsdp2" and not fsdp2_sum_reduction_available():
+        problem = fsdp2_sum_reduction_available() if choice == "fsdp2" else None
+        if problem:
             if requested == "auto":
                 choice = "ddp"  # FSDP2 without plain-SUM comms would average gradients; replicate instead
             else:
-                raise BackendUnavailable(
-                    f"trainer.parallel=fsdp2 needs torch >= 2.8 (FSDPModule.set_force_sum_reduction_for_comms); "
-                    f"torch {torch.__version__} is installed: upgrade torch or use trainer.parallel=ddp.")
+                raise BackendUnavailable(problem)
         if choice not in self.spec.parallel_choices:
             raise BackendUnavailable(
                 f"trainer.parallel={requested!r} does not run on --device {self.name}; use one of "

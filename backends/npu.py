@@ -34,6 +34,7 @@ SPEC = BackendSpec(
     # communicators on an error and keeps the process, so the next collective raises in Python
     # (its default, 1, rethrows in the watchdog thread and takes the process down).
     collective_env=(("HCCL_ASYNC_ERROR_HANDLING", "2"),),
+    vllm_plugin="vllm-ascend",
     install_hint=("install the CANN toolkit and the torch_npu release matching your torch "
                   "(`pip install torch-npu==<torch version>`), then `" + SET_ENV_HINT + "`"),
 )

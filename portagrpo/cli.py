@@ -261,6 +261,8 @@ COMMANDS: dict[str, Command] = {
                     _tool("portagrpo.tools.evaluate")),
     "export": Command("write the trained policy as a Hugging Face model (`portagrpo export --help`)",
                       _tool("portagrpo.tools.export")),
+    "hardware-check": Command("the whole check of this machine's device, one report (`portagrpo hardware-check --help`)",
+                              _tool("portagrpo.tools.hardware_check")),
 }
 
 

@@ -21,6 +21,8 @@ from torch.distributed.checkpoint.state_dict import (
 )
 
 from portagrpo.backends.dist import Collectives
+from portagrpo.errors import UserError
+from portagrpo.model.fsdp_compat import fsdp2_problem, keep_gathered, sum_gradients
 from portagrpo.model.loading import decoder_of
 from portagrpo.registry import Registry
 
@@ -125,10 +127,12 @@ class FSDP2(SingleProcess):
             fully_shard(layer, **mp)
         fully_shard(scorer, **mp)
         register_fsdp_forward_method(scorer, "generate")
+        problem = fsdp2_problem(torch.float32 if low else compute_dtype)
+        if problem:
+            raise UserError(problem)
         for module in scorer.modules():
             if isinstance(module, FSDPModule):
-                module.set_gradient_divide_factor(1.0)
-                module.set_force_sum_reduction_for_comms(True)  # plain SUM: gloo has no PREMUL_SUM
+                sum_gradients(module)  # the losses divide by global counts: ranks' gradients add up
         return scorer
 
     def clip_grad_norm(self, params: list[torch.nn.Parameter], max_norm: float) -> torch.Tensor:
@@ -142,8 +146,10 @@ class FSDP2(SingleProcess):
         from torch.distributed.fsdp import FSDPModule
 
         units = [m for m in scorer.modules() if isinstance(m, FSDPModule)]  # the root (scorer) first
+        if not all(keep_gathered(unit, True) for unit in units):  # torch < 2.8: gather per forward, as usual
+            yield
+            return
         for unit in units:
-            unit.set_reshard_after_forward(False, recurse=False)
             unit.unshard()
         try:
             yield
@@ -151,7 +157,7 @@ class FSDP2(SingleProcess):
             for unit in units:
                 unit.reshard()
             for unit in units[1:]:  # the layers reshard after forward again; FSDP keeps the root's gathered anyway
-                unit.set_reshard_after_forward(True, recurse=False)
+                keep_gathered(unit, False)
 
     def full_tensors(self, scorer: torch.nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
         """One parameter gathered at a time (a collective on every rank, in the same order everywhere)."""

@@ -6,9 +6,12 @@ every optimizer step, gathered from the (possibly sharded) policy and streamed i
 without touching the disk. vLLM is imported only when this engine is chosen.
 
 Written against vLLM's V1 engine (`LLM`, `SamplingParams`, `TokensPrompt`, `LLM.sleep`/`wake_up` with
-tags, the in-process model runner); see SUPPORTED_VLLM. Not yet run against a real vLLM: the tests use a
-stand-in that models the semantics that decide correctness (per-request seeds, sleep/wake pool states,
-in-process model access, device placement), read from vLLM's source.
+tags, the in-process model runner), read in the sources of vLLM 0.11.0 to 0.33.0 and vllm-ascend 0.11.0 and
+0.23.0: every call below exists with the same meaning in all of them (SUPPORTED_VLLM, the range of
+ci/matrix.yaml's stacks, checked before the engine is built). Not yet run against a real vLLM: the tests use
+a stand-in that models the semantics that decide correctness (per-request seeds, sleep/wake pool states,
+in-process model access, device placement, vllm-ascend's refusal to wake with its NZ weight format on),
+read from those sources.
 """
 from __future__ import annotations
 
@@ -30,7 +33,7 @@ def sampling_kwargs(params: SamplingParams, *, seed: int | None, stop_token_ids:
         "n": n,
         "temperature": 0.0 if greedy else float(params.temperature),
         "top_p": 1.0 if greedy else float(params.top_p),
-        "top_k": -1 if greedy or params.top_k <= 0 else int(params.top_k),
+        "top_k": 0 if greedy or params.top_k <= 0 else int(params.top_k),  # 0 is "off" in every version
         "min_p": 0.0 if greedy else float(params.min_p),
         "repetition_penalty": float(params.repetition_penalty),
         "max_tokens": int(params.max_tokens),
@@ -72,7 +75,53 @@ def bucket_tensors(named: Iterable[tuple[str, torch.Tensor]], bucket_bytes: int)
         yield bucket
 
 
-SUPPORTED_VLLM = ">=0.10,<0.12"  # V1 engine: sleep-mode tags, external_launcher, in-process model access
+# The vLLM (and vllm-ascend) releases of ci/matrix.yaml's stacks; a test keeps the two equal.
+SUPPORTED_VLLM = ">=0.11,<0.34"
+SUPPORTED_VLLM_ASCEND = ">=0.11,<0.24"
+
+
+def _nz_off(version: str) -> tuple[dict[str, str], dict[str, Any]]:
+    """vllm-ascend's `wake_up` raises ValueError while its FRACTAL_NZ weight format is on, which is its
+    default: 0.11-0.19 read `VLLM_ASCEND_ENABLE_NZ` (int, default 1; 0.11 caches it when the worker is
+    built), 0.20+ read `additional_config["weight_nz_mode"]` first and fall back to that variable. Both
+    are set: older versions ignore the unknown additional_config key."""
+    return {"VLLM_ASCEND_ENABLE_NZ": "0"}, {"weight_nz_mode": 0}
+
+
+# Per vLLM platform plugin (a backend row names its plugin): installed-version range, and the settings
+# (environment, additional_config) the colocated RL engine needs, applied before the engine is built.
+PLUGIN_SETTINGS = {"vllm-ascend": (SUPPORTED_VLLM_ASCEND, _nz_off)}
+
+
+def _installed(dist: str) -> str | None:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version(dist)
+    except PackageNotFoundError:
+        return None
+
+
+def check_versions(plugin: str | None) -> tuple[dict[str, str], dict[str, Any]]:
+    """One sentence when the installed vLLM (or its plugin) is outside the supported range; else the
+    plugin's environment and additional_config for building the engine."""
+    from packaging.specifiers import SpecifierSet
+
+    found = _installed("vllm")
+    if found is not None and not SpecifierSet(SUPPORTED_VLLM).contains(found, prereleases=True):
+        raise UserError(f"rollout.engine=vllm: vLLM {found} is installed; portagrpo supports vLLM {SUPPORTED_VLLM} "
+                        f"(docs/backends.md lists the stacks); install one of those, or use rollout.engine=hf.")
+    if plugin is None:
+        return {}, {}
+    supported, settings = PLUGIN_SETTINGS[plugin]
+    have = _installed(plugin)
+    if have is None:
+        raise UserError(f"rollout.engine=vllm on this device runs through {plugin}, which is not installed; install "
+                        f"the {plugin} release matching your vLLM (docs/backends.md), or use rollout.engine=hf.")
+    if not SpecifierSet(supported).contains(have, prereleases=True):
+        raise UserError(f"rollout.engine=vllm: {plugin} {have} is installed; portagrpo supports {plugin} {supported} "
+                        f"(docs/backends.md lists the stacks).")
+    return settings(have)
 
 
 def _import_vllm():
@@ -116,8 +165,12 @@ class VLLMRollout:
     def __init__(self, model, tokenizer, autocast, generate_kwargs: dict | None = None, *, model_path: str,
                  dtype: str = "bfloat16", seed: int = 0, gpu_memory_utilization: float = 0.5,
                  bucket_mb: int = 512, max_model_len: int | None = None, tied_embeddings: bool = False,
-                 eos_ids: list[int] | None = None, empty_cache=None, world_size: int = 1) -> None:
+                 eos_ids: list[int] | None = None, empty_cache=None, world_size: int = 1,
+                 plugin: str | None = None) -> None:
         vllm, self._tokens_prompt = _import_vllm()
+        env, additional = check_versions(plugin)
+        for key, value in env.items():  # read by the plugin's worker when the engine below is built
+            os.environ[key] = value
         self._sampling_cls = vllm.SamplingParams
         eos = tokenizer.eos_token_id
         self.eos_ids = list(eos_ids) if eos_ids else ([eos] if isinstance(eos, int) else list(eos))
@@ -129,7 +182,8 @@ class VLLMRollout:
         self.llm = vllm.LLM(model=model_path, tokenizer=model_path, dtype=dtype, seed=seed,
                             gpu_memory_utilization=gpu_memory_utilization, enable_sleep_mode=True,
                             max_model_len=max_model_len, tensor_parallel_size=1,
-                            generation_config="vllm", **extra)  # no sampling defaults from the model's file
+                            generation_config="vllm", **extra,  # no sampling defaults from the model's file
+                            **({"additional_config": additional} if additional else {}))
         self.state = SleepState()
         self._sleep()  # hand the memory to training until the first rollout
 
@@ -147,7 +201,7 @@ class VLLMRollout:
 
     def _model(self):
         """vLLM's model object in this process (the path verl and TRL's colocate mode use)."""
-        return self.llm.llm_engine.model_executor.driver_worker.worker.model_runner.model
+        return self.llm.llm_engine.model_executor.driver_worker.worker.get_model()  # the bare model, not a graph wrapper
 
     def update_weights(self, state: dict[str, torch.Tensor] | Iterable[tuple[str, torch.Tensor]]) -> int:
         """Load the full weights into the engine, bucket by bucket: from an iterator of (name, tensor) that
@@ -157,7 +211,7 @@ class VLLMRollout:
         self._wake(("weights",))
         model, count = self._model(), 0
         for bucket in bucket_tensors(vllm_weight_names(state, tied_embeddings=self.tied), self.bucket_bytes):
-            model.load_weights(weights=bucket)
+            model.load_weights(bucket)  # positional: one model class names the argument all_weights
             count += 1
             bucket.clear()  # drop this bucket's gathered tensors before the next ones are gathered
         return count

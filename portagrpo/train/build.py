@@ -121,6 +121,7 @@ class Builder:
                      "max_model_len": r.vllm_max_model_len or cfg.data.max_prompt_length + cfg.data.max_response_length,
                      "tied_embeddings": bool(getattr(self.policy.config, "tie_word_embeddings", False)),
                      "empty_cache": self.backend.empty_cache, "world_size": self.comm.world_size,
+                     "plugin": self.backend.spec.vllm_plugin,
                      "eos_ids": stop_token_ids(self.tokenizer, self.policy)}
         return engine_cls(self.scorer, self.tokenizer, self.autocast, self.strategy.generate_kwargs, **extra)
 

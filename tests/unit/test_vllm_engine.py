@@ -1,6 +1,7 @@
 """The vLLM engine's own logic, with vLLM replaced by a recording stand-in (vLLM cannot be
 installed on these CPU machines): parameter mapping, weight names, bucketing, the
 sleep/wake cycle and the weight push after every optimizer step."""
+import re
 import sys
 import types
 from dataclasses import replace
@@ -19,11 +20,11 @@ def test_sampling_parameter_mapping():
                   "max_tokens": 12, "seed": 3, "stop_token_ids": [2], "detokenize": False}
     # off means off: every knob is explicit, so vLLM takes nothing from the model's generation_config
     off = sampling_kwargs(SamplingParams(max_tokens=4), seed=0, stop_token_ids=[2])
-    assert off["top_k"] == -1 and off["min_p"] == 0.0 and off["repetition_penalty"] == 1.0 and off["top_p"] == 1.0
+    assert off["top_k"] == 0 and off["min_p"] == 0.0 and off["repetition_penalty"] == 1.0 and off["top_p"] == 1.0
     greedy = sampling_kwargs(SamplingParams(max_tokens=4, temperature=0.0, top_p=0.5, top_k=0), seed=None,
                              stop_token_ids=[2, 7])
-    assert greedy["temperature"] == 0.0 and greedy["top_p"] == 1.0 and greedy["top_k"] == -1
-    assert sampling_kwargs(SamplingParams(max_tokens=4, top_k=-1), seed=0, stop_token_ids=[])["top_k"] == -1
+    assert greedy["temperature"] == 0.0 and greedy["top_p"] == 1.0 and greedy["top_k"] == 0
+    assert sampling_kwargs(SamplingParams(max_tokens=4, top_k=-1), seed=0, stop_token_ids=[])["top_k"] == 0
 
 
 def test_weight_names():
@@ -64,10 +65,15 @@ class _FakeLLM:
       prompt -> same tokens); seed=None draws from the engine's generator seeded by LLM(seed=);
     - V1 multiprocessing (the default) keeps the model in another process: `apply_model` with a closure
       fails in msgpack, and the model runner is reachable only with VLLM_ENABLE_V1_MULTIPROCESSING=0;
-    - placement: the uni executor uses device 0; external_launcher uses the launcher's LOCAL_RANK.
+    - placement: the uni executor uses device 0; external_launcher uses the launcher's LOCAL_RANK;
+    - vllm-ascend (when `ascend` names its version): `wake_up` raises ValueError while the FRACTAL_NZ
+      weight format is on. 0.11.0 (worker_v1.py: `is_enable_nz()`, utils.py) reads VLLM_ASCEND_ENABLE_NZ
+      (int, default 1) once when the worker is built; 0.20+ (worker.py: `get_ascend_config().weight_nz_mode`,
+      ascend_config.py) read additional_config["weight_nz_mode"] and fall back to that variable.
     """
 
     instances = []
+    ascend: str | None = None  # the vllm-ascend version the stand-in plays, or None for plain vLLM
 
     def __init__(self, **kwargs):
         import os
@@ -79,9 +85,14 @@ class _FakeLLM:
         self.device_index = int(os.environ.get("LOCAL_RANK", "0")) if launcher else 0
         self.rng = torch.Generator().manual_seed(kwargs.get("seed", 0))
         model = _FakeModel(self)
-        runner = types.SimpleNamespace(model=model)
+        runner = types.SimpleNamespace(model=types.SimpleNamespace(wrapped=model))  # a graph wrapper in vLLM
         executor = types.SimpleNamespace(driver_worker=types.SimpleNamespace(worker=types.SimpleNamespace(
-            model_runner=runner)))
+            model_runner=runner, get_model=lambda: model)))
+        self.nz = None
+        if _FakeLLM.ascend is not None:
+            env_nz = int(os.environ.get("VLLM_ASCEND_ENABLE_NZ", 1))
+            new = tuple(int(x) for x in _FakeLLM.ascend.split(".")[:2]) >= (0, 20)
+            self.nz = kwargs.get("additional_config", {}).get("weight_nz_mode", env_nz) if new else env_nz
         self.llm_engine = types.SimpleNamespace() if self.multiprocessing else types.SimpleNamespace(
             model_executor=executor)
         _FakeLLM.instances.append(self)
@@ -94,6 +105,9 @@ class _FakeLLM:
         self.log.append(("sleep", level))
 
     def wake_up(self, tags=None):
+        if self.nz:
+            raise ValueError("FRACTAL_NZ mode is enabled. This may cause model parameter precision issues in the "
+                             "RL scenarios. Please set VLLM_ASCEND_ENABLE_NZ=0.")
         wanted = set(tags) if tags else {"weights", "kv_cache"}
         mapped = wanted - self.asleep
         if mapped:
@@ -104,7 +118,7 @@ class _FakeLLM:
     def apply_model(self, fn):
         if self.multiprocessing:
             raise TypeError("Object of type function is not msgpack serializable")
-        return fn(self.llm_engine.model_executor.driver_worker.worker.model_runner.model)
+        return fn(self.llm_engine.model_executor.driver_worker.worker.get_model())
 
     def generate(self, prompts, sampling, use_tqdm=False):
         if self.asleep:
@@ -136,6 +150,8 @@ def fake_vllm(monkeypatch):
     monkeypatch.setattr(cpu.CPUBackend, "__init__", lambda self: cpu.BaseBackend.__init__(
         self, replace(cpu.SPEC, rollout_engines=("hf", "fixed", "vllm"))))
     _FakeLLM.instances.clear()
+    monkeypatch.setattr(_FakeLLM, "ascend", None)
+    monkeypatch.delenv("VLLM_ASCEND_ENABLE_NZ", raising=False)
     return _FakeLLM
 
 
@@ -253,3 +269,52 @@ def test_weight_push_holds_one_bucket_of_gathered_weights_at_a_time(fake_vllm):
     # When a tensor is gathered at most one bucket is alive (the bucket is closed by the tensor that does
     # not fit, so that one bucket plus it is the peak), never the whole model (6 tensors).
     assert max(most_alive) == 2
+
+
+def _installed(versions):
+    return lambda dist: versions.get(dist)
+
+
+@pytest.mark.parametrize("ascend", ["0.11.0", "0.23.0"])
+def test_vllm_ascend_wakes_because_nz_is_turned_off_its_way(fake_vllm, monkeypatch, ascend):
+    import portagrpo.rollout.vllm as engine_mod
+
+    monkeypatch.setattr(fake_vllm, "ascend", ascend)
+    monkeypatch.setattr(engine_mod, "_installed", _installed({"vllm": ascend, "vllm-ascend": ascend}))
+    tok = types.SimpleNamespace(eos_token_id=2, pad_token_id=0)
+    engine = engine_mod.VLLMRollout(None, tok, None, model_path="m", plugin="vllm-ascend")
+    engine.update_weights({"model.embed_tokens.weight": torch.zeros(2)})  # wakes the weights pool
+    assert ("wake", ("weights",)) in engine.llm.log
+    # without the plugin's settings the same stand-in refuses, as vllm-ascend does
+    monkeypatch.setattr(engine_mod, "PLUGIN_SETTINGS", {"vllm-ascend": (engine_mod.SUPPORTED_VLLM_ASCEND,
+                                                                        lambda version: ({}, {}))})
+    monkeypatch.delenv("VLLM_ASCEND_ENABLE_NZ", raising=False)
+    bare = engine_mod.VLLMRollout(None, tok, None, model_path="m", plugin="vllm-ascend")
+    with pytest.raises(ValueError, match="FRACTAL_NZ mode is enabled"):
+        bare.update_weights({"model.embed_tokens.weight": torch.zeros(2)})
+
+
+@pytest.mark.parametrize("versions,plugin,expected", [
+    ({"vllm": "0.10.2"}, None, "vLLM 0.10.2 is installed; portagrpo supports vLLM >=0.11,<0.34"),
+    ({"vllm": "0.34.0"}, None, "vLLM 0.34.0 is installed"),
+    ({"vllm": "0.11.0"}, "vllm-ascend", "runs through vllm-ascend, which is not installed"),
+    ({"vllm": "0.11.0", "vllm-ascend": "0.9.1"}, "vllm-ascend", "vllm-ascend 0.9.1 is installed"),
+])
+def test_unsupported_vllm_versions_are_one_sentence(fake_vllm, monkeypatch, versions, plugin, expected):
+    import portagrpo.rollout.vllm as engine_mod
+    from portagrpo.errors import UserError
+
+    monkeypatch.setattr(engine_mod, "_installed", _installed(versions))
+    with pytest.raises(UserError, match=re.escape(expected)):
+        engine_mod.VLLMRollout(None, types.SimpleNamespace(eos_token_id=2, pad_token_id=0), None, model_path="m",
+                               plugin=plugin)
+    assert not fake_vllm.instances  # refused before an engine was built
+
+
+def test_supported_versions_pass(fake_vllm, monkeypatch):
+    import portagrpo.rollout.vllm as engine_mod
+
+    for version in ("0.11.0", "0.22.1rc1+rocm714", "0.33.0+rocm100"):
+        monkeypatch.setattr(engine_mod, "_installed", _installed({"vllm": version}))
+        engine_mod.VLLMRollout(None, types.SimpleNamespace(eos_token_id=2, pad_token_id=0), None, model_path="m")
+    assert len(fake_vllm.instances) == 3

@@ -1,0 +1,53 @@
+"""The hardware check runs as one command and writes one report; CI runs it on cpu and emu at the tiny
+size so the script itself is tested (on a GPU/NPU machine it runs at full size)."""
+import importlib.util
+import json
+import os
+import subprocess
+
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+EXPECTED = ["doctor", "parity", "device tests", "record on cpu", "replay on device", "bench kernels", "bench step"]
+
+
+def _check(device: str, out: Path) -> dict:
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
+    res = subprocess.run(["bash", str(ROOT / "ci" / "hardware-check.sh"), device, str(out), "--size", "tiny"],
+                         capture_output=True, text=True, env=env, cwd=ROOT, timeout=1800)
+    assert (out / "report.json").is_file(), res.stdout[-3000:] + res.stderr[-3000:]
+    report = json.loads((out / "report.json").read_text())
+    assert res.returncode == (0 if report["passed"] else 1)
+    return report
+
+
+def test_hardware_check_on_the_cpu(tmp_path):
+    report = _check("cpu", tmp_path / "cpu")
+    steps = {s["step"]: s for s in report["steps"]}
+    assert all(name in steps for name in EXPECTED)
+    failed = [s for s in report["steps"] if s["status"] == "failed"]
+    assert not failed, failed
+    runs = [s for s in report["steps"] if "-step run" in s["step"] and s["status"] == "passed"]
+    assert {s["step"].split(", ")[1] for s in runs} == {"one process", "ddp x2", "fsdp2 x2"}
+    assert steps["runs with rollout.engine=vllm"]["status"] == "skipped"  # no vLLM here: said, not passed
+    parity = json.loads((tmp_path / "cpu" / "parity.json").read_text())
+    assert {(r["dtype"], r["kernel"]) for r in parity} == {(d, k) for d in ("fp32", "bf16") for k in ("reference", "chunked")}
+    assert "| parity | passed |" in (tmp_path / "cpu" / "report.md").read_text()
+
+
+@pytest.mark.skipif(importlib.util.find_spec("portagrpo_emu") is None, reason="the emu plugin is not installed")
+def test_hardware_check_on_the_emulated_device(tmp_path):
+    from portagrpo.backends import get_backend
+
+    try:
+        get_backend("emu")
+    except Exception as err:  # noqa: BLE001 - the plugin needs torch's Python device API
+        pytest.skip(f"the emulated device cannot start on this torch: {err}")
+    report = _check("emu", tmp_path / "emu")
+    steps = {s["step"]: s for s in report["steps"]}
+    assert steps["replay on device"]["status"] == "passed" and steps["parity"]["status"] == "passed"
+    assert steps["device tests"]["status"] == "skipped" and "no test is marked emu" in steps["device tests"]["reason"]
+    assert "this machine has one device" in steps["2-step run, ddp x2, hf"]["reason"]
+    assert report["passed"], [s for s in report["steps"] if s["status"] == "failed"]
