@@ -32,8 +32,8 @@ class TrainWorker:
         import ray
 
         ids = ray.get_runtime_context().get_accelerator_ids().get(self.resource, [])
-        return {"ip": ray.util.get_node_ip_address(), "host": socket.gethostname(), "pid": os.getpid(),
-                "accelerators": [str(i) for i in ids]}
+        return {"ip": ray.util.get_node_ip_address(), "node_id": ray.get_runtime_context().get_node_id(),
+                "host": socket.gethostname(), "pid": os.getpid(), "accelerators": [str(i) for i in ids]}
 
     def free_port(self) -> int:
         with socket.socket() as s:
@@ -80,9 +80,14 @@ def _bundle(resource: str) -> dict[str, float]:
     return {"CPU": 1.0} if resource == "CPU" else {"CPU": 1.0, resource: 1.0}
 
 
+def _node_key(node: dict) -> str:
+    return node.get("node_id") or node["ip"]
+
+
 def _rank_env(ranks: list[dict], i: int, master: tuple[str, int], env_vars: tuple[str, ...]) -> dict[str, str]:
     """torchrun-style variables for rank i; local ranks count the workers on the same node."""
-    same_node = [j for j, r in enumerate(ranks) if r["ip"] == ranks[i]["ip"]]
+    # a node is a Ray node (its id), not an IP: several nodes may share one address (one machine, or loopback)
+    same_node = [j for j, r in enumerate(ranks) if _node_key(r) == _node_key(ranks[i])]
     env = {"RANK": str(i), "WORLD_SIZE": str(len(ranks)), "LOCAL_RANK": str(same_node.index(i)),
            "LOCAL_WORLD_SIZE": str(len(same_node)), "MASTER_ADDR": master[0], "MASTER_PORT": str(master[1])}
     if ranks[i]["accelerators"] and env_vars:
@@ -115,7 +120,9 @@ class RayRun:
         if self.address:
             ray.init(address=self.address, log_to_driver=True)
         else:
-            ray.init(num_cpus=max(n, os.cpu_count() or 1), include_dashboard=False, log_to_driver=True)
+            # a local cluster listens on loopback only
+            ray.init(num_cpus=max(n, os.cpu_count() or 1), include_dashboard=False, log_to_driver=True,
+                     _node_ip_address="127.0.0.1")
         bundles = [_bundle(spec.ray_resource) for _ in range(n)]
         pg = placement_group(bundles, strategy="PACK" if t.nnodes == 1 else "SPREAD")
         try:
@@ -138,7 +145,7 @@ class RayRun:
         infos = self._call("setup", per_rank=lambda i: (to_dict(cfg), str(self.run_dir), self.resume,
                                                          _rank_env(self.nodes, i, master, spec.visible_devices_env)))
         self.info = infos[0]
-        self.log(f"ray: {n} workers on {len({r['ip'] for r in self.nodes})} node(s), backend {self.info['backend']}, "
+        self.log(f"ray: {n} workers on {len({_node_key(r) for r in self.nodes})} node(s), backend {self.info['backend']}, "
                  f"{self.info['strategy']} parallel")
         return self
 

@@ -70,3 +70,12 @@ def test_rocm_rank_sees_its_device():
         visible = [visible[int(k)] for k in env["ROCR_VISIBLE_DEVICES"].split(",")]
     hip = [visible[int(k)] for k in env["HIP_VISIBLE_DEVICES"].split(",") if int(k) < len(visible)]
     assert hip == [3] and env["LOCAL_RANK"] == "0"
+
+
+def test_local_ranks_count_ray_nodes_not_addresses():
+    """Two Ray nodes on one machine share an address; each is its own node, so each rank is local rank 0."""
+    nodes = [{"ip": "127.0.0.1", "node_id": "a", "accelerators": []},
+             {"ip": "127.0.0.1", "node_id": "b", "accelerators": []}]
+    assert [_rank_env(nodes, i, ("127.0.0.1", 1), ())["LOCAL_RANK"] for i in (0, 1)] == ["0", "0"]
+    assert [_rank_env(nodes, i, ("127.0.0.1", 1), ())["LOCAL_WORLD_SIZE"] for i in (0, 1)] == ["1", "1"]
+
