@@ -100,13 +100,19 @@ def replay(run_dir: str | Path, device: str, steps: int | None, output_dir: str 
     return report
 
 
+def logged_keys(rows: list[dict[str, Any]]) -> list[str]:
+    """The compared metrics this run logged at every step (no kl/loss_kl without a reference, e.g. DrGRPO)."""
+    return [k for k in COMPARED if rows and all(k in r for r in rows)]
+
+
 def format_report(report: dict[str, Any]) -> str:
     rec, rep = report["recorded"], report["replayed"]
+    keys = logged_keys(report["steps"])
     lines = [f"replay of {report['run']}: recorded {rec['device']}/{rec['dtype']}/{rec['kernel']} -> "
              f"replayed {rep['device']}/{rep['dtype']}/{rep['kernel']}",
-             f"{'step':>4} " + " ".join(f"{k + ' diff':>16}" for k in COMPARED) + f" {'param drift':>12}"]
+             f"{'step':>4} " + " ".join(f"{k + ' diff':>16}" for k in keys) + f" {'param drift':>12}"]
     for r in report["steps"]:
-        diffs = " ".join(f"{r[k]['replayed'] - r[k]['recorded']:16.3e}" for k in COMPARED)
+        diffs = " ".join(f"{r[k]['replayed'] - r[k]['recorded']:16.3e}" for k in keys)
         lines.append(f"{r['step']:>4} {diffs} {r['param_drift']:12.3e}")
     lines.append("verdict (relative error over the run vs the tolerance table):")
     for key, v in report["verdict"].items():
@@ -124,7 +130,7 @@ def plot_replay(rows: list[dict[str, Any]], out: Path, report: dict[str, Any]) -
     steps = [r["step"] for r in rows]
     fig, axes = plt.subplots(2, 3, figsize=(12, 6))
     rec, rep = report["recorded"], report["replayed"]
-    for ax, key in zip(axes.flat, list(COMPARED) + ["param_drift"]):
+    for ax, key in zip(axes.flat, logged_keys(rows) + ["param_drift"]):
         if key == "param_drift":
             ax.semilogy(steps, [max(r[key], 1e-300) for r in rows], "o-", color="tab:purple")
             ax.set_title("parameter drift (relative)")

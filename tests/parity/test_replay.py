@@ -63,3 +63,17 @@ def test_replay_needs_recorded_rollouts(tmp_path, capsys):
     assert main(["train", "--output-dir", str(run), "trainer.total_steps=1", *FAST]) == 0
     assert main(["replay", str(run), "--device", "cpu"]) == 2
     assert "trainer.record_rollouts=true" in capsys.readouterr().err
+
+
+def test_a_drgrpo_run_without_kl_replays(tmp_path, capsys):
+    """DrGRPO has no reference model, so its metrics have no kl/loss_kl: replay compares what was logged
+    (it ended in KeyError: 'loss_kl' while plotting)."""
+    run = tmp_path / "drgrpo"
+    drgrpo = str(__import__("pathlib").Path(__file__).resolve().parents[2] / "configs" / "drgrpo.yaml")
+    assert main(["train", "--config", drgrpo, "--output-dir", str(run), "trainer.record_rollouts=true",
+                 "trainer.total_steps=2", "trainer.plot=false", "trainer.tensorboard=false", *FAST]) == 0
+    assert "loss_kl" not in read_metrics(run / "metrics.jsonl")[0]
+    assert main(["replay", str(run), "--device", "cpu", "--output-dir", str(tmp_path / "replay")]) == 0
+    out = capsys.readouterr().out
+    assert "replay matches the recorded run" in out and "loss_kl diff" not in out
+    assert (tmp_path / "replay" / "replay.png").is_file()
