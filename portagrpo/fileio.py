@@ -57,7 +57,7 @@ def output_path_problem(path: str | Path, option: str, *, kind: str = "dir") -> 
     p = Path(path)
     for part in p.parts:
         if len(os.fsencode(part)) > NAME_MAX:
-            return (f"{option} {_short(str(p))}: the name {_short(part, 40)} is {len(os.fsencode(part))} bytes, over "
+            return (f"{option} {shorten(str(p))}: the name {shorten(part, 40)} is {len(os.fsencode(part))} bytes, over "
                     f"the {NAME_MAX}-byte limit of a file name; pick a shorter one.")
     if p.exists():
         if kind == "dir" and not p.is_dir():
@@ -84,7 +84,8 @@ def check_output_path(path: str | Path, option: str, *, kind: str = "dir") -> No
         raise WriteError(problem)
 
 
-def _short(text: str, limit: int = 80) -> str:
+def shorten(text: str, limit: int = 80) -> str:
+    """`text` cut to about `limit` characters with its length named: a bad value is named, never echoed whole."""
     text = str(text)
     return text if len(text) <= limit else f"{text[:limit // 2]}...{text[-limit // 4:]} ({len(text)} characters)"
 

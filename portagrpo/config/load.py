@@ -11,6 +11,7 @@ from typing import Any, Literal, Union
 
 import yaml
 
+from portagrpo.fileio import shorten
 from portagrpo.config.schema import PRESETS, Config, ConfigError, RolloutConfig
 
 
@@ -113,10 +114,9 @@ def _build(cls: type, raw: Any, prefix: str, problems: list[str] | None = None) 
     return cls(**kwargs)
 
 
-def short(value: Any, limit: int = 80) -> str:
-    """`repr(value)`, cut to `limit` characters: a bad value is named, never echoed whole."""
-    text = repr(value)
-    return text if len(text) <= limit else f"{text[:limit - 20]}...{text[-8:]} ({len(text)} characters)"
+def short(value: Any) -> str:
+    """`repr(value)`, cut (fileio.shorten): a bad value is named, never echoed whole."""
+    return shorten(repr(value))
 
 
 def _all_keys(cls: type = None, prefix: str = "") -> list[str]:

@@ -44,9 +44,7 @@ def export(run_dir: str | Path, output: str | Path | None = None, *, merge: bool
 
 def check_destination(out: Path) -> None:
     """An export replaces only an earlier export: never a user's directory that merely exists."""
-    if out.exists() and not out.is_dir():
-        raise UserError(f"export --output {out} is a file; pass a new or empty directory.")
-    check_output_path(out, "export --output")
+    check_output_path(out, "export --output")  # a file there, a file above it, a name too long
     if out.is_dir() and any(out.iterdir()) and not (out / MARKER).is_file():
         raise UserError(f"export --output {out} is not empty and is not an earlier portagrpo export; pass a new or "
                         f"empty directory (nothing was written).")
