@@ -9,7 +9,7 @@ from typing import Any
 
 import torch
 
-from .base import Availability, BackendSpec, BaseBackend
+from .base import Availability, BackendSpec, BackendUnavailable, BaseBackend
 from .probe import RuntimeProbe
 
 
@@ -59,11 +59,24 @@ class AcceleratorBackend(BaseBackend):
             bf16 = False
         return {"device_names": names, "bf16": bf16}
 
+    def device_index(self, local_rank: int) -> int:
+        """The device a local rank drives: its own index when the process sees every device of the
+        node, and the one device it sees under a per-rank binding (Ray, Slurm's --gpus-per-task,
+        a visible-devices variable set per rank, an emulated device)."""
+        count = self.device_count()
+        if local_rank < count:
+            return local_rank
+        if count == 1:
+            return 0
+        env = "/".join(self.spec.visible_devices_env) or "the visible-devices setting"
+        raise BackendUnavailable(f"local rank {local_rank} has no {self.name} device: this process sees {count} "
+                                 f"(check trainer.nproc_per_node against the devices per node and {env}).")
+
     def device(self, local_rank: int = 0) -> torch.device:
-        return torch.device(self.device_type, local_rank)
+        return torch.device(self.device_type, self.device_index(local_rank))
 
     def set_device(self, local_rank: int) -> None:
-        self.module.set_device(local_rank)
+        self.module.set_device(self.device_index(local_rank))
 
     def device_count(self) -> int:
         return int(self.module.device_count())

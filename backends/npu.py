@@ -56,7 +56,11 @@ def npu_attention_forward(
 
     query: [B, N, Sq, D], key/value: [B, Nkv, Skv, D]; attention_mask: bool [B, 1, Sq, Skv]
     with True = attend (the sdpa mask), or None for plain causal. Returns ([B, Sq, N, D], None).
-    The fused op takes the opposite mask convention (True = masked out) and BNSD layout.
+
+    The fused op takes the head ratio itself (Nq / Nkv whole), so K/V go in unrepeated. Plain
+    causal attention is its sparse_mode 3 (causal from the bottom-right corner, right for a query
+    shorter than its keys too) with the 2048x2048 compressed mask, built once per device; only a
+    mask with padding goes in dense, inverted (the op masks where True).
     """
     if fused_op is None:
         import torch_npu
@@ -67,21 +71,32 @@ def npu_attention_forward(
     device_type = query.device.type
     dtype = torch.get_autocast_dtype(device_type) if torch.is_autocast_enabled(device_type) else value.dtype
     query, key, value = query.to(dtype), key.to(dtype), value.to(dtype)
-    heads, q_len, kv_len = query.shape[1], query.shape[2], key.shape[2]
-    if key.shape[1] != heads:  # grouped-query attention: give every query head its key/value head
-        groups = heads // key.shape[1]
-        key = key.repeat_interleave(groups, dim=1)
-        value = value.repeat_interleave(groups, dim=1)
+    heads = query.shape[1]
     if attention_mask is None:
-        masked = torch.ones(q_len, kv_len, dtype=torch.bool, device=query.device).triu(1 + kv_len - q_len)
+        masked, sparse_mode = causal_compressed_mask(query.device), CAUSAL_BOTTOM_RIGHT
     elif attention_mask.dtype == torch.bool:
-        masked = ~attention_mask
+        masked, sparse_mode = ~attention_mask, DENSE_MASK
     else:  # additive float mask: very negative = masked
-        masked = attention_mask < -1.0
+        masked, sparse_mode = attention_mask < -1.0, DENSE_MASK
     scale = scaling if scaling is not None else query.shape[-1] ** -0.5
-    out = fused_op(query, key, value, heads, "BNSD", atten_mask=masked, scale=scale,
+    out = fused_op(query, key, value, heads, "BNSD", atten_mask=masked, scale=scale, sparse_mode=sparse_mode,
                    keep_prob=1.0 - (dropout if module.training else 0.0))[0]
     return out.transpose(1, 2).contiguous(), None
+
+
+# npu_fusion_attention's sparse modes (torch_npu docs): 0 = the mask as given, 3 = causal from the
+# bottom-right corner, taking the compressed mask below instead of a [Sq, Skv] one.
+DENSE_MASK, CAUSAL_BOTTOM_RIGHT = 0, 3
+COMPRESSED_MASK_SIZE = 2048
+_COMPRESSED: dict[torch.device, torch.Tensor] = {}
+
+
+def causal_compressed_mask(device: torch.device) -> torch.Tensor:
+    """The 2048x2048 upper-triangular mask (True = masked) sparse modes 2-4 take, one per device."""
+    if device not in _COMPRESSED:
+        _COMPRESSED[device] = torch.ones(COMPRESSED_MASK_SIZE, COMPRESSED_MASK_SIZE, dtype=torch.bool,
+                                         device=device).triu(1)
+    return _COMPRESSED[device]
 
 
 def register_npu_attention(fused_op: Callable[..., Any] | None = None) -> str:

@@ -3,6 +3,7 @@
 Every rank uses the `fixed` rollout engine, whose responses depend only on the prompt and the
 sample's index in its group, so 1 process and K processes train on identical rollouts.
 Writes `result.pt` (metrics and the full state dict after the step) from rank 0.
+Usage: dp_worker.py OUT PARALLEL DTYPE [DEVICE] (DEVICE: cpu by default, emu, npu).
 """
 import os
 import sys
@@ -41,18 +42,19 @@ def use_hccl_rules() -> None:
 
 def main() -> None:
     out, parallel, dtype = Path(sys.argv[1]), sys.argv[2], sys.argv[3]
+    device = sys.argv[4] if len(sys.argv) > 4 else "cpu"  # emu, or npu on the simulated Ascend
     hccl = os.environ.get("PORTAGRPO_TEST_HCCL_RULES") == "1"
     if hccl:
         use_hccl_rules()
     extra = ["data.val_size=6", "rollout.val_n=2", "rollout.val_temperature=1.0"] if hccl else []
     cfg = load_config(None, [*OVERRIDES, *extra, f"trainer.parallel={parallel}", f"model.dtype={dtype}",
-                             "trainer.device=cpu"])
+                             f"trainer.device={device}"])
     trainer = Trainer(cfg, run_dir=out / "run", log=lambda m: None).setup()
     metrics = [trainer.step().metrics for _ in range(2)]
     if hccl:  # every reduction a step, validation and a rollout recording make
         metrics.append(trainer.validate())
         metrics.append({"fingerprint": trainer.param_fingerprint()})
-    state = trainer.strategy.model_state(trainer.scorer)
+    state = {k: v.cpu() for k, v in trainer.strategy.model_state(trainer.scorer).items()}
     if trainer.comm.is_main:
         torch.save({"metrics": metrics, "state": state, "world": trainer.comm.world_size}, out / "result.pt")
     trainer.close()

@@ -19,13 +19,14 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def run_worker(out: Path, nproc: int, parallel: str, dtype: str, env: dict | None = None) -> dict:
+def run_worker(out: Path, nproc: int, parallel: str, dtype: str, env: dict | None = None, device: str = "cpu") -> dict:
     out.mkdir(parents=True, exist_ok=True)
     if nproc == 1:
-        cmd = [sys.executable, str(HERE / "dp_worker.py"), str(out), parallel, dtype]
+        cmd = [sys.executable, str(HERE / "dp_worker.py"), str(out), parallel, dtype, device]
     else:
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc), "--master-port",
-               str(_free_port()), str(HERE / "dp_worker.py"), str(out), parallel, dtype]
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc), "--master-addr",
+               "127.0.0.1", "--master-port", str(_free_port()), str(HERE / "dp_worker.py"), str(out), parallel, dtype,
+               device]
     res = subprocess.run(cmd, env={**ENV, **(env or {})}, capture_output=True, text=True, timeout=600, cwd="/")
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
     return torch.load(out / "result.pt", weights_only=False)

@@ -58,31 +58,6 @@ def device_rng_is_its_own():
         raise AssertionError("a CPU generator was accepted for a device op")
 
 
-def npu_attention_under_autocast():
-    """bf16 autocast: the projections are bf16, RoPE promotes q/k back to fp32; the fused op needs one dtype."""
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    from portagrpo.backends.npu import NPU_ATTENTION, register_npu_attention
-
-    def fused(query, key, value, head_num, layout, *, atten_mask=None, scale=1.0, keep_prob=1.0):
-        if not query.dtype == key.dtype == value.dtype:
-            raise RuntimeError(f"npu_fusion_attention: dtypes differ ({query.dtype}, {key.dtype}, {value.dtype})")
-        scores = (query @ key.transpose(-1, -2)) * scale
-        probs = torch.softmax(scores.masked_fill(atten_mask, -10000.0).float(), -1).to(value.dtype)
-        return probs @ value, None
-
-    register_npu_attention(fused_op=fused)
-    cfg = LlamaConfig(vocab_size=50, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
-                      num_attention_heads=4, num_key_value_heads=2)
-    model = LlamaForCausalLM(cfg).to(DEV).eval()
-    ids = torch.randint(3, 50, (2, 7), device=DEV)
-    with torch.no_grad(), backend.autocast(torch.bfloat16):
-        ref = model(input_ids=ids).logits.float().cpu()
-        model.config._attn_implementation = NPU_ATTENTION
-        out = model(input_ids=ids).logits.float().cpu()
-    assert (out - ref).norm() / ref.norm() < 2e-2
-
-
 if __name__ == "__main__":
     globals()[sys.argv[1]]()
     print("ok")

@@ -38,7 +38,7 @@ def _metrics(run: Path) -> list[dict]:
 
 
 @pytest.mark.parametrize("check", ["index_needs_same_device", "train_batch_select_with_host_indices",
-                                   "device_rng_is_its_own", "npu_attention_under_autocast"])
+                                   "device_rng_is_its_own"])
 def test_placement(check):
     res = subprocess.run([sys.executable, str(HERE / "placement_checks.py"), check], env=ENV, capture_output=True,
                          text=True, timeout=600)
@@ -52,14 +52,19 @@ def test_train_on_emu_matches_cpu(tmp_path, lora):
     for device in ("cpu", "emu"):
         _run(["train", "--device", device, "--output-dir", str(tmp_path / device), *FAST, *extra], tmp_path)
     cpu, emu = _metrics(tmp_path / "cpu"), _metrics(tmp_path / "emu")
-    assert len(cpu) == len(emu) == 3
+    assert_trained_alike(cpu, emu)
+    assert emu[-1]["val/acc"] == pytest.approx(cpu[-1]["val/acc"])
+
+
+def assert_trained_alike(cpu: list[dict], device: list[dict]) -> None:
+    """Same samples (same rewards and lengths), losses within the fp32 tolerance table, as many steps."""
+    assert len(cpu) == len(device) == 3
     tol = tolerance(torch.float32, "loss")
-    for a, b in zip(cpu, emu):
+    for a, b in zip(cpu, device):
         assert a["response_len_mean"] == b["response_len_mean"] and a["reward_mean"] == b["reward_mean"]
         for key in ("loss_policy", "entropy", "ppo_kl"):
             assert b[key] == pytest.approx(a[key], rel=tol, abs=tol), key
         assert b["grad_norm"] == pytest.approx(a["grad_norm"], rel=1e-4)
-    assert emu[-1]["val/acc"] == pytest.approx(cpu[-1]["val/acc"])
 
 
 def test_parity_runs_on_emu(tmp_path):

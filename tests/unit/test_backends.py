@@ -155,46 +155,61 @@ def test_cann_search_uses_library_path(tmp_path, monkeypatch):
     assert npu_env.cann_found()
 
 
-def _doc_fused_attention(query, key, value, head_num, input_layout, *, atten_mask=None, scale=1.0, keep_prob=1.0, **kw):
-    """The computation Ascend documents for npu_fusion_attention (BNSD; mask True = not attended)."""
-    assert input_layout == "BNSD" and head_num == query.shape[1] and keep_prob == 1.0
-    if not query.dtype == key.dtype == value.dtype:  # Ascend: query, key and value must share one dtype
-        raise RuntimeError(f"npu_fusion_attention: dtypes differ ({query.dtype}, {key.dtype}, {value.dtype})")
-    scores = (query @ key.transpose(-1, -2)) * scale
-    scores = scores.masked_fill(atten_mask, -10000.0)
-    out = torch.softmax(scores.float(), dim=-1).to(query.dtype) @ value
-    return out, None, None, None, 0, 0, 0
+def _simulated_fused_attention():
+    """npu_fusion_attention as the simulated Ascend models it from Ascend's docs (plugins/npu_sim;
+    plain torch, so it also runs on CPU tensors), loaded without installing the simulated device."""
+    import importlib.util
+
+    path = Path(__file__).resolve().parents[2] / "plugins" / "npu_sim" / "torch_npu" / "attention.py"
+    spec = importlib.util.spec_from_file_location("npu_sim_attention", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module.npu_fusion_attention
 
 
-def test_npu_attention_adapter_matches_sdpa_in_a_real_model(tiny_model_dir):
-    """The adapter's layout, mask inversion and GQA handling, checked end to end through a Llama."""
-    from transformers import AutoModelForCausalLM
+@pytest.mark.parametrize("padded", [True, False], ids=["left-padded", "no-padding"])
+def test_npu_attention_adapter_matches_sdpa_in_a_real_model(padded):
+    """The adapter's layout, mask inversion, causal sparse mode and GQA, end to end through a Llama."""
+    from transformers import LlamaConfig, LlamaForCausalLM
 
     from portagrpo.model.loading import position_ids_from_mask
 
-    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, local_files_only=True).eval()
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(LlamaConfig(vocab_size=48, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                         num_attention_heads=4, num_key_value_heads=2,
+                                         attn_implementation="sdpa")).eval()
     ids = torch.randint(4, 40, (3, 9))
     mask = torch.ones_like(ids)
-    mask[0, :3] = 0  # left padding
-    mask[2, :1] = 0
+    if padded:
+        mask[0, :3] = 0  # left padding
+        mask[2, :1] = 0
     pos = position_ids_from_mask(mask)
     with torch.no_grad():
         ref = model(input_ids=ids, attention_mask=mask, position_ids=pos).logits
-        register_npu_attention(fused_op=_doc_fused_attention)
+        register_npu_attention(fused_op=_simulated_fused_attention())
         model.config._attn_implementation = NPU_ATTENTION
         out = model(input_ids=ids, attention_mask=mask, position_ids=pos).logits
     valid = mask.bool()
     assert torch.allclose(out[valid], ref[valid], atol=1e-5)
 
 
-def test_npu_adapter_repeats_kv_heads_for_gqa():
-    q = torch.randn(1, 4, 5, 8)
-    k = torch.randn(1, 2, 5, 8)
-    v = torch.randn(1, 2, 5, 8)
+def test_npu_adapter_hands_the_fused_op_kv_heads_and_causality_as_they_are():
+    """GQA: the op takes Nq/Nkv itself, so K/V go in with their own heads (no repeated copy); plain
+    causal attention is sparse_mode 3 with the 2048x2048 compressed mask, not a dense [Sq, Skv] one."""
+    fused, seen = _simulated_fused_attention(), {}
+
+    def recording(query, key, value, head_num, layout, **kwargs):
+        seen.update(key_heads=key.shape[1], mask_shape=tuple(kwargs["atten_mask"].shape),
+                    sparse_mode=kwargs.get("sparse_mode", 0))
+        return fused(query, key, value, head_num, layout, **kwargs)
+
+    q, k, v = torch.randn(1, 4, 5, 8), torch.randn(1, 2, 7, 8), torch.randn(1, 2, 7, 8)
     module = torch.nn.Module().eval()
-    out, _ = npu_attention_forward(module, q, k, v, None, fused_op=_doc_fused_attention)
+    out, _ = npu_attention_forward(module, q, k, v, None, fused_op=recording)
+    assert seen == {"key_heads": 2, "mask_shape": (2048, 2048), "sparse_mode": 3}
+    causal = torch.ones(5, 7, dtype=torch.bool).tril(7 - 5)  # a query shorter than its keys: bottom-right
     ref = torch.nn.functional.scaled_dot_product_attention(
-        q, k.repeat_interleave(2, 1), v.repeat_interleave(2, 1), is_causal=True)
+        q, k.repeat_interleave(2, 1), v.repeat_interleave(2, 1), attn_mask=causal)
     assert out.shape == (1, 5, 4, 8) and torch.allclose(out, ref.transpose(1, 2), atol=1e-5)
 
 

@@ -1,8 +1,10 @@
 """The `emu` backend: a third-party backend package as a vendor would write one.
 
 It subclasses portagrpo's shared accelerator behaviour, states its data row, and installs its
-torch device only when asked whether it can run (never at import). Its collectives follow the
-strictest vendor rules (HCCL's: device tensors only, no float64) over gloo on host copies.
+torch device only when asked whether it can run (never at import). Its collective library,
+`emuccl` (portagrpo_emu.collectives), takes device tensors as NCCL or HCCL does and carries them
+over gloo through the host; portagrpo's own reductions keep the strictest vendor rule (HCCL's:
+no float64). DDP and FSDP2 run on it across ranks, one emulated device per process.
 """
 from __future__ import annotations
 
@@ -11,13 +13,13 @@ from typing import Any
 import torch
 
 from portagrpo.backends.accelerator import AcceleratorBackend
-from portagrpo.backends.base import BackendSpec
+from portagrpo.backends.base import BackendSpec, BackendUnavailable
 from portagrpo.backends.probe import RuntimeProbe
 
 SPEC = BackendSpec(
     name="emu",
     device_type="emu",
-    dist_backend="gloo",  # over host copies, see to_collective
+    dist_backend="emuccl",  # registered when the device is installed; device and host tensors
     visible_devices_env=("PORTAGRPO_EMU_VISIBLE_DEVICES",),
     ray_resource="CPU",
     default_attention="sdpa",
@@ -26,7 +28,7 @@ SPEC = BackendSpec(
     default_kernel="chunked",
     install_hint="`pip install -e plugins/emu` (test-only)",
     default_parallel="ddp",
-    parallel_choices=("ddp",),
+    parallel_choices=("ddp", "fsdp2"),
     rollout_engines=("hf", "fixed"),
     collective_dtypes=(torch.float32, torch.bfloat16, torch.float16, torch.int64, torch.int32, torch.uint8,
                        torch.int8, torch.bool),
@@ -34,10 +36,19 @@ SPEC = BackendSpec(
 
 
 def _device_module(device_type: str) -> Any:
+    from . import collectives, device
+
+    device.install()
+    collectives.register("emuccl", device.NAME, payload=lambda t: t._inner, host_tensors=True)
+    return getattr(torch, device.NAME)
+
+
+def fsdp2_problem() -> str | None:
+    """Why FSDP2 cannot run on the emulated device with this torch (None when it can)."""
     from . import device
 
     device.install()
-    return getattr(torch, device.NAME)
+    return device.FSDP2_PROBLEM
 
 
 class EmuBackend(AcceleratorBackend):
@@ -50,8 +61,10 @@ class EmuBackend(AcceleratorBackend):
             return f"this process already has the PrivateUse1 device {name!r} (a real vendor runtime)"
         return None
 
-    def to_collective(self, tensor: torch.Tensor) -> torch.Tensor:
-        return tensor.cpu()  # gloo moves host memory; a real vendor library reads device memory
-
-    def from_collective(self, result: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
-        return result.to(like.device)
+    def parallel_strategy(self, requested: str) -> str:
+        choice = super().parallel_strategy(requested)
+        if choice == "fsdp2":
+            problem = fsdp2_problem()
+            if problem:
+                raise BackendUnavailable(f"trainer.parallel=fsdp2 on --device emu: {problem}")
+        return choice

@@ -16,7 +16,13 @@ or NPU enforces are enforced here too:
 - autocast works through torch's AutocastPrivateUse1 key with bf16/fp16.
 
 `install()` must run before any `emu` tensor exists; it is idempotent and is called by the
-backend when `--device emu` is chosen.
+backend when `--device emu` is chosen. The simulated Ascend (plugins/npu_sim) installs the same
+device under the name `npu`.
+
+One device per process: autograd's engine sizes its device queues from the Python device guard,
+which reports one device, so backward on index 1 fails inside torch. A process sees one device,
+as a rank does under a per-rank binding (Ray, Slurm's --gpus-per-task); several ranks are several
+processes, whose collectives go through portagrpo_emu.collectives.
 """
 from __future__ import annotations
 
@@ -25,6 +31,8 @@ from typing import Any
 
 import torch
 from torch.utils._pytree import tree_map
+
+from .counters import COUNTERS
 
 NAME = "emu"
 _INSTALLED = False
@@ -54,6 +62,12 @@ class _State:
         self.allocated = [0] * n
         self.peak = [0] * n
         self.storages: dict[int, int] = {}  # storage key -> device index
+        self.streams: dict[int, Any] = {}
+
+    def default_stream(self, idx: int) -> "Stream":
+        if idx not in self.streams:
+            self.streams[idx] = Stream(idx)
+        return self.streams[idx]
 
     def index(self, device: torch.device | str | int | None) -> int:
         if device is None:
@@ -85,7 +99,30 @@ class _State:
         weakref.finalize(storage, release)
 
 
+    def resize(self, inner: torch.Tensor, idx: int, nbytes: int) -> None:
+        """Resize the storage under `inner` (FSDP2 frees and re-allocates unsharded parameters this way)."""
+        storage = inner.untyped_storage()
+        old = self.storages.pop(storage.data_ptr(), None)
+        if old is not None:
+            self.allocated[old] -= storage.nbytes()
+        storage.resize_(nbytes)
+        if nbytes:
+            key = storage.data_ptr()
+            self.storages[key] = idx
+            self.allocated[idx] += nbytes
+            self.peak[idx] = max(self.peak[idx], self.allocated[idx])
+
+
 STATE: _State | None = None
+
+
+def payload_storage_size(tensor: torch.Tensor) -> int:
+    """Bytes held by a device tensor's payload storage."""
+    return tensor._inner.untyped_storage().nbytes()
+
+
+def resize_payload_storage(tensor: torch.Tensor, nbytes: int) -> None:
+    STATE.resize(tensor._inner, tensor.device.index, nbytes)
 
 
 class EmuTensor(torch.Tensor):
@@ -112,6 +149,7 @@ class EmuTensor(torch.Tensor):
         return self.item().__format__(spec) if self.dim() == 0 else object.__format__(self, spec)
 
     def tolist(self):  # a device-to-host copy, as on CUDA
+        COUNTERS.sync("tolist")
         return self._inner.tolist()
 
     def numpy(self, *args, **kwargs):  # noqa: D102
@@ -171,8 +209,20 @@ def _unwrap(x):
     return x._inner if isinstance(x, EmuTensor) else x
 
 
+_PYTHON_KEY = torch._C.DispatchKeySet(torch._C.DispatchKey.Python)
+_COLLECTIVE_NAMESPACES = ("c10d", "_c10d_functional")
+
+
 def _dispatch(func, args, kwargs):
+    if func.namespace in _COLLECTIVE_NAMESPACES:
+        # Collectives take the device tensors themselves: torch's own kernel hands them to the process
+        # group registered for the device (portagrpo_emu.collectives), which stages them through the host.
+        with torch._C._ExcludeDispatchKeyGuard(_PYTHON_KEY):
+            return func(*args, **kwargs)
+    if func is aten.record_stream.default:
+        return None  # every kernel is finished when it returns: no allocator bookkeeping to do
     idx = _common_index(func, args, kwargs)
+    _count(func, args)
     if func is aten._to_copy.default:
         return _to_copy(args[0], kwargs)
     if func is aten.native_dropout.default:
@@ -185,6 +235,27 @@ def _dispatch(func, args, kwargs):
     inner_args, inner_kwargs = tree_map(_unwrap, args), tree_map(_unwrap, kwargs)
     out = func(*inner_args, **inner_kwargs)
     return _rewrap(out, args, inner_args, idx)
+
+
+# Ops whose result the host must wait for: a value read back, or an output shape that depends on the data.
+_SYNC_OPS = {aten._local_scalar_dense.default: "item", aten.nonzero.default: "nonzero",
+             aten.masked_select.default: "masked_select", aten.equal.default: "equal",
+             aten._unique2.default: "unique", aten.unique_consecutive.default: "unique"}
+_MATMULS = {aten.mm.default: "mm", aten.addmm.default: "addmm", aten.bmm.default: "bmm",
+            aten.baddbmm.default: "baddbmm"}
+
+
+def _count(func, args) -> None:
+    """Host synchronisations by cause and matrix products by operand dtype (portagrpo_emu.counters)."""
+    cause = _SYNC_OPS.get(func)
+    if cause is not None:
+        COUNTERS.sync(cause)
+    elif func is aten.index.Tensor and any(isinstance(i, torch.Tensor) and i.dtype == torch.bool
+                                           for i in (args[1] if len(args) > 1 else []) or []):
+        COUNTERS.sync("boolean-mask index")
+    elif func in _MATMULS:
+        operands = [a for a in args if isinstance(a, torch.Tensor)][-2:]
+        COUNTERS.matmul(_MATMULS[func], [a.dtype for a in operands], out_features=operands[-1].shape[-1])
 
 
 def _rewrap(out, args, inner_args, idx):
@@ -208,6 +279,7 @@ def _to_copy(src, kwargs):
     target = kwargs.pop("device", None)
     inner = _unwrap(src)
     if target is not None and torch.device(target).type == "cpu":
+        COUNTERS.sync("copy to host")
         return aten._to_copy.default(inner, **kwargs)  # a host copy: a plain CPU tensor
     idx = STATE.index(target) if target is not None else src.device.index
     return _wrap(aten._to_copy.default(inner, **kwargs), idx)
@@ -293,8 +365,86 @@ def _register_autocast(lib) -> None:
     _KEEP.append(aten_lib)
 
 
+class Event:
+    """A device event. Every emulated kernel has finished when its call returns, so an event is
+    complete as soon as it is recorded; `synchronize` is counted as a host synchronisation."""
+
+    def __init__(self, enable_timing: bool = False, blocking: bool = False, interprocess: bool = False) -> None:
+        self.recorded = False
+
+    def record(self, stream: "Stream | None" = None) -> None:
+        self.recorded = True
+
+    def wait(self, stream: "Stream | None" = None) -> None:
+        return None
+
+    def query(self) -> bool:
+        return True
+
+    def synchronize(self) -> None:
+        COUNTERS.sync("Event.synchronize")
+
+    def elapsed_time(self, end: "Event") -> float:
+        return 0.0
+
+
+class Stream:
+    """A device stream: work on it is already done (see Event); ordering between streams is not modelled."""
+
+    def __init__(self, device=None, priority: int = 0, **kwargs: Any) -> None:
+        self.device = torch.device(NAME, STATE.index(device))
+        self.priority = priority
+
+    def wait_stream(self, stream: "Stream") -> None:
+        return None
+
+    def wait_event(self, event: Event) -> None:
+        return None
+
+    def record_event(self, event: Event | None = None) -> Event:
+        event = event or Event()
+        event.record(self)
+        return event
+
+    def query(self) -> bool:
+        return True
+
+    def synchronize(self) -> None:
+        COUNTERS.sync("Stream.synchronize")
+
+
+class _StreamContext:
+    def __init__(self, stream: Stream | None) -> None:
+        self.stream = stream
+
+    def __enter__(self) -> Stream | None:
+        return self.stream
+
+    def __exit__(self, *exc: Any) -> None:
+        return None
+
+
 class EmuModule:
     """`torch.emu`: what torch and portagrpo's backend ask a device module."""
+
+    Stream = Stream
+    Event = Event
+
+    @staticmethod
+    def current_stream(device=None) -> Stream:
+        return STATE.default_stream(STATE.index(device))
+
+    @staticmethod
+    def default_stream(device=None) -> Stream:
+        return STATE.default_stream(STATE.index(device))
+
+    @staticmethod
+    def stream(stream: Stream | None) -> _StreamContext:
+        return _StreamContext(stream)
+
+    @staticmethod
+    def set_stream(stream: Stream) -> None:
+        return None
 
     @staticmethod
     def is_available() -> bool:
@@ -352,7 +502,7 @@ class EmuModule:
 
     @staticmethod
     def synchronize(device=None) -> None:
-        return None
+        COUNTERS.sync("synchronize")
 
     @staticmethod
     def empty_cache() -> None:
@@ -383,11 +533,16 @@ def _copy_kernel(dst, src, non_blocking=False):
     return dst
 
 
-def install() -> None:
-    """Make `emu` a torch device in this process (once)."""
-    global _INSTALLED, STATE
+def install(name: str = "emu", module: Any = None) -> None:
+    """Make `name` (`emu`, or `npu` for the simulated Ascend) a torch device in this process (once),
+    with `module` (an EmuModule by default) as `torch.<name>`."""
+    global _INSTALLED, STATE, NAME
     if _INSTALLED:
+        if name != NAME:
+            raise RuntimeError(f"the emulated device is already installed as {NAME!r} in this process; "
+                               f"it cannot also be {name!r}.")
         return
+    NAME = name
     from torch.utils.backend_registration import _setup_privateuseone_for_python_backend
 
     current = torch._C._get_privateuse1_backend_name()
@@ -398,7 +553,7 @@ def install() -> None:
     # A C++ backend's tensors take `param.data = moved` in Module.to(), which keeps tied weights (embedding and
     # LM head) one Parameter. A Python wrapper cannot, so swap tensors in place to keep the same identity.
     torch.__future__.set_swap_module_params_on_conversion(True)
-    _setup_privateuseone_for_python_backend(NAME, backend_module=EmuModule())
+    _setup_privateuseone_for_python_backend(NAME, backend_module=module or EmuModule())
     lib = torch.library.Library("_", "IMPL")
     lib.fallback(_factory_fallback, dispatch_key="PrivateUse1")
     _register_autocast(lib)
@@ -407,6 +562,17 @@ def install() -> None:
     _KEEP.append(aten_lib)
     _KEEP.append(lib)
     _INSTALLED = True
+    global FSDP2_PROBLEM
+    from . import fsdp_storage
+
+    try:
+        fsdp_storage.install(lambda t: isinstance(t, EmuTensor))
+    except fsdp_storage.UnsupportedTorch as err:
+        FSDP2_PROBLEM = str(err)
+
+
+# Why FSDP2 cannot run on this device with this torch (set by install), or None.
+FSDP2_PROBLEM: str | None = None
 
 
 _KEEP: list[Any] = []

@@ -1,0 +1,84 @@
+"""The collective libraries of the emulated devices, checked in one process (a group of one rank
+runs every collective's full path: staging, refusals, counting). Run under the simulated Ascend's
+environment for `hccl` checks (argument "hccl"), else `emuccl`. Exits 0 and prints ok."""
+import sys
+
+import torch
+import torch.distributed as dist
+
+from portagrpo.backends import get_backend
+
+
+def group(name: str) -> None:
+    dist.init_process_group(name, store=dist.HashStore(), rank=0, world_size=1)
+
+
+def emuccl():
+    backend = get_backend("emu")
+    dev = backend.device(0)
+    group(backend.dist_backend)
+    from portagrpo_emu.counters import COUNTERS
+
+    t = torch.arange(4.0, device=dev)
+    dist.all_reduce(t)
+    assert t.device == dev and t.cpu().tolist() == [0.0, 1.0, 2.0, 3.0]
+    host = torch.ones(3, dtype=torch.float64)
+    dist.all_reduce(host)  # emuccl stands for "cpu:gloo,emu:emuccl": host tensors go to gloo as they are
+    out = torch.empty(4, device=dev)
+    dist.all_gather_into_tensor(out, t)
+    dist.reduce_scatter_tensor(out, t)
+    box = [{"a": 1}]
+    dist.broadcast_object_list(box, 0)
+    calls = COUNTERS.total("collectives")
+    assert calls["all_reduce"] == 2 and calls["all_gather"] == 1 and calls["reduce_scatter"] == 1, calls
+
+
+def hccl():
+    import torch_npu  # noqa: F401 - the stand-in (plugins/npu_sim), as a real run imports the real one
+
+    backend = get_backend("npu")
+    dev = backend.device(0)
+    group(backend.dist_backend)
+    t = torch.arange(4.0, device=dev)
+    dist.all_reduce(t)
+    assert t.cpu().tolist() == [0.0, 1.0, 2.0, 3.0]
+    refused = {
+        "float64 all_reduce": (lambda: dist.all_reduce(torch.ones(2, dtype=torch.float64, device=dev)),
+                               "HCCL allreduce: Unsupported data type at::kDouble"),
+        "float64 reduce_scatter": (lambda: dist.reduce_scatter_tensor(torch.empty(2, dtype=torch.float64, device=dev),
+                                                                      torch.ones(2, dtype=torch.float64, device=dev)),
+                                   "HCCL _reduce_scatter_base: Unsupported data type at::kDouble"),
+        "host tensor": (lambda: dist.all_reduce(torch.ones(2)), "No backend type associated with device type cpu"),
+        # (complex never reaches a library: torch.distributed passes it as a real view)
+        "float8_e4m3fnuz": (lambda: dist.broadcast(torch.zeros(2, device=dev).to(torch.float8_e4m3fnuz), 0),
+                            "Unsupported data type for HCCL process group"),
+        "BAND": (lambda: dist.all_reduce(torch.ones(2, dtype=torch.int32, device=dev), op=dist.ReduceOp.BAND),
+                 "Cannot use ReduceOp.BAND with HCCL"),
+        "non-contiguous": (lambda: dist.all_reduce(torch.ones(2, 3, device=dev).t()), "Tensors must be contiguous"),
+    }
+    for what, (call, words) in refused.items():
+        try:
+            call()
+        except RuntimeError as err:
+            assert words in str(err), (what, str(err))
+        else:
+            raise AssertionError(f"the simulated HCCL accepted a {what}")
+    # All-gather and broadcast move float64 (HCCL: "AllGather & Broadcast support all data type")
+    d = torch.full((2,), 0.1, dtype=torch.float64, device=dev)
+    out = torch.empty(2, dtype=torch.float64, device=dev)
+    dist.all_gather_into_tensor(out, d)
+    assert out.cpu().tolist() == [0.1, 0.1]
+    # portagrpo's own exact float64 sum goes through int64 bit patterns, which HCCL accepts
+    from portagrpo.backends.dist import DistEnv, ProcessGroupCollectives
+
+    comm = ProcessGroupCollectives(DistEnv(), backend, 60)
+    assert comm.sum_on_host(torch.tensor([0.1, 0.2], dtype=torch.float64)).tolist() == [0.1, 0.2]
+    box = [{"a": 1}]
+    dist.broadcast_object_list(box, 0)  # staged on the NPU, as with a real HCCL group
+    assert box == [{"a": 1}]
+
+
+if __name__ == "__main__":
+    (hccl if sys.argv[1:] == ["hccl"] else emuccl)()
+    dist.destroy_process_group()
+    print("ok")

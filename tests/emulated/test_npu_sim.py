@@ -1,0 +1,70 @@
+"""`--device npu` on the simulated Ascend (plugins/npu_sim): portagrpo's own backends/npu.py, its
+attention adapter and HCCL rules, run by the CLI as a user would run them. A simulation, not
+hardware: what it cannot prove is listed in docs/backends.md."""
+import json
+import subprocess
+import sys
+
+import pytest
+
+from npu_sim_env import npu_sim_env
+from test_emulated_device import ENV, FAST, HERE, _metrics, assert_trained_alike, pytestmark  # noqa: F401
+
+
+def _run(args, cwd, env):
+    res = subprocess.run([sys.executable, "-m", "portagrpo", *args], env=env, capture_output=True, text=True,
+                         timeout=900, cwd=cwd)
+    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
+    return res
+
+
+@pytest.fixture(scope="module")
+def cpu_two_ranks(tmp_path_factory):
+    run = tmp_path_factory.mktemp("cpu2") / "run"
+    _run(["train", "--device", "cpu", "--output-dir", str(run), "trainer.nproc_per_node=2", *FAST], run.parent, ENV)
+    return _metrics(run)
+
+
+@pytest.mark.parametrize("parallel", ["ddp", "fsdp2"])
+def test_train_two_npu_ranks_matches_cpu(tmp_path, cpu_two_ranks, parallel):
+    """Same per-rank seeds, so the same samples; losses within the fp32 tolerance of the CPU run."""
+    env = npu_sim_env(tmp_path)
+    res = _run(["train", "--device", "npu", "--output-dir", str(tmp_path / "run"), "trainer.nproc_per_node=2",
+                f"trainer.parallel={parallel}", *FAST], tmp_path, env)
+    assert f"device npu, 2 process(es), {parallel} parallel" in res.stdout
+    assert_trained_alike(cpu_two_ranks, _metrics(tmp_path / "run"))
+
+
+def test_parity_runs_on_the_simulated_npu(tmp_path):
+    env = npu_sim_env(tmp_path)
+    res = _run(["parity", "--device", "npu", "--dtype", "fp32,bf16", "--kernels", "reference,chunked",
+                "--json", str(tmp_path / "p.json")], tmp_path, env)
+    reports = json.loads((tmp_path / "p.json").read_text())
+    assert len(reports) == 4 and all(r["passed"] and r["device"] == "npu" for r in reports), res.stdout[-2000:]
+
+
+def test_cpu_recording_replays_on_the_simulated_npu(tmp_path):
+    env = npu_sim_env(tmp_path)
+    run = tmp_path / "run"
+    _run(["train", "--device", "cpu", "--output-dir", str(run), "trainer.record_rollouts=true", *FAST], tmp_path, ENV)
+    res = _run(["replay", str(run), "--device", "npu", "--output-dir", str(tmp_path / "replay")], tmp_path, env)
+    assert "pass" in res.stdout.lower()
+
+
+@pytest.mark.parametrize("check", ["fusion_attention_semantics", "adapter_in_a_gqa_model_under_autocast"])
+def test_simulation(tmp_path, check):
+    res = subprocess.run([sys.executable, str(HERE / "sim_checks.py"), check], env=npu_sim_env(tmp_path),
+                         capture_output=True, text=True, timeout=600)
+    assert res.returncode == 0 and res.stdout.strip().endswith("ok"), res.stdout[-2000:] + res.stderr[-2000:]
+
+
+def test_the_stand_in_never_shadows_a_real_torch_npu(tmp_path):
+    """A torch_npu found elsewhere on the path wins: the stand-in refuses to load in front of it."""
+    real = tmp_path / "site" / "torch_npu"
+    real.mkdir(parents=True)
+    (real / "__init__.py").write_text("REAL = True\n")
+    env = npu_sim_env(tmp_path)
+    env["PYTHONPATH"] = env["PYTHONPATH"] + ":" + str(tmp_path / "site")
+    res = subprocess.run([sys.executable, "-c", "import torch_npu"], env=env, capture_output=True, text=True,
+                         timeout=300)
+    assert res.returncode != 0 and "a real torch_npu is installed" in res.stderr
