@@ -313,3 +313,13 @@ def test_every_backend_implements_the_backend_protocol_the_trainer_calls():
     for f in list((root / "portagrpo").rglob("*.py")) + [root / "backends" / "dist.py"]:
         called |= set(re.findall(r"\bbackend\.([a-z_]+)", f.read_text()))
     assert called <= members, sorted(called - members)
+
+
+def test_a_rank_uses_its_own_device_or_the_one_it_sees():
+    """Every device visible: local rank k drives device k. One device visible (a per-rank binding):
+    every rank drives it. Otherwise a rank without a device is one sentence naming the setting."""
+    assert CUDABackend(probe(cuda="12.4", devices=FakeDevices(count=4))).device(3) == torch.device("cuda", 3)
+    assert CUDABackend(probe(cuda="12.4", devices=FakeDevices(count=1))).device(1) == torch.device("cuda", 0)
+    with pytest.raises(BackendUnavailable, match="local rank 2 has no cuda device: this process sees 2.*"
+                                                 "CUDA_VISIBLE_DEVICES"):
+        CUDABackend(probe(cuda="12.4", devices=FakeDevices(count=2))).device(2)
