@@ -100,6 +100,8 @@ class Backend(Protocol):
 
     def synchronize(self) -> None: ...
 
+    def region(self, label: str) -> ContextManager: ...
+
     def reset_peak_memory(self) -> None: ...
 
     def peak_memory_gb(self) -> float: ...
@@ -204,6 +206,11 @@ class BaseBackend:
 
     def synchronize(self) -> None:
         return None
+
+    def region(self, label: str) -> ContextManager:
+        """A named stretch of a step (rollout, logprobs, update, ...) for a profiler or counter that
+        wants to tell the phases apart; nothing by default."""
+        return contextlib.nullcontext()
 
     def reset_peak_memory(self) -> None:
         return None

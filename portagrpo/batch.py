@@ -1,7 +1,7 @@
 """Typed batch containers. Shapes: B responses, P prompt tokens (left-padded), T response tokens (right-padded)."""
 from __future__ import annotations
 
-from dataclasses import dataclass, fields, replace
+from dataclasses import dataclass, field, fields, replace
 from typing import Any
 
 import torch
@@ -19,6 +19,10 @@ class RolloutBatch:
     ground_truth: list[str]
     data_source: list[str]
     extra_info: list[dict]
+    # Per response, on the host: (prompt tokens, response tokens). Scoring and the update take every
+    # shape they need from these, so their micro-batch loops never wait for the device; empty when
+    # not known yet (`host_lengths` then reads them once).
+    lengths: list[tuple[int, int]] = field(default_factory=list)
 
     @property
     def size(self) -> int:
@@ -39,16 +43,26 @@ class RolloutBatch:
         return torch.cat([self.prompt_mask, self.response_mask.long()], dim=1)
 
     def select(self, idx: torch.Tensor | list[int]) -> "RolloutBatch":
-        idx_t = torch.as_tensor(idx, dtype=torch.long)
-        idx_l = idx_t.tolist()
+        """The rows `idx` (host indices: a device tensor here would be a host synchronisation)."""
+        idx_l = idx.tolist() if torch.is_tensor(idx) else list(idx)
+        on_device = {}
         out = {}
         for f in fields(self):
             value = getattr(self, f.name)
             if torch.is_tensor(value):
-                out[f.name] = value.index_select(0, idx_t.to(value.device))
-            else:  # per-sample lists; a gathered global batch carries tensors only and keeps them empty
+                if value.device not in on_device:  # one asynchronous copy of the indices per device
+                    on_device[value.device] = torch.tensor(idx_l, dtype=torch.long).to(value.device, non_blocking=True)
+                out[f.name] = value.index_select(0, on_device[value.device])
+            else:  # per-sample lists; a gathered global batch carries tensors and lengths only
                 out[f.name] = [value[i] for i in idx_l] if value else []
         return RolloutBatch(**out)
+
+    def host_lengths(self) -> list[tuple[int, int]]:
+        """(prompt tokens, response tokens) per response: the known ones, else one read from the device."""
+        if not self.lengths:
+            both = torch.stack([self.prompt_mask.sum(1), self.response_mask.sum(1).round().long()], dim=1)
+            self.lengths = [(int(p), int(r)) for p, r in both.tolist()]
+        return self.lengths
 
     def to(self, device: torch.device) -> "RolloutBatch":
         return replace(self, **{f.name: getattr(self, f.name).to(device) for f in fields(self)
@@ -68,10 +82,11 @@ class TrainBatch:
     ref_logp: torch.Tensor | None  # [B, T] float32
 
     def select(self, idx: torch.Tensor | list[int]) -> "TrainBatch":
-        # Indices often come from the host (randperm with a CPU generator, arange): move them to the data.
-        idx_t = torch.as_tensor(idx, dtype=torch.long).to(self.advantages.device)
+        # Indices come from the host (randperm with a CPU generator, arange): copied to the data without waiting.
+        idx_l = idx.tolist() if torch.is_tensor(idx) else list(idx)
+        idx_t = torch.tensor(idx_l, dtype=torch.long).to(self.advantages.device, non_blocking=True)
         return TrainBatch(
-            rollout=self.rollout.select(idx_t),
+            rollout=self.rollout.select(idx_l),
             advantages=self.advantages.index_select(0, idx_t),
             old_logp=None if self.old_logp is None else self.old_logp.index_select(0, idx_t),
             ref_logp=None if self.ref_logp is None else self.ref_logp.index_select(0, idx_t),

@@ -21,6 +21,11 @@ from portagrpo.config import Config, to_dict
 from portagrpo.errors import UserError
 
 
+# Ray's switch for a cluster that never leaves this machine (made for laptops): with it off, Ray
+# takes 127.0.0.1 as the node's address instead of resolving the machine's routable one.
+LOOPBACK_ONLY = "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"
+
+
 class TrainWorker:
     """One rank. Created by Ray inside a placement-group bundle."""
 
@@ -106,6 +111,10 @@ class RayRun:
         self.nodes: list[dict] = []
 
     def start(self) -> "RayRun":
+        if not self.address:
+            # A local cluster stays on loopback: Ray otherwise replaces 127.0.0.1 with this machine's
+            # routable address when its processes bind and advertise (read once, when Ray is imported).
+            os.environ.setdefault(LOOPBACK_ONLY, "0")
         try:
             import ray
             from ray.util.placement_group import placement_group
@@ -120,7 +129,6 @@ class RayRun:
         if self.address:
             ray.init(address=self.address, log_to_driver=True)
         else:
-            # a local cluster listens on loopback only
             ray.init(num_cpus=max(n, os.cpu_count() or 1), include_dashboard=False, log_to_driver=True,
                      _node_ip_address="127.0.0.1")
         bundles = [_bundle(spec.ray_resource) for _ in range(n)]

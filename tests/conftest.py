@@ -7,6 +7,11 @@ import os
 # kernel is decorated (i.e. before portagrpo.kernels.triton_logprob is imported).
 os.environ.setdefault("TRITON_INTERPRET", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+# Every Ray process the tests start binds to 127.0.0.1 (Ray reads this when imported; see
+# portagrpo.ray_launcher.LOOPBACK_ONLY), and needs no token for a cluster that never leaves loopback.
+os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
+os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
 
 import pytest  # noqa: E402
 import torch  # noqa: E402

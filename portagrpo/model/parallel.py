@@ -29,6 +29,17 @@ from portagrpo.registry import Registry
 FULL = StateDictOptions(full_state_dict=True, cpu_offload=True)
 
 
+def _unique_state(scorer: torch.nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
+    """The scorer's state, each tensor once: a tied weight (an `lm_head` sharing the embedding) comes
+    only under its first name, so it is never gathered or sent twice (a consumer ties it back, as
+    vLLM does from the model config)."""
+    first_names = {n for n, _ in scorer.named_parameters()}
+    aliases = {n for n, _ in scorer.named_parameters(remove_duplicate=False)} - first_names
+    for name, value in scorer.state_dict().items():
+        if name not in aliases:
+            yield name, value
+
+
 def _strip(prefix: str, state: dict[str, Any]) -> dict[str, Any]:
     return {k[len(prefix):] if k.startswith(prefix) else k: v for k, v in state.items()}
 
@@ -54,8 +65,13 @@ class SingleProcess:
     def full_tensors(self, scorer: torch.nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
         """(name, full tensor) of every LM weight, one at a time (keys as in the Hugging Face model): a
         consumer that drops each after use (the vLLM weight push) never holds the whole gathered model."""
-        for name, value in scorer.state_dict().items():
+        for name, value in _unique_state(scorer):
             yield name.removeprefix("lm."), value.detach()
+
+    def gradient_sync(self, scorer: torch.nn.Module, enabled: bool) -> None:
+        """Whether the next backward reduces gradients across ranks (only a sharded strategy reduces
+        inside backward; the others reduce in `sync_grads`)."""
+        return None
 
     def sync_grads(self, params: list[torch.nn.Parameter]) -> None:
         return None
@@ -135,6 +151,11 @@ class FSDP2(SingleProcess):
                 sum_gradients(module)  # the losses divide by global counts: ranks' gradients add up
         return scorer
 
+    def gradient_sync(self, scorer: torch.nn.Module, enabled: bool) -> None:
+        """Off for all but a mini-batch's last micro-batch: the unsharded gradients accumulate (in the
+        fp32 reduce dtype) and reduce-scatter once per optimizer step, not once per micro-batch."""
+        scorer.set_requires_gradient_sync(enabled)
+
     def clip_grad_norm(self, params: list[torch.nn.Parameter], max_norm: float) -> torch.Tensor:
         norm = torch.nn.utils.clip_grad_norm_(params, max_norm)
         return norm.full_tensor() if hasattr(norm, "full_tensor") else norm
@@ -161,7 +182,7 @@ class FSDP2(SingleProcess):
 
     def full_tensors(self, scorer: torch.nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
         """One parameter gathered at a time (a collective on every rank, in the same order everywhere)."""
-        for name, value in scorer.state_dict().items():
+        for name, value in _unique_state(scorer):
             full = value.full_tensor() if hasattr(value, "full_tensor") else value
             yield name.removeprefix("lm."), full.detach()
 

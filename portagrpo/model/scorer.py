@@ -8,6 +8,8 @@ used, and fused kernels never need full-vocabulary logits.
 from __future__ import annotations
 
 import contextlib
+import functools
+import inspect
 from dataclasses import dataclass
 from typing import Callable, ContextManager
 
@@ -25,10 +27,31 @@ class ResponseStats:
     logp_vocab: torch.Tensor | None  # [B, T, V] full log-distribution (only for the `full` KL)
 
 
-def _scatter(values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-    """Put N per-token values back on the [B, T] grid (zeros off the mask), keeping autograd."""
-    out = torch.zeros(mask.shape + values.shape[1:], dtype=values.dtype, device=values.device)
-    return out.index_put(mask.nonzero(as_tuple=True), values)
+def true_positions(mask: torch.Tensor, count: int) -> torch.Tensor:
+    """Flat indices of the `count` True entries of `mask`, in order, without asking the device how
+    many there are (`nonzero` and boolean indexing wait for that answer): the k-th True entry is the
+    first place where the running count of Trues reaches k."""
+    running = mask.flatten().long().cumsum(0)
+    wanted = torch.arange(1, count + 1, device=mask.device, dtype=running.dtype)
+    return torch.searchsorted(running, wanted)
+
+
+def _scatter(values: torch.Tensor, positions: torch.Tensor, shape: torch.Size) -> torch.Tensor:
+    """Put N per-token values back at their flat `positions` of the [B, T] grid (zeros elsewhere),
+    keeping autograd."""
+    out = values.new_zeros((shape.numel(),) + values.shape[1:])
+    return out.index_put((positions,), values).view(tuple(shape) + tuple(values.shape[1:]))
+
+
+def lm_head_operands(h: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None):
+    """The LM head's operands in the autocast dtype when autocast is on (as autocast would give
+    any other linear layer), so a bf16 step multiplies bf16 operands into fp32 results whatever the
+    dtype of the master weights; unchanged otherwise."""
+    kind = h.device.type
+    if not torch.is_autocast_enabled(kind):
+        return h, weight, bias
+    dtype = torch.get_autocast_dtype(kind)
+    return h.to(dtype), weight.to(dtype), None if bias is None else bias.to(dtype)
 
 
 # Attention implementations that read packed sequences from restarting position ids: a dense
@@ -51,6 +74,56 @@ def packing_pays(n_valid: int, batch: int, width: int, hidden_size: int, attenti
     return n_valid * (3 * hidden_size + n_valid) < batch * width * (3 * hidden_size + width)
 
 
+def mask_form(config) -> str | None:
+    """The 4D attention mask this model's attention implementation takes from transformers: "bool"
+    (True = attend; sdpa and implementations registered with sdpa's mask) or "additive" (eager), or
+    None where transformers should build its own (flash-attention, flex, unknown)."""
+    try:
+        from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS
+    except ImportError:
+        return None
+    impl = getattr(config, "_attn_implementation", None)
+    if impl not in ALL_MASK_ATTENTION_FUNCTIONS:
+        return None
+    fn = ALL_MASK_ATTENTION_FUNCTIONS[impl]
+    return {ALL_MASK_ATTENTION_FUNCTIONS["sdpa"]: "bool", ALL_MASK_ATTENTION_FUNCTIONS["eager"]: "additive"}.get(fn)
+
+
+@functools.lru_cache(maxsize=None)
+def _takes_mask_mapping(decoder_class: type) -> bool:
+    """Whether this transformers decoder accepts its per-layer-type masks ready-made (a dict, as
+    `generate` passes them) instead of building them, which reads the device to look for padding."""
+    try:
+        return "causal_mask_mapping" in inspect.getsource(decoder_class.forward)
+    except (OSError, TypeError):
+        return False
+
+
+def causal_without_padding(decoder, form: str, dtype: torch.dtype, like: torch.Tensor):
+    """The attention mask to hand a decoder for rows without padding: none at all (plain causal, the
+    fastest kernels) for a "bool" implementation when the decoder takes ready-made masks and has only
+    full-attention layers; else the causal 4D mask, which a decoder would otherwise build itself after
+    reading the device to look for packed sequences (eager always needs it)."""
+    sliding = "sliding_attention" in (getattr(decoder.config, "layer_types", None) or ())
+    if form == "bool" and not sliding and _takes_mask_mapping(type(decoder)):
+        return {"full_attention": None}
+    return attention_mask_4d(torch.zeros_like(like), torch.ones_like(like, dtype=torch.bool), form, dtype)
+
+
+def attention_mask_4d(seq_id: torch.Tensor, valid: torch.Tensor, form: str, dtype: torch.dtype) -> torch.Tensor:
+    """[B, 1, S, S] causal mask within each sequence: query i attends key j <= i of the same `seq_id`
+    when j is a real token (`valid`), and always itself (a padding query then has a defined output,
+    which nobody reads). Built here from what the host already knows, instead of transformers checking
+    the device for padding on every forward (a host synchronisation)."""
+    s = seq_id.shape[1]
+    causal = torch.ones(s, s, dtype=torch.bool, device=seq_id.device).tril()
+    allowed = causal & (seq_id[:, :, None] == seq_id[:, None, :]) & valid[:, None, :]
+    allowed = (allowed | torch.eye(s, dtype=torch.bool, device=seq_id.device))[:, None]
+    if form == "bool":
+        return allowed
+    return torch.zeros(allowed.shape, dtype=dtype, device=allowed.device).masked_fill_(~allowed, torch.finfo(dtype).min)
+
+
 class ResponseScorer(torch.nn.Module):
     """Causal LM + token log-prob kernel as one module. `generate` is forwarded to the LM."""
 
@@ -69,43 +142,55 @@ class ResponseScorer(torch.nn.Module):
         compute_entropy: bool,
         vocab: bool,
         autocast: Callable[[], ContextManager] = contextlib.nullcontext,
+        counts: tuple[int, int] | None = None,  # (valid tokens, response tokens), known on the host
     ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
         prompt_len, t = input_ids.shape[1] - responses.shape[1], responses.shape[1]
+        if counts is None:
+            counts = (int(attention_mask.sum()), int(response_mask.sum()))  # one read; response_stats passes them
+        n_valid, n_response = counts
         decoder = decoder_of(self.lm)
         positions = position_ids_from_mask(attention_mask)
-        valid = attention_mask.bool()
-        # Row-major index of every grid position among the valid tokens (what packing keeps).
-        packed_index = valid.flatten().long().cumsum(0).sub_(1).view(valid.shape)
-        n_valid = int(packed_index[-1, -1]) + 1
-        packed = packing_pays(n_valid, *valid.shape, decoder.config.hidden_size,
+        packed = packing_pays(n_valid, *attention_mask.shape, decoder.config.hidden_size,
                               getattr(decoder.config, "_attn_implementation", None))
+        form, dtype = mask_form(decoder.config), decoder.get_input_embeddings().weight.dtype
         with autocast():
             if packed:
-                # One row of every sequence's tokens, positions restarting per sequence: transformers
-                # then attends within each sequence only (block-causal), and no work goes to padding.
-                out = decoder(input_ids=input_ids[valid].unsqueeze(0), position_ids=positions[valid].unsqueeze(0),
-                              use_cache=False)
+                # One row of every sequence's tokens, positions restarting per sequence: attention stays
+                # within each sequence (block-causal), and no work goes to padding.
+                keep = true_positions(attention_mask.bool(), n_valid)
+                ids, pos = input_ids.flatten()[keep].unsqueeze(0), positions.flatten()[keep].unsqueeze(0)
+                mask = None if form is None else attention_mask_4d(
+                    (pos == 0).long().cumsum(1), torch.ones_like(ids, dtype=torch.bool), form, dtype)
+                out = decoder(input_ids=ids, attention_mask=mask, position_ids=pos, use_cache=False)
             else:
-                out = decoder(input_ids=input_ids, attention_mask=attention_mask, position_ids=positions,
-                              use_cache=False)
-        hidden = out[0] if isinstance(out, tuple) else out.last_hidden_state
-        # The hidden state at position p predicts token p + 1.
-        if packed:
-            h = hidden[0, packed_index[:, prompt_len - 1:prompt_len + t - 1][response_mask]]  # [N, H]
-        else:
-            h = hidden[:, prompt_len - 1:prompt_len + t - 1][response_mask]
-        targets = responses[response_mask]
-        weight, bias = lm_head_of(self.lm)
+                mask = attention_mask
+                if form is not None:  # whether there is padding at all is known on the host
+                    padded = n_valid < attention_mask.numel()
+                    mask = attention_mask_4d(torch.zeros_like(attention_mask), attention_mask.bool(), form, dtype) \
+                        if padded else causal_without_padding(decoder, form, dtype, attention_mask)
+                out = decoder(input_ids=input_ids, attention_mask=mask, position_ids=positions, use_cache=False)
+            hidden = out[0] if isinstance(out, tuple) else out.last_hidden_state
+            # The hidden state at position p predicts token p + 1; `at` lists the response tokens.
+            at = true_positions(response_mask, n_response)
+            if packed:
+                # Row-major index of every grid position among the valid tokens (what packing kept).
+                packed_index = attention_mask.bool().flatten().long().cumsum(0).sub_(1).view(attention_mask.shape)
+                h = hidden[0].index_select(0, packed_index[:, prompt_len - 1:prompt_len + t - 1].flatten()[at])
+            else:
+                h = hidden[:, prompt_len - 1:prompt_len + t - 1].flatten(0, 1)[at]
+            targets = responses.flatten()[at]
+            weight, bias = lm_head_of(self.lm)
+            h, weight, bias = lm_head_operands(h, weight, bias)
+        grid = response_mask.shape
         if vocab:
             logits = logits_from_hidden(h, weight, bias, temperature)
             logp, entropy = token_logprobs_from_logits(logits, targets, compute_entropy)
-            logp_vocab = _scatter(torch.log_softmax(logits, dim=-1), response_mask)
+            logp_vocab = _scatter(torch.log_softmax(logits, dim=-1), at, grid)
         else:
             logp, entropy = self.kernel(h, weight, targets, bias=bias, temperature=temperature,
                                         compute_entropy=compute_entropy)
             logp_vocab = None
-        return (_scatter(logp, response_mask), None if entropy is None else _scatter(entropy, response_mask),
-                logp_vocab)
+        return (_scatter(logp, at, grid), None if entropy is None else _scatter(entropy, at, grid), logp_vocab)
 
     def generate(self, **kwargs):
         return self.lm.generate(**kwargs)
@@ -120,9 +205,14 @@ def response_stats(
     vocab: bool = False,
     autocast: Callable[[], ContextManager] = contextlib.nullcontext,
 ) -> ResponseStats:
+    """Per-token statistics of `batch`'s responses. Every shape comes from the batch's host lengths,
+    so nothing here waits for the device."""
     trimmed, t_full = trim_padding(batch)
+    lengths = batch.host_lengths()
+    counts = (sum(p + r for p, r in lengths), sum(r for _, r in lengths))
     logp, entropy, logp_vocab = scorer(trimmed.input_ids, trimmed.attention_mask, trimmed.responses,
-                                       trimmed.response_mask.bool(), temperature, compute_entropy, vocab, autocast)
+                                       trimmed.response_mask.bool(), temperature, compute_entropy, vocab, autocast,
+                                       counts)
     grow = lambda x: None if x is None else _pad_time(x, t_full)  # noqa: E731
     return ResponseStats(grow(logp), grow(entropy), grow(logp_vocab))
 
@@ -131,15 +221,14 @@ def trim_padding(batch: RolloutBatch) -> tuple[RolloutBatch, int]:
     """The batch without the columns no row uses: prompt columns that are padding in every row (prompts
     are left-padded to the longest in the whole step) and response columns past the longest response
     of these rows (responses are right-padded to max_response_length). Causal attention makes every
-    kept position's output independent of the dropped ones, so only work is saved. One host read of
-    two numbers; returns the trimmed batch and the original response width."""
+    kept position's output independent of the dropped ones, so only work is saved. The widths come
+    from the host lengths; returns the trimmed batch and the original response width."""
     from dataclasses import replace
 
     t_full = batch.responses.shape[1]
-    used_prompt = batch.prompt_mask.sum(0) > 0
-    first = torch.where(used_prompt, torch.arange(used_prompt.numel(), device=used_prompt.device), used_prompt.numel())
-    p0, t = (int(v) for v in torch.stack([first.min(), batch.response_mask.sum(1).max().long()]).tolist())
-    p0, t = min(p0, batch.prompt_len - 1), max(t, 1)
+    lengths = batch.host_lengths()
+    p0 = batch.prompt_len - max(max(p for p, _ in lengths), 1)
+    t = max(max(r for _, r in lengths), 1)
     if p0 == 0 and t == t_full:
         return batch, t_full
     return replace(batch, prompt_ids=batch.prompt_ids[:, p0:], prompt_mask=batch.prompt_mask[:, p0:],

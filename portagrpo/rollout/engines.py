@@ -225,19 +225,22 @@ def rollout_groups(engine, tokenizer, records: list, n: int, params: SamplingPar
     prompt_ids, prompt_mask = prompt_ids.to(device), prompt_mask.to(device)
     responses, mask = engine.generate(prompt_ids, prompt_mask, params)
     rep = lambda xs: [x for x in xs for _ in range(n)]  # noqa: E731
+    rows, keeps = responses.tolist(), mask.tolist()  # the step's one read of the responses (rewards need text)
     return RolloutBatch(
         prompt_ids=prompt_ids, prompt_mask=prompt_mask, responses=responses, response_mask=mask,
         uid=torch.arange(len(records), device=device).repeat_interleave(n) + uid_base,
         prompt_index=torch.tensor(rep([r.index for r in records]), device=device),
-        response_text=decode_responses(tokenizer, responses, mask),
+        response_text=decode_responses(tokenizer, rows, keeps),
         ground_truth=rep([r.ground_truth for r in records]), data_source=rep([r.data_source for r in records]),
         extra_info=rep([r.extra_info for r in records]),
+        lengths=[(len(p), round(sum(k))) for p, k in zip(ids, keeps)],
     )
 
 
-def decode_responses(tokenizer, responses: torch.Tensor, mask: torch.Tensor) -> list[str]:
+def decode_responses(tokenizer, rows: list[list[int]], keeps: list[list[float]]) -> list[str]:
+    """Responses as text: each row's kept tokens (host lists, read from the device once)."""
     out = []
-    for row, m in zip(responses.tolist(), mask.tolist()):
+    for row, m in zip(rows, keeps):
         ids = [t for t, keep in zip(row, m) if keep]
         out.append(tokenizer.decode(ids, skip_special_tokens=True))
     return out

@@ -86,10 +86,12 @@ class ExperienceMaker:
         """Rebuild a recorded step's global batch on this backend: log-probs and advantages are
         recomputed here; rollout tokens and rewards are exactly the recorded ones."""
         d, t_start = self.device, time.perf_counter()
+        lengths = torch.stack([rec["prompt_mask"].sum(1), rec["response_mask"].sum(1).round().long()], dim=1)
         rb = RolloutBatch(prompt_ids=rec["prompt_ids"].to(d), prompt_mask=rec["prompt_mask"].to(d),
                           responses=rec["responses"].to(d), response_mask=rec["response_mask"].to(d),
                           uid=rec["uid"].to(d), prompt_index=rec["prompt_index"].to(d), response_text=[],
-                          ground_truth=[], data_source=[], extra_info=[])
+                          ground_truth=[], data_source=[], extra_info=[],
+                          lengths=[(int(p), int(r)) for p, r in lengths.cpu().tolist()])
         old_logp, entropy = self.logprobs(self.scorer, rb, entropy=True) if not self.on_policy else (None, None)
         ref_logp = self.logprobs(self.ref_scorer, rb, entropy=False)[0] if self.ref_scorer is not None else None
         raw = rec["scores"].to(d)
@@ -113,7 +115,7 @@ class ExperienceMaker:
         # Sampling with the training model itself (not an engine holding its own weights): a sharded
         # policy is gathered once for the whole rollout.
         gather = self.strategy.generation(self.scorer) if not hasattr(self.engine, "update_weights") else nullcontext()
-        with gather:
+        with gather, self.backend.region("rollout"):
             return rollout_groups(self.engine, self.tokenizer, records, n, params, self.device, uid_base=uid_base,
                                   prompt_width=prompt_width)
 
@@ -133,7 +135,7 @@ class ExperienceMaker:
         """Log-probs [B, T] (and entropy) of `scorer`'s model over the batch, in micro-batches."""
         mb = self.cfg.actor.micro_batch_size
         logps, ents = [], []
-        with eval_mode(scorer):  # scoring is deterministic: no dropout (LoRA's or the model's), as in verl
+        with eval_mode(scorer), self.backend.region("logprobs"):  # scoring is deterministic: no dropout (LoRA's or the model's), as in verl
             for start in range(0, batch.size, mb):
                 part = batch.select(list(range(start, min(start + mb, batch.size))))
                 stats = response_stats(scorer, part, temperature=self.cfg.rollout.temperature, compute_entropy=entropy,
@@ -152,6 +154,8 @@ class ExperienceMaker:
             prompt_ids=g(rb.prompt_ids), prompt_mask=g(rb.prompt_mask), responses=g(rb.responses),
             response_mask=g(rb.response_mask), uid=g(rb.uid), prompt_index=g(rb.prompt_index),
             response_text=[], ground_truth=[], data_source=[], extra_info=[],
+            # the step's one read of the global lengths, so every rank's update plans on the host
+            lengths=[(p, r) for p, r in g(torch.tensor(rb.host_lengths(), device=self.device)).tolist()],
         )
         return full, {k: (None if v is None else g(v)) for k, v in tensors.items()}
 

@@ -1,6 +1,7 @@
 """The update: epochs, mini-batches and micro-batches over one Experience, and the step's metrics."""
 from __future__ import annotations
 
+import math
 import time
 from typing import Any
 
@@ -41,9 +42,11 @@ class Updater:
         step = self.step_done + 1
         t_prep = time.perf_counter()
         lr_used = self.scheduler.get_last_lr()[0]
-        upd = self.update(exp.batch, step)
+        with self.backend.region("update"):
+            upd = self.update(exp.batch, step)
         self.scheduler.step()
-        self.push_weights_to_engine()
+        with self.backend.region("push weights"):
+            self.push_weights_to_engine()
         self.backend.synchronize()
         t_end = time.perf_counter()
         self.step_done = step
@@ -107,11 +110,13 @@ class Updater:
                 counts = torch.stack(algo.loss_normalizers(mine.rollout.response_mask)).round().long()
                 n_tok, n_seq = self.comm.all_reduce_sum(counts).to(torch.float64).unbind()
                 self.optimizer.zero_grad(set_to_none=True)
-                for micro_idx in torch.arange(per_rank).split(a.micro_batch_size):
+                micros = torch.arange(per_rank).split(a.micro_batch_size)
+                for i, micro_idx in enumerate(micros):
                     micro = mine.select(micro_idx)
                     loss, m = self.micro_loss(micro, n_tok, n_seq)
+                    self.strategy.gradient_sync(self.scorer, enabled=i == len(micros) - 1)
                     loss.backward()
-                    self._accumulate(sums, m, float(micro.rollout.response_mask.sum()))
+                    self._accumulate(sums, m, sum(r for _, r in micro.rollout.host_lengths()))
                 self.strategy.sync_grads(self.params)
                 grad_norms.append(self._clip_and_step())
         n_updates = a.ppo_epochs * (batch.rollout.size // a.ppo_mini_batch_size)
@@ -164,10 +169,11 @@ class Updater:
         return out
 
     def _clip_and_step(self) -> float:
-        norm = self.strategy.clip_grad_norm(self.params, self.cfg.actor.grad_clip)
-        if torch.isfinite(norm):
+        # The one host read of an optimizer step: whether the norm is finite decides the step.
+        norm = float(self.strategy.clip_grad_norm(self.params, self.cfg.actor.grad_clip))
+        if math.isfinite(norm):
             self.optimizer.step()
         else:
-            self.log(f"step {self.step_done + 1}: gradient norm is {float(norm)}, optimizer step skipped")
+            self.log(f"step {self.step_done + 1}: gradient norm is {norm}, optimizer step skipped")
         self.optimizer.zero_grad(set_to_none=True)
-        return float(norm)
+        return norm

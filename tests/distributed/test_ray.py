@@ -1,4 +1,12 @@
 """Ray-placed workers: the same numbers as one process (and so as torchrun), and clear failures."""
+import json
+import os
+import re
+import subprocess
+import sys
+import time
+from pathlib import Path
+
 import pytest
 
 ray = pytest.importorskip("ray")
@@ -79,3 +87,74 @@ def test_local_ranks_count_ray_nodes_not_addresses():
     assert [_rank_env(nodes, i, ("127.0.0.1", 1), ())["LOCAL_RANK"] for i in (0, 1)] == ["0", "0"]
     assert [_rank_env(nodes, i, ("127.0.0.1", 1), ())["LOCAL_WORLD_SIZE"] for i in (0, 1)] == ["1", "1"]
 
+
+
+# Every Ray process of the two-node tests (nodes, driver, workers) takes 127.0.0.1 as its address.
+LOOPBACK = {"RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0", "RAY_AUTH_MODE": "disabled", "RAY_USAGE_STATS_ENABLED": "0",
+            "OMP_NUM_THREADS": "1"}
+
+
+@pytest.fixture
+def two_nodes():
+    """(address, cluster process): two Ray nodes on 127.0.0.1, one CPU each."""
+    env = {**os.environ, **LOOPBACK}
+    proc = subprocess.Popen([sys.executable, str(Path(__file__).parent / "ray_cluster.py")], env=env, text=True,
+                            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL)
+    try:
+        line = proc.stdout.readline()
+        assert line.startswith("address "), f"the cluster did not start: {line!r}"
+        yield line.split()[1], proc
+    finally:
+        try:
+            proc.stdin.write("stop\n")
+            proc.stdin.flush()
+        except BrokenPipeError:
+            pass
+        try:
+            proc.wait(timeout=120)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+
+
+def _train_on(address: str, out: Path, steps: int) -> subprocess.Popen:
+    cmd = [sys.executable, "-m", "portagrpo", "train", "--ray-address", address, "--output-dir", str(out), *COMMON,
+           f"trainer.total_steps={steps}", "trainer.nnodes=2", "trainer.devices_per_node=1", "reward.num_workers=0",
+           "trainer.dist_timeout_s=120"]
+    return subprocess.Popen(cmd, env={**os.environ, **LOOPBACK}, text=True, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, cwd=out.parent)
+
+
+def test_two_ray_nodes_on_loopback_match_one_process(tmp_path, two_nodes):
+    """`train --ray-address` on a two-node cluster: one worker per node (counted by Ray node id, as
+    both nodes share 127.0.0.1), the same numbers as one process."""
+    address, _ = two_nodes
+    single = run_worker(tmp_path / "one", 1, "auto", "fp64")
+    proc = _train_on(address, tmp_path / "ray", steps=2)
+    out, err = proc.communicate(timeout=900)
+    assert proc.returncode == 0, out[-2000:] + err[-3000:]
+    assert "ray: 2 workers on 2 node(s)" in out + err
+    got = [json.loads(line) for line in (tmp_path / "ray" / "metrics.jsonl").read_text().splitlines()]
+    assert [m["world_size"] for m in got] == [2, 2]
+    for m1, m2 in zip(single["metrics"], got):
+        for key in ("loss_policy", "loss_kl", "kl", "grad_norm", "reward_mean", "entropy", "clipfrac"):
+            assert m2[key] == pytest.approx(m1[key], rel=1e-10, abs=1e-12), key
+
+
+def test_a_node_that_dies_ends_the_run_with_one_sentence(tmp_path, two_nodes):
+    address, cluster = two_nodes
+    out = tmp_path / "ray"
+    proc = _train_on(address, out, steps=500)
+    metrics = out / "metrics.jsonl"
+    deadline = time.monotonic() + 600
+    while not (metrics.exists() and metrics.read_text().strip()) and proc.poll() is None:
+        assert time.monotonic() < deadline, "no step finished"
+        time.sleep(0.5)
+    assert proc.poll() is None, proc.communicate()[1][-3000:]
+    cluster.stdin.write("kill-worker-node\n")
+    cluster.stdin.flush()
+    stdout, stderr = proc.communicate(timeout=600)
+    assert proc.returncode != 0
+    message = [line for line in stderr.splitlines() if line.startswith("portagrpo: error:")]
+    assert len(message) == 1, stderr[-3000:]
+    assert re.search(r"Ray worker rank \d on node .* failed during step.*--resume", message[0]), message[0]
+    assert "Traceback" not in stderr

@@ -29,7 +29,7 @@ def test_hf_engine_shapes_and_padding(tiny_model_dir, tokenizer):
     greedy_a, _ = engine.generate(ids, mask, SamplingParams(max_tokens=7, temperature=0.0))
     greedy_b, _ = engine.generate(ids, mask, SamplingParams(max_tokens=7, temperature=0.0))
     assert torch.equal(greedy_a, greedy_b)
-    assert len(decode_responses(tokenizer, responses, rmask)) == 2
+    assert len(decode_responses(tokenizer, responses.tolist(), rmask.tolist())) == 2
 
 
 def test_left_padding_does_not_change_greedy_output(tiny_model_dir, tokenizer):

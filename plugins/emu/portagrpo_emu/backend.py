@@ -8,7 +8,8 @@ no float64). DDP and FSDP2 run on it across ranks, one emulated device per proce
 """
 from __future__ import annotations
 
-from typing import Any
+import contextlib
+from typing import Any, Iterator
 
 import torch
 
@@ -60,6 +61,17 @@ class EmuBackend(AcceleratorBackend):
         if name not in ("privateuseone", SPEC.device_type):
             return f"this process already has the PrivateUse1 device {name!r} (a real vendor runtime)"
         return None
+
+    @contextlib.contextmanager
+    def region(self, label: str) -> Iterator[None]:
+        """Count the stretch apart: the counters open a span `label`, then one named `after label`."""
+        from .counters import COUNTERS
+
+        COUNTERS.mark(label)
+        try:
+            yield
+        finally:
+            COUNTERS.mark(f"after {label}")
 
     def parallel_strategy(self, requested: str) -> str:
         choice = super().parallel_strategy(requested)

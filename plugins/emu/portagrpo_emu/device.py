@@ -225,6 +225,8 @@ def _dispatch(func, args, kwargs):
     _count(func, args)
     if func is aten._to_copy.default:
         return _to_copy(args[0], kwargs)
+    if func is _MM_DTYPE:
+        return _mixed_mm(args, kwargs, idx)
     if func is aten.native_dropout.default:
         return _dropout(args, idx)
     target = kwargs.get("device")
@@ -243,6 +245,20 @@ _SYNC_OPS = {aten._local_scalar_dense.default: "item", aten.nonzero.default: "no
              aten._unique2.default: "unique", aten.unique_consecutive.default: "unique"}
 _MATMULS = {aten.mm.default: "mm", aten.addmm.default: "addmm", aten.bmm.default: "bmm",
             aten.baddbmm.default: "baddbmm"}
+# torch.mm(a, b, out_dtype=torch.float32) on bf16/fp16 operands: what a GPU's tensor cores do (CUDA has
+# it; the CPU does not), so kernels that ask for it (portagrpo.kernels.matmul) take the same path here.
+_MM_DTYPE = getattr(aten.mm, "dtype", None)
+if _MM_DTYPE is not None:
+    _MATMULS[_MM_DTYPE] = "mm"
+
+
+def _mixed_mm(args, kwargs, idx):
+    a, b = args[0], args[1]
+    out_dtype = args[2] if len(args) > 2 else kwargs["out_dtype"]
+    if a.dtype != b.dtype or a.dtype not in (torch.bfloat16, torch.float16) or out_dtype != torch.float32:
+        raise RuntimeError(f"mm with out_dtype: operands must share bf16 or fp16 and the result be fp32 "
+                           f"(got {a.dtype}, {b.dtype} -> {out_dtype})")
+    return _wrap(a._inner.float() @ b._inner.float(), idx)
 
 
 def _count(func, args) -> None:
