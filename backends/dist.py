@@ -163,6 +163,25 @@ class ProcessGroupCollectives(Collectives):
             dist.destroy_process_group()
 
 
+STORE_FD_ENV = "PORTAGRPO_STORE_FD"  # rank 0's inherited, already listening rendezvous socket (portagrpo.launcher)
+
+
+def launched_store(env: DistEnv, timeout_s: float):
+    """The rendezvous store of a rank that portagrpo's local launcher started, or None (torchrun's or
+    the user's environment forms the group). Rank 0 serves the socket the launcher bound on 127.0.0.1;
+    the others connect to it. Nothing else listens."""
+    from portagrpo.procs import LAUNCHER_ENV
+
+    if not os.environ.get(LAUNCHER_ENV) or not os.environ.get("MASTER_PORT"):
+        return None
+    port, timeout = int(os.environ["MASTER_PORT"]), timedelta(seconds=timeout_s)
+    if env.rank == 0:
+        # the legacy server: libuv's ignores a socket handed over on torch < 2.8
+        return dist.TCPStore("127.0.0.1", port, env.world_size, True, timeout=timeout,
+                             master_listen_fd=int(os.environ[STORE_FD_ENV]), use_libuv=False)
+    return dist.TCPStore("127.0.0.1", port, env.world_size, False, timeout=timeout)
+
+
 def init_collectives(backend: BaseBackend, timeout_s: float, env: DistEnv | None = None) -> Collectives:
     """Form the process group over the backend's collective library, or return the one-process stub."""
     env = env or DistEnv.from_environ()
@@ -177,5 +196,5 @@ def init_collectives(backend: BaseBackend, timeout_s: float, env: DistEnv | None
         os.environ.setdefault(var, value)  # read by the collective library when the group forms; the user's value wins
     if not dist.is_initialized():
         dist.init_process_group(backend=backend.dist_backend, rank=env.rank, world_size=env.world_size,
-                                timeout=timedelta(seconds=timeout_s))
+                                timeout=timedelta(seconds=timeout_s), store=launched_store(env, timeout_s))
     return ProcessGroupCollectives(env, backend, timeout_s)

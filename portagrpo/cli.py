@@ -68,68 +68,6 @@ def _dry_run(config_path, overrides: list[str]) -> int:
     return 0
 
 
-# How a rank that ended by a signal ended: the collective libraries' watchdogs (NCCL's in torch's default
-# mode, HCCL's, the heartbeat monitor) take a rank down with SIGABRT from their own thread.
-_SIGNAL_CAUSES = {
-    signal.SIGABRT: "aborted (SIGABRT), as a collective library's watchdog ends a rank whose collective lost a peer "
-                    "or waited past trainer.dist_timeout_s",
-    signal.SIGKILL: "killed (SIGKILL), often by the out-of-memory killer",
-    signal.SIGSEGV: "crashed (SIGSEGV)",
-}
-
-
-def describe_rank_failures(failures: dict, nproc: int) -> str:
-    """One sentence for the ranks torchrun reports failed ({rank: ProcessFailure with .exitcode}). Ranks
-    that torchrun itself stopped (SIGTERM) after another failed are named last, as stopped."""
-    codes = {rank: getattr(failure, "exitcode", 1) for rank, failure in failures.items()}
-    # SIGTERM kills a rank (-15) or, once portagrpo's handler is installed, ends it with 128 + 15
-    stopped = sorted(r for r, c in codes.items() if c in (-signal.SIGTERM, 128 + signal.SIGTERM))
-    # ranks ended by a signal first: the likeliest cause (a peer then fails its collective and exits)
-    failed = sorted((r for r in codes if r not in stopped), key=lambda r: ((codes[r] or 0) >= 0, r)) or stopped
-    if not failed:
-        return f"a rank of {nproc} failed; the first error is printed above."
-    parts = []
-    for rank in failed:
-        code = codes[rank]
-        if code is not None and code < 0:
-            try:
-                sig = signal.Signals(-code)
-            except ValueError:
-                parts.append(f"rank {rank} ended by signal {-code}")
-                continue
-            parts.append(f"rank {rank} was " + _SIGNAL_CAUSES.get(sig, f"ended by {sig.name}"))
-        else:
-            parts.append(f"rank {rank} exited with status {code}")
-    if failed is not stopped and stopped:
-        parts.append(f"the launcher then stopped rank{'s' if len(stopped) > 1 else ''} {', '.join(map(str, stopped))}")
-    return (f"{'; '.join(parts)} (of {nproc} ranks); any Python error is printed above. Every checkpoint written "
-            f"so far is whole: continue with --resume.")
-
-
-def _relaunch_with_torchrun(nproc: int, argv: list[str]) -> int:
-    """`trainer.nproc_per_node=K` starts K local ranks exactly as `torchrun --nproc-per-node K` would."""
-    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
-    from torch.distributed.run import parse_args, run
-
-    from torch.distributed.elastic.multiprocessing.api import SignalException
-
-    from portagrpo.procs import LAUNCHER_ENV
-
-    os.environ[LAUNCHER_ENV] = str(os.getpid())  # ranks stop when this launcher is gone (even kill -9)
-    try:
-        # `run`, not torchrun's `main`: main's error recorder prints each rank's failure a second time
-        run(parse_args(["--standalone", "--nproc-per-node", str(nproc), "--module", "portagrpo", *argv]))
-    except ChildFailedError as err:
-        print(f"portagrpo: error: {describe_rank_failures(getattr(err, 'failures', None) or {}, nproc)}",
-              file=sys.stderr)
-        return 1
-    except SignalException as err:
-        print(f"portagrpo: stopped by signal {err.sigval.name}; every checkpoint written so far is whole (continue "
-              f"with --resume).", file=sys.stderr)
-        return 128 + int(err.sigval)
-    return 0
-
-
 def cmd_train(args) -> int:
     from portagrpo.config import load_config, to_yaml
 
@@ -155,7 +93,9 @@ def cmd_train(args) -> int:
         problems = validate_world(cfg, cfg.trainer.nproc_per_node)
         if problems:  # once, here, instead of once per rank
             raise ConfigError(problems)
-        return _relaunch_with_torchrun(cfg.trainer.nproc_per_node, args.argv)
+        from portagrpo.launcher import launch_local
+
+        return launch_local(cfg.trainer.nproc_per_node, [sys.executable, "-m", "portagrpo", *args.argv])
     if args.print_config:
         print(to_yaml(cfg), end="")
         return 0

@@ -1,4 +1,4 @@
-"""One rank of the data-parallel equivalence check (run directly for 1 process, or by torchrun).
+"""One rank of the data-parallel equivalence check (run directly for 1 process, or by portagrpo.launcher).
 
 Every rank uses the `fixed` rollout engine, whose responses depend only on the prompt and the
 sample's index in its group, so 1 process and K processes train on identical rollouts.

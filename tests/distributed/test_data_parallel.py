@@ -13,20 +13,14 @@ HERE = Path(__file__).resolve().parent
 ENV = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def run_worker(out: Path, nproc: int, parallel: str, dtype: str, env: dict | None = None, device: str = "cpu") -> dict:
     out.mkdir(parents=True, exist_ok=True)
     if nproc == 1:
         cmd = [sys.executable, str(HERE / "dp_worker.py"), str(out), parallel, dtype, device]
     else:
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc), "--master-addr",
-               "127.0.0.1", "--master-port", str(_free_port()), str(HERE / "dp_worker.py"), str(out), parallel, dtype,
-               device]
+        # portagrpo's local launcher: its rendezvous listens on 127.0.0.1 only (torchrun's on every interface)
+        cmd = [sys.executable, "-m", "portagrpo.launcher", "--nproc", str(nproc), str(HERE / "dp_worker.py"), str(out),
+               parallel, dtype, device]
     res = subprocess.run(cmd, env={**ENV, **(env or {})}, capture_output=True, text=True, timeout=600, cwd="/")
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
     return torch.load(out / "result.pt", weights_only=False)
@@ -81,13 +75,21 @@ def test_no_float64_collective_under_hccl_rules(tmp_path):
 
 
 def _spawn_pair(mode: str, timeout: float):
-    port = _free_port()
-    procs = []
-    for rank in (0, 1):
-        env = {**ENV, "RANK": str(rank), "WORLD_SIZE": "2", "LOCAL_RANK": str(rank), "MASTER_ADDR": "127.0.0.1",
-               "MASTER_PORT": str(port)}
-        procs.append(subprocess.Popen([sys.executable, str(HERE / "peer_worker.py"), mode, str(timeout)], env=env,
-                                      stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd="/"))
+    """Two ranks rendezvousing as portagrpo.launcher's do (rank 0 serves a socket bound on 127.0.0.1)."""
+    from portagrpo.backends.dist import STORE_FD_ENV
+    from portagrpo.procs import LAUNCHER_ENV
+
+    with socket.socket() as listener:
+        listener.bind(("127.0.0.1", 0))
+        listener.listen(16)
+        procs = []
+        for rank in (0, 1):
+            env = {**ENV, "RANK": str(rank), "WORLD_SIZE": "2", "LOCAL_RANK": str(rank), "MASTER_ADDR": "127.0.0.1",
+                   "MASTER_PORT": str(listener.getsockname()[1]), LAUNCHER_ENV: str(os.getpid()),
+                   STORE_FD_ENV: str(listener.fileno())}
+            procs.append(subprocess.Popen([sys.executable, str(HERE / "peer_worker.py"), mode, str(timeout)], env=env,
+                                          stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd="/",
+                                          pass_fds=(listener.fileno(),) if rank == 0 else ()))
     return procs
 
 
@@ -119,7 +121,7 @@ def test_world_size_divisions_are_checked():
 
 
 def test_cli_trains_with_two_local_ranks(tmp_path):
-    """`portagrpo train trainer.nproc_per_node=2 --device cpu` relaunches through torchrun and trains."""
+    """`portagrpo train trainer.nproc_per_node=2 --device cpu` starts two ranks through portagrpo.launcher and trains."""
     from portagrpo.metrics import read_metrics
 
     res = subprocess.run(

@@ -22,7 +22,7 @@ COMMON = [*OVERRIDES, "model.dtype=fp64"]
 
 
 def test_two_ray_workers_match_torchrun_and_one_process(tmp_path):
-    """Same config and rollouts: 2 Ray workers == torchrun 2 ranks (and == 1 process), fp64."""
+    """Same config and rollouts: 2 Ray workers == 2 locally launched ranks (and == 1 process), fp64."""
     torchrun = run_worker(tmp_path / "torchrun", 2, "auto", "fp64")
     single = run_worker(tmp_path / "one", 1, "auto", "fp64")
     cfg = load_config(None, [*COMMON, "trainer.total_steps=2", "trainer.save_freq=2", "trainer.devices_per_node=2"])

@@ -103,13 +103,9 @@ def test_a_rank_taken_down_by_sigabrt_is_named_by_the_launcher(tmp_path):
 
 
 def test_failure_sentences_for_each_way_a_rank_ends():
-    from torch.distributed.elastic.multiprocessing.errors import ProcessFailure
+    from portagrpo.launcher import describe_rank_failures
 
-    from portagrpo.cli import describe_rank_failures
-
-    fail = {0: ProcessFailure(0, 11, 1, "/nonexistent"), 1: ProcessFailure(1, 12, -9, "/nonexistent"),
-            2: ProcessFailure(2, 13, -15, "/nonexistent"), 3: ProcessFailure(3, 14, 143, "/nonexistent")}
-    text = describe_rank_failures(fail, 4)
+    text = describe_rank_failures({0: 1, 1: -9, 2: -15, 3: 143}, 4)
     assert text.startswith("rank 1 was killed (SIGKILL), often by the out-of-memory killer; rank 0 exited with "
                            "status 1; the launcher then stopped ranks 2, 3 (of 4 ranks)")
     assert "(of 4 ranks)" in text

@@ -1,4 +1,4 @@
-"""Run by torchrun on two emu ranks: a tiny Llama whose `lm_head` is tied to its embedding, sharded
+"""Run by portagrpo.launcher on two emu ranks: a tiny Llama whose `lm_head` is tied to its embedding, sharded
 with FSDP2, pushed weight by weight as the vLLM weight push does (`strategy.full_tensors`). Prints
 JSON: the names pushed, the all-gathers counted during the push, and the parameters' count."""
 import json

@@ -12,7 +12,6 @@ from pathlib import Path
 import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "distributed"))
-from test_data_parallel import _free_port  # noqa: E402
 from test_emulated_device import ENV, HERE, pytestmark  # noqa: E402,F401 - the same skip rule
 
 # Two steps, 16 responses, mini-batches of 8: two optimizer steps per training step; bf16 autocast
@@ -96,8 +95,7 @@ def test_two_ranks_keep_the_budget(tmp_path, parallel):
 def test_weight_push_never_gathers_a_tied_lm_head(tmp_path):
     """Under FSDP2 the push gathers each parameter once: the tied `lm_head` (the embedding itself) is
     not gathered a second time only for the engine to drop it."""
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-addr", "127.0.0.1",
-           "--master-port", str(_free_port()), str(HERE / "push_check.py")]
+    cmd = [sys.executable, "-m", "portagrpo.launcher", "--nproc", "2", str(HERE / "push_check.py")]
     res = subprocess.run(cmd, env=ENV, capture_output=True, text=True, timeout=600, cwd=tmp_path)
     assert res.returncode == 0, res.stdout[-2000:] + res.stderr[-3000:]
     out = json.loads(res.stdout.strip().splitlines()[-1])
