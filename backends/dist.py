@@ -163,23 +163,25 @@ class ProcessGroupCollectives(Collectives):
             dist.destroy_process_group()
 
 
-STORE_FD_ENV = "PORTAGRPO_STORE_FD"  # rank 0's inherited, already listening rendezvous socket (portagrpo.launcher)
+# Set by portagrpo's launchers (the local one, Ray's) for every rank: the group forms over a store whose
+# server is a socket the launcher bound on MASTER_ADDR itself, its descriptor in STORE_FD_ENV on rank 0.
+RENDEZVOUS_ENV = "PORTAGRPO_RENDEZVOUS_STORE"
+STORE_FD_ENV = "PORTAGRPO_STORE_FD"
 
 
 def launched_store(env: DistEnv, timeout_s: float):
-    """The rendezvous store of a rank that portagrpo's local launcher started, or None (torchrun's or
-    the user's environment forms the group). Rank 0 serves the socket the launcher bound on 127.0.0.1;
-    the others connect to it. Nothing else listens."""
-    from portagrpo.procs import LAUNCHER_ENV
-
-    if not os.environ.get(LAUNCHER_ENV) or not os.environ.get("MASTER_PORT"):
+    """The rendezvous store of a rank that a portagrpo launcher started, or None (torchrun's or the
+    user's environment forms the group). Rank 0 serves the socket bound on MASTER_ADDR (127.0.0.1 for
+    the local launcher, the node's address under Ray) instead of torch binding every interface; the
+    others connect to it."""
+    if not os.environ.get(RENDEZVOUS_ENV):
         return None
-    port, timeout = int(os.environ["MASTER_PORT"]), timedelta(seconds=timeout_s)
+    host, port, timeout = os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), timedelta(seconds=timeout_s)
     if env.rank == 0:
         # the legacy server: libuv's ignores a socket handed over on torch < 2.8
-        return dist.TCPStore("127.0.0.1", port, env.world_size, True, timeout=timeout,
+        return dist.TCPStore(host, port, env.world_size, True, timeout=timeout,
                              master_listen_fd=int(os.environ[STORE_FD_ENV]), use_libuv=False)
-    return dist.TCPStore("127.0.0.1", port, env.world_size, False, timeout=timeout)
+    return dist.TCPStore(host, port, env.world_size, False, timeout=timeout)
 
 
 def init_collectives(backend: BaseBackend, timeout_s: float, env: DistEnv | None = None) -> Collectives:

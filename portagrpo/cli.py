@@ -39,7 +39,7 @@ def _dry_run(config_path, overrides: list[str]) -> int:
     machine lacks (models, datasets) are listed, not errors: a recipe is usually checked
     away from the cluster that holds them."""
     from portagrpo.backends import get_backend
-    from portagrpo.config import ConfigError, _missing_files, load_config, validate_world
+    from portagrpo.config import ConfigError, missing_files, load_config, validate_world
     from portagrpo.rewards.functions import RewardResolver
 
     notices: list[str] = []
@@ -63,7 +63,7 @@ def _dry_run(config_path, overrides: list[str]) -> int:
     except UserError as err:
         device = f"{t.device}: not usable on this machine ({err})"
     print(f"config OK: {config_path or 'built-in defaults'}; {world} rank(s); device {device}")
-    for missing in _missing_files(cfg):
+    for missing in missing_files(cfg):
         print(f"  to provide before training: {missing}")
     return 0
 

@@ -20,7 +20,7 @@ import subprocess
 import sys
 import time
 
-from portagrpo.backends.dist import STORE_FD_ENV
+from portagrpo.backends.dist import RENDEZVOUS_ENV, STORE_FD_ENV
 from portagrpo.procs import LAUNCHER_ENV
 
 STOP_GRACE_S = 30.0
@@ -72,7 +72,7 @@ def launch_local(nproc: int, command: list[str], grace_s: float = STOP_GRACE_S) 
     listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
     listener.bind(("127.0.0.1", 0))
     listener.listen(max(128, 4 * nproc))
-    base = {**os.environ, LAUNCHER_ENV: str(os.getpid()), "MASTER_ADDR": "127.0.0.1",
+    base = {**os.environ, LAUNCHER_ENV: str(os.getpid()), RENDEZVOUS_ENV: "1", "MASTER_ADDR": "127.0.0.1",
             "MASTER_PORT": str(listener.getsockname()[1]), "WORLD_SIZE": str(nproc), "LOCAL_WORLD_SIZE": str(nproc)}
     # as torchrun: ranks sharing the cores must not each start a thread per core
     base.setdefault("OMP_NUM_THREADS", "1")

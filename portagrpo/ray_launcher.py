@@ -30,7 +30,7 @@ class TrainWorker:
     """One rank. Created by Ray inside a placement-group bundle."""
 
     def __init__(self, rank: int, visible_devices_env: tuple[str, ...], resource: str) -> None:
-        self.rank, self.trainer = rank, None
+        self.rank, self.trainer, self.listener = rank, None, None
         self.visible_devices_env, self.resource = visible_devices_env, resource
 
     def node(self) -> dict[str, Any]:
@@ -40,22 +40,29 @@ class TrainWorker:
         return {"ip": ray.util.get_node_ip_address(), "node_id": ray.get_runtime_context().get_node_id(),
                 "host": socket.gethostname(), "pid": os.getpid(), "accelerators": [str(i) for i in ids]}
 
-    def free_port(self) -> int:
-        with socket.socket() as s:
-            s.bind(("", 0))
-            return s.getsockname()[1]
+    def rendezvous_port(self) -> int:
+        """Rank 0: bind the group's rendezvous socket on this node's address (what the other ranks
+        dial), kept open for this process's store to serve (`backends/dist.py: launched_store`)."""
+        import ray
+
+        self.listener = socket.create_server((ray.util.get_node_ip_address(), 0), backlog=1024)
+        return self.listener.getsockname()[1]
 
     def setup(self, cfg_dict: dict, run_dir: str, resume: str | None, env: dict[str, str]) -> dict[str, Any]:
         import torch
 
-        from portagrpo.config import _build
+        from portagrpo.backends.dist import RENDEZVOUS_ENV, STORE_FD_ENV
+        from portagrpo.config import from_dict
         from portagrpo.train import Trainer
 
         os.environ.update(env)
+        os.environ[RENDEZVOUS_ENV] = "1"
+        if self.rank == 0:
+            os.environ[STORE_FD_ENV] = str(self.listener.fileno())
         from portagrpo.model.loading import quiet_transformers
 
         quiet_transformers()
-        cfg: Config = _build(Config, cfg_dict, "")
+        cfg: Config = from_dict(cfg_dict)
         if cfg.trainer.num_threads is None and self.resource == "CPU":
             torch.set_num_threads(1)  # one core per CPU bundle
         log = print if self.rank == 0 else (lambda m: None)
@@ -147,7 +154,7 @@ class RayRun:
                 options["resources"] = {spec.ray_resource: 1}
             self.workers.append(actor.options(**options).remote(i, spec.visible_devices_env, spec.ray_resource))
         self.nodes = self._call("node")
-        port = self._call_one(0, "free_port")
+        port = self._call_one(0, "rendezvous_port")
         master = (self.nodes[0]["ip"], port)
         cfg = replace(self.cfg, trainer=replace(self.cfg.trainer, output_dir=str(self.run_dir)))
         infos = self._call("setup", per_rank=lambda i: (to_dict(cfg), str(self.run_dir), self.resume,

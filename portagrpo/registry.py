@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import difflib
+import importlib
 from typing import Generic, Iterator, TypeVar
 
 from portagrpo.errors import UnknownNameError
@@ -13,6 +14,12 @@ class Registry(Generic[T]):
     def __init__(self, kind: str) -> None:
         self.kind = kind
         self._items: dict[str, T] = {}
+        self._modules: dict[str, str] = {}  # names whose module registers them when first asked for
+
+    def register_module(self, name: str, module: str) -> None:
+        """`name` is registered by importing `module`, done only when `name` is asked for (an optional
+        dependency such as vLLM is imported only by the run that uses it)."""
+        self._modules[name] = module
 
     def register(self, *names: str):
         def wrap(obj: T) -> T:
@@ -25,11 +32,13 @@ class Registry(Generic[T]):
         return wrap
 
     def get(self, name: str, field: str | None = None) -> T:
+        if name not in self._items and name in self._modules:
+            importlib.import_module(self._modules[name])
         if name not in self._items:
             where = f"{field}={name!r}" if field else f"{self.kind} {name!r}"
-            close = difflib.get_close_matches(name, list(self._items), n=1)
+            close = difflib.get_close_matches(name, self.names(), n=1)
             hint = f" (did you mean {close[0]!r}?)" if close else ""
-            raise UnknownNameError(f"{where} is not a known {self.kind}{hint}; choose one of {', '.join(self._items)}.")
+            raise UnknownNameError(f"{where} is not a known {self.kind}{hint}; choose one of {', '.join(self.names())}.")
         return self._items[name]
 
     def set(self, name: str, obj: T) -> None:
@@ -42,10 +51,10 @@ class Registry(Generic[T]):
         return self._items
 
     def __contains__(self, name: object) -> bool:
-        return name in self._items
+        return name in self._items or name in self._modules
 
     def __iter__(self) -> Iterator[str]:
-        return iter(self._items)
+        return iter(self.names())
 
     def names(self) -> list[str]:
-        return list(self._items)
+        return list(self._items) + [n for n in self._modules if n not in self._items]

@@ -79,6 +79,11 @@ def _coerce(value: Any, tp: Any, where: str) -> Any:
     raise ConfigError([f"{where} must be {_type_name(tp)}, got {type(value).__name__} {short(value)}."])
 
 
+def from_dict(raw: dict[str, Any]) -> Config:
+    """A Config from its `to_dict` form (a config that crossed a process boundary), checked as loading checks it."""
+    return _build(Config, raw, "")
+
+
 def _build(cls: type, raw: Any, prefix: str, problems: list[str] | None = None) -> Any:
     """`cls` from the mapping `raw`. With a `problems` list, every wrong key or type is appended
     there and left at its default, so the caller can go on to report every other problem too;
@@ -119,14 +124,14 @@ def short(value: Any) -> str:
     return shorten(repr(value))
 
 
-def _all_keys(cls: type = None, prefix: str = "") -> list[str]:
+def all_keys(cls: type = None, prefix: str = "") -> list[str]:
     cls = cls or Config
     out = []
     hints = typing.get_type_hints(cls)
     for f in dataclasses.fields(cls):
         path = f"{prefix}.{f.name}" if prefix else f.name
         if dataclasses.is_dataclass(hints[f.name]):
-            out.extend(_all_keys(hints[f.name], path))
+            out.extend(all_keys(hints[f.name], path))
         else:
             out.append(path)
     return out
@@ -135,11 +140,11 @@ def _all_keys(cls: type = None, prefix: str = "") -> list[str]:
 def _unknown_key(where: str, key: str, names: list[str], prefix: str) -> str:
     close = difflib.get_close_matches(key, names, n=1, cutoff=0.5)
     if not close:  # maybe it belongs to another section
-        leaf_matches = [k for k in _all_keys() if k.rsplit(".", 1)[-1] == key]
+        leaf_matches = [k for k in all_keys() if k.rsplit(".", 1)[-1] == key]
         close = leaf_matches[:1]
         if close:
             return f"{where} is not a config key; did you mean {close[0]}?"
-        close = difflib.get_close_matches(where, _all_keys(), n=1, cutoff=0.6)
+        close = difflib.get_close_matches(where, all_keys(), n=1, cutoff=0.6)
         if close:
             return f"{where} is not a config key; did you mean {close[0]}?"
         return f"{where} is not a config key; see docs/config.md for the valid keys."

@@ -98,7 +98,7 @@ def validate(cfg: Config, *, check_files: bool = True) -> list[str]:
     """Cross-field rules. Returns one sentence per problem (empty when valid)."""
     p = _names_and_sizes(cfg) + _batch_and_loss(cfg) + _run_settings(cfg) + value_problems(cfg)
     if check_files:
-        p.extend(_missing_files(cfg))
+        p.extend(missing_files(cfg))
     return p
 
 
@@ -220,7 +220,7 @@ def validate_world(cfg: Config, world_size: int) -> list[str]:
     return p
 
 
-def _missing_files(cfg: Config) -> list[str]:
+def missing_files(cfg: Config) -> list[str]:
     p = []
     m = cfg.model
     sources = [("model.path", m.path, False), ("model.ref_path", m.ref_path, False),

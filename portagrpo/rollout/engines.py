@@ -2,7 +2,8 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Protocol
+from pathlib import Path
+from typing import Any, Callable, ClassVar, Protocol
 
 import torch
 
@@ -79,7 +80,31 @@ class blank_generation_config:
             self.lm.generation_config = self.saved
 
 
+@dataclass
+class EngineInputs:
+    """What an engine may take from the run when it builds itself (`from_run`)."""
+
+    cfg: Any  # portagrpo.config.Config
+    scorer: torch.nn.Module  # the policy's scorer (anything with `generate`)
+    policy: torch.nn.Module  # the Hugging Face model under it (its config)
+    tokenizer: Any
+    autocast: Callable[[], Any]
+    generate_kwargs: dict  # the parallel strategy's (`synced_gpus` under FSDP2)
+    backend: Any  # portagrpo.backends.Backend
+    rank: int
+    world_size: int
+    init_model_dir: Path  # the run's saved initial model (what an engine with its own weights loads)
+
+
 class RolloutEngine(Protocol):
+    # True when the engine keeps its own copy of the weights (vLLM): the trainer pushes them after each
+    # update; False when it samples with the training model itself (a sharded one is gathered for it).
+    holds_weights: ClassVar[bool]
+
+    @classmethod
+    def from_run(cls, inputs: EngineInputs) -> "RolloutEngine":
+        """The engine for this run, its settings read from the config."""
+
     def generate(
         self, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, params: SamplingParams
     ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -87,6 +112,7 @@ class RolloutEngine(Protocol):
 
 
 ROLLOUT_ENGINES: Registry[type] = Registry("rollout engine")
+ROLLOUT_ENGINES.register_module("vllm", "portagrpo.rollout.vllm")  # imports vLLM only for a run that uses it
 
 
 def response_mask_from_tokens(responses: torch.Tensor, eos_ids: list[int]) -> torch.Tensor:
@@ -102,6 +128,14 @@ def response_mask_from_tokens(responses: torch.Tensor, eos_ids: list[int]) -> to
 @ROLLOUT_ENGINES.register("hf")
 class HFRollout:
     """transformers `generate` with sampling; runs wherever the model runs."""
+
+    holds_weights = False
+
+    @classmethod
+    def from_run(cls, inputs: EngineInputs) -> "HFRollout":
+        # a static KV cache where the backend has one, but not under sharded (lockstep) generation
+        extra = {} if inputs.generate_kwargs else {"cache": inputs.backend.spec.decode_cache}
+        return cls(inputs.scorer, inputs.tokenizer, inputs.autocast, inputs.generate_kwargs, **extra)
 
     def __init__(self, model, tokenizer, autocast, generate_kwargs: dict | None = None,
                  share_prefill: bool = True, cache: str = "dynamic", notice=None) -> None:
@@ -187,6 +221,12 @@ class FixedRollout:
     For equivalence tests (1 process vs K processes vs Ray workers must see identical
     rollouts) and for exercising the pipeline without sampling. Not for training a model.
     """
+
+    holds_weights = False
+
+    @classmethod
+    def from_run(cls, inputs: EngineInputs) -> "FixedRollout":
+        return cls(inputs.scorer, inputs.tokenizer, inputs.autocast, inputs.generate_kwargs, n=inputs.cfg.rollout.n)
 
     def __init__(self, model, tokenizer, autocast, generate_kwargs: dict | None = None, n: int = 1) -> None:
         eos = tokenizer.eos_token_id

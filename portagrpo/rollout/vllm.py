@@ -162,6 +162,25 @@ class VLLMRollout:
     training -> weights pushed (weights pool woken, KV cache still asleep) -> next generate wakes the KV cache.
     """
 
+    holds_weights = True
+
+    @classmethod
+    def from_run(cls, inputs) -> "VLLMRollout":
+        """Settings from the config (`rollout.vllm_*`, the data lengths, the model's dtype) and the run."""
+        from portagrpo.paths import resolve_model_path
+        from portagrpo.rollout.engines import stop_token_ids
+
+        cfg, r = inputs.cfg, inputs.cfg.rollout
+        return cls(inputs.scorer, inputs.tokenizer, inputs.autocast, inputs.generate_kwargs,
+                   model_path=str(resolve_model_path(cfg.model.path) if cfg.model.path else inputs.init_model_dir),
+                   dtype={"fp32": "float32", "bf16": "bfloat16", "fp64": "float32"}[cfg.model.dtype],
+                   seed=cfg.trainer.seed + 7919 * inputs.rank,
+                   gpu_memory_utilization=r.vllm_gpu_memory_utilization, bucket_mb=r.vllm_weight_bucket_mb,
+                   max_model_len=r.vllm_max_model_len or cfg.data.max_prompt_length + cfg.data.max_response_length,
+                   tied_embeddings=bool(getattr(inputs.policy.config, "tie_word_embeddings", False)),
+                   empty_cache=inputs.backend.empty_cache, world_size=inputs.world_size,
+                   plugin=inputs.backend.spec.vllm_plugin, eos_ids=stop_token_ids(inputs.tokenizer, inputs.policy))
+
     def __init__(self, model, tokenizer, autocast, generate_kwargs: dict | None = None, *, model_path: str,
                  dtype: str = "bfloat16", seed: int = 0, gpu_memory_utilization: float = 0.5,
                  bucket_mb: int = 512, max_model_len: int | None = None, tied_embeddings: bool = False,

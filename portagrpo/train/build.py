@@ -1,21 +1,20 @@
 """Building what a run needs from its config: data, reward, models, optimizer and the rollout engine."""
 from __future__ import annotations
 
-import math
+import functools
 import os
-from typing import Any
 
 import torch
 
+from portagrpo.algo.schedule import lr_multiplier
 from portagrpo.backends import Backend
 from portagrpo.config import Config
 from portagrpo.data.records import PromptLoader, filter_long_prompts, load_records, task_records
 from portagrpo.model.scorer import AdaptersOff, ResponseScorer
 from portagrpo.model.loading import apply_lora, build_tiny_model, check_tiny_matches, load_model, load_tokenizer
-from portagrpo.paths import resolve_model_path
 from portagrpo.rewards.pool import RewardPool
 from portagrpo.rewards.functions import RewardResolver
-from portagrpo.rollout.engines import ROLLOUT_ENGINES, stop_token_ids
+from portagrpo.rollout.engines import ROLLOUT_ENGINES, EngineInputs
 from portagrpo.fileio import atomic_path
 from portagrpo.train.update import objective_from, shaping_from
 
@@ -89,46 +88,21 @@ class Builder:
         a = self.cfg.actor
         self.params = [p for p in self.scorer.parameters() if p.requires_grad]
         self.optimizer = torch.optim.AdamW(self.params, lr=a.lr, betas=tuple(a.betas), weight_decay=a.weight_decay)
-        total = self.total_steps
-
-        def schedule(step: int) -> float:
-            if a.warmup_steps and step < a.warmup_steps:
-                return step / a.warmup_steps  # verl's convention: from 0 at the first step
-            if a.lr_schedule == "cosine":
-                progress = (step - a.warmup_steps) / max(1, total - a.warmup_steps)
-                return 0.5 * (1 + math.cos(math.pi * min(1.0, progress)))
-            return 1.0
-
+        schedule = functools.partial(lr_multiplier, warmup_steps=a.warmup_steps, total_steps=self.total_steps,
+                                     kind=a.lr_schedule)
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, schedule)
 
     def _make_engine(self):
-        cfg = self.cfg
-        name = self.backend.rollout_engine(cfg.rollout.engine)
-        if name == "vllm":
-            import portagrpo.rollout.vllm as rollout_vllm  # noqa: F401 - registers the engine; imports vLLM only when built
-        engine_cls = ROLLOUT_ENGINES.get(name, field="rollout.engine")
-        extra: dict[str, Any] = {}
-        if name == "fixed":
-            extra = {"n": cfg.rollout.n}
-        elif name == "hf" and not self.strategy.generate_kwargs:  # not under sharded (lockstep) generation
-            extra = {"cache": self.backend.spec.decode_cache}
-        elif name == "vllm":
-            r = cfg.rollout
-            extra = {"model_path": str(resolve_model_path(cfg.model.path) if cfg.model.path else self.run_dir / "init_model"),
-                     "dtype": {"fp32": "float32", "bf16": "bfloat16", "fp64": "float32"}[cfg.model.dtype],
-                     "seed": cfg.trainer.seed + 7919 * self.comm.rank,
-                     "gpu_memory_utilization": r.vllm_gpu_memory_utilization, "bucket_mb": r.vllm_weight_bucket_mb,
-                     "max_model_len": r.vllm_max_model_len or cfg.data.max_prompt_length + cfg.data.max_response_length,
-                     "tied_embeddings": bool(getattr(self.policy.config, "tie_word_embeddings", False)),
-                     "empty_cache": self.backend.empty_cache, "world_size": self.comm.world_size,
-                     "plugin": self.backend.spec.vllm_plugin,
-                     "eos_ids": stop_token_ids(self.tokenizer, self.policy)}
-        return engine_cls(self.scorer, self.tokenizer, self.autocast, self.strategy.generate_kwargs, **extra)
+        name = self.backend.rollout_engine(self.cfg.rollout.engine)
+        return ROLLOUT_ENGINES.get(name, field="rollout.engine").from_run(EngineInputs(
+            cfg=self.cfg, scorer=self.scorer, policy=self.policy, tokenizer=self.tokenizer, autocast=self.autocast,
+            generate_kwargs=self.strategy.generate_kwargs, backend=self.backend, rank=self.comm.rank,
+            world_size=self.comm.world_size, init_model_dir=self.run_dir / "init_model"))
 
     def push_weights_to_engine(self) -> None:
         """Engines that keep their own copy of the weights (vLLM) get the updated policy, with any
         LoRA adapter merged in; gathering a sharded policy is a collective on every rank."""
-        if not hasattr(self.engine, "update_weights"):
+        if not self.engine.holds_weights:
             return
         merge = self.is_lora
         if merge:

@@ -114,7 +114,7 @@ class ExperienceMaker:
                 prompt_width: int | None = None) -> RolloutBatch:
         # Sampling with the training model itself (not an engine holding its own weights): a sharded
         # policy is gathered once for the whole rollout.
-        gather = self.strategy.generation(self.scorer) if not hasattr(self.engine, "update_weights") else nullcontext()
+        gather = nullcontext() if self.engine.holds_weights else self.strategy.generation(self.scorer)
         with gather, self.backend.region("rollout"):
             return rollout_groups(self.engine, self.tokenizer, records, n, params, self.device, uid_base=uid_base,
                                   prompt_width=prompt_width)

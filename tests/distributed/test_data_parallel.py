@@ -76,7 +76,7 @@ def test_no_float64_collective_under_hccl_rules(tmp_path):
 
 def _spawn_pair(mode: str, timeout: float):
     """Two ranks rendezvousing as portagrpo.launcher's do (rank 0 serves a socket bound on 127.0.0.1)."""
-    from portagrpo.backends.dist import STORE_FD_ENV
+    from portagrpo.backends.dist import RENDEZVOUS_ENV, STORE_FD_ENV
     from portagrpo.procs import LAUNCHER_ENV
 
     with socket.socket() as listener:
@@ -86,7 +86,7 @@ def _spawn_pair(mode: str, timeout: float):
         for rank in (0, 1):
             env = {**ENV, "RANK": str(rank), "WORLD_SIZE": "2", "LOCAL_RANK": str(rank), "MASTER_ADDR": "127.0.0.1",
                    "MASTER_PORT": str(listener.getsockname()[1]), LAUNCHER_ENV: str(os.getpid()),
-                   STORE_FD_ENV: str(listener.fileno())}
+                   RENDEZVOUS_ENV: "1", STORE_FD_ENV: str(listener.fileno())}
             procs.append(subprocess.Popen([sys.executable, str(HERE / "peer_worker.py"), mode, str(timeout)], env=env,
                                           stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd="/",
                                           pass_fds=(listener.fileno(),) if rank == 0 else ()))

@@ -137,8 +137,8 @@ def test_cli_reports_config_error_without_traceback(capsys):
 
 
 def test_every_key_is_documented():
-    from portagrpo.config import _all_keys
+    from portagrpo.config import all_keys
 
     doc = (ROOT / "docs" / "config.md").read_text()
-    undocumented = [k for k in _all_keys() if f"`{k}`" not in doc]
+    undocumented = [k for k in all_keys() if f"`{k}`" not in doc]
     assert not undocumented, undocumented

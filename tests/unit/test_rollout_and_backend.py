@@ -187,3 +187,22 @@ def test_static_cache_decoding_matches_and_falls_back_to_eager(tiny_model_dir, t
     for _ in range(2):
         assert torch.equal(broken.generate(ids, mask, greedy)[0], plain.generate(ids, mask, greedy)[0])
     assert broken.cache == "dynamic" and len(notices) == 1 and "torch.compile is not available" in notices[0]
+
+
+def test_engines_declare_whether_they_hold_weights_and_vllm_loads_only_when_asked(monkeypatch):
+    """The trainer pushes weights to an engine that declares it keeps its own (vLLM), and gathers a sharded
+    policy for one that samples with the training model; vLLM's module is imported only when named."""
+    import sys
+
+    from portagrpo.errors import UnknownNameError
+    from portagrpo.rollout.engines import ROLLOUT_ENGINES, FixedRollout
+
+    assert HFRollout.holds_weights is False and FixedRollout.holds_weights is False
+    monkeypatch.delitem(sys.modules, "portagrpo.rollout.vllm", raising=False)
+    monkeypatch.setattr(ROLLOUT_ENGINES, "_items", {k: v for k, v in ROLLOUT_ENGINES.mapping.items() if k != "vllm"})
+    assert "vllm" in ROLLOUT_ENGINES and "vllm" in ROLLOUT_ENGINES.names()
+    assert "portagrpo.rollout.vllm" not in sys.modules
+    vllm_engine = ROLLOUT_ENGINES.get("vllm", field="rollout.engine")
+    assert vllm_engine.holds_weights is True and "portagrpo.rollout.vllm" in sys.modules
+    with pytest.raises(UnknownNameError, match=r"rollout.engine='vlm' is not a known rollout engine \(did you mean 'vllm'"):
+        ROLLOUT_ENGINES.get("vlm", field="rollout.engine")
