@@ -42,8 +42,11 @@ class AcceleratorBackend(BaseBackend):
         if not usable:
             shown = {v: os.environ[v] for v in self.spec.visible_devices_env if v in os.environ}
             hint = f" ({', '.join(f'{k}={v!r}' for k, v in shown.items())} may hide them)" if shown else ""
-            return Availability(False, f"torch {self.probe.torch_version} supports {self.name} but no device is usable: "
-                                       f"the driver is missing or no device is visible{hint}")
+            return Availability(
+                False,
+                f"torch {self.probe.torch_version} supports {self.name} but no device is usable: "
+                f"the driver is missing or no device is visible{hint}",
+            )
         return Availability(True, details=self._details(mod))
 
     def _details(self, mod: Any) -> dict[str, Any]:

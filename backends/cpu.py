@@ -5,7 +5,7 @@ import os
 
 import torch
 
-from .base import Availability, BaseBackend, BackendSpec
+from .base import Availability, BackendSpec, BaseBackend
 
 SPEC = BackendSpec(
     name="cpu",

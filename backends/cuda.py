@@ -66,7 +66,9 @@ class CUDALikeBackend(AcceleratorBackend):
 
     def kernel_implementation(self, requested: str) -> str:
         if requested == "triton" and not self.probe.has_module("triton"):
-            raise BackendUnavailable(f"kernels.logprob=triton needs the triton package; `pip install portagrpo[{self.name}]`.")
+            raise BackendUnavailable(
+                f"kernels.logprob=triton needs the triton package; `pip install portagrpo[{self.name}]`."
+            )
         if requested == "auto":
             return "triton" if self.probe.has_module("triton") and "triton" in self.spec.kernel_choices else "chunked"
         return super().kernel_implementation(requested)

@@ -37,7 +37,9 @@ class DistEnv:
             try:
                 return int(value) if value not in (None, "") else default
             except ValueError:
-                raise UserError(f"environment variable {name}={value!r} must be an integer (it is set by torchrun).") from None
+                raise UserError(
+                    f"environment variable {name}={value!r} must be an integer (it is set by torchrun)."
+                ) from None
 
         world = get("WORLD_SIZE", 1)
         return cls(get("RANK", 0), world, get("LOCAL_RANK", 0), get("LOCAL_WORLD_SIZE", world))

@@ -122,8 +122,13 @@ def transformers_has_attention_masks() -> bool:
 
 
 class NPUBackend(AcceleratorBackend):
-    def __init__(self, probe: RuntimeProbe | None = None, *, torch_npu_present: Callable[[], bool] = torch_npu_installed,
-                 cann_present: Callable[[], bool] = cann_found) -> None:
+    def __init__(
+        self,
+        probe: RuntimeProbe | None = None,
+        *,
+        torch_npu_present: Callable[[], bool] = torch_npu_installed,
+        cann_present: Callable[[], bool] = cann_found,
+    ) -> None:
         super().__init__(SPEC, probe)
         self._torch_npu_present, self._cann_present = torch_npu_present, cann_present
 

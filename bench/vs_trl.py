@@ -154,16 +154,27 @@ def run_portagrpo(spec: dict) -> dict:
             ends.append(time.perf_counter())
         a, r = cfg.actor, cfg.rollout
         settings = {
-            "prompts_per_step": cfg.data.train_batch_size, "completions_per_prompt": r.n,
-            "max_new_tokens": cfg.data.max_response_length, "temperature": r.temperature, "top_p": r.top_p,
+            "prompts_per_step": cfg.data.train_batch_size,
+            "completions_per_prompt": r.n,
+            "max_new_tokens": cfg.data.max_response_length,
+            "temperature": r.temperature,
+            "top_p": r.top_p,
             "top_k": r.top_k if r.top_k > 0 else None,
-            "kl_coef": a.kl_loss_coef if a.use_kl_loss else (cfg.algorithm.kl_coef if cfg.algorithm.use_kl_in_reward else 0.0),
-            "reference_model": trainer.ref_scorer is not None, "loss": a.loss_agg_mode,
+            "kl_coef": a.kl_loss_coef
+            if a.use_kl_loss
+            else (cfg.algorithm.kl_coef if cfg.algorithm.use_kl_in_reward else 0.0),
+            "reference_model": trainer.ref_scorer is not None,
+            "loss": a.loss_agg_mode,
             "updates_per_step": a.ppo_epochs * (cfg.rollout_batch_size // a.ppo_mini_batch_size),
-            "micro_batches_per_update": a.ppo_mini_batch_size // a.micro_batch_size, "lr": a.lr,
-            "adam_betas": list(a.betas), "weight_decay": a.weight_decay, "grad_clip": a.grad_clip,
-            "clip_eps": [cfg.clip_low, cfg.clip_high], "dtype": str(trainer.dtype).removeprefix("torch."),
-            "gradient_checkpointing": cfg.model.gradient_checkpointing, "threads": torch.get_num_threads(),
+            "micro_batches_per_update": a.ppo_mini_batch_size // a.micro_batch_size,
+            "lr": a.lr,
+            "adam_betas": list(a.betas),
+            "weight_decay": a.weight_decay,
+            "grad_clip": a.grad_clip,
+            "clip_eps": [cfg.clip_low, cfg.clip_high],
+            "dtype": str(trainer.dtype).removeprefix("torch."),
+            "gradient_checkpointing": cfg.model.gradient_checkpointing,
+            "threads": torch.get_num_threads(),
         }
     finally:
         trainer.close()
@@ -219,8 +230,12 @@ def compare(args) -> dict:
                 bar.update()
     medians = {s: statistics.median(statistics.median(r["step_s"]) for r in runs[s]) for s in SYSTEMS}
     return {
-        "command": "python bench/vs_trl.py " + " ".join(args.argv), "size": args.size, "settings": spec["settings"],
-        "rounds": args.rounds, "step_s_median": medians, "ratio_portagrpo_over_trl": medians["portagrpo"] / medians["trl"],
+        "command": "python bench/vs_trl.py " + " ".join(args.argv),
+        "size": args.size,
+        "settings": spec["settings"],
+        "rounds": args.rounds,
+        "step_s_median": medians,
+        "ratio_portagrpo_over_trl": medians["portagrpo"] / medians["trl"],
         "per_round_step_s": {s: [statistics.median(r["step_s"]) for r in runs[s]] for s in SYSTEMS},
         "completion_len_mean": {s: statistics.mean(r["completion_len_mean"] for r in runs[s]) for s in SYSTEMS},
         "versions": _versions(),
@@ -263,9 +278,12 @@ def main(argv: list[str]) -> int:
         p.error("TRL is not installed: pip install portagrpo[bench] (TRL is never a runtime dependency)")
     report = compare(args)
     m = report["step_s_median"]
-    print(f"{args.size}: TRL {m['trl']:.3f} s/step, portagrpo {m['portagrpo']:.3f} s/step, ratio "
-          f"{report['ratio_portagrpo_over_trl']:.2f}x (median of {args.rounds} interleaved rounds; mean completion "
-          f"length TRL {report['completion_len_mean']['trl']:.1f}, portagrpo {report['completion_len_mean']['portagrpo']:.1f})")
+    print(
+        f"{args.size}: TRL {m['trl']:.3f} s/step, portagrpo {m['portagrpo']:.3f} s/step, ratio "
+        f"{report['ratio_portagrpo_over_trl']:.2f}x (median of {args.rounds} interleaved rounds; mean completion "
+        f"length TRL {report['completion_len_mean']['trl']:.1f}, "
+        f"portagrpo {report['completion_len_mean']['portagrpo']:.1f})"
+    )
     if args.json:
         Path(args.json).write_text(json.dumps(report, indent=1))
     return 0

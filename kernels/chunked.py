@@ -70,7 +70,11 @@ class LinearLogprob(torch.autograd.Function):
         op = operand_dtype(dtype, hidden, weight)
         w = weight.to(op)
         b = None if bias is None else bias.to(dtype)
-        need_h, need_w, need_b = ctx.needs_input_grad[0], ctx.needs_input_grad[1], bias is not None and ctx.needs_input_grad[2]
+        need_h, need_w, need_b = (
+            ctx.needs_input_grad[0],
+            ctx.needs_input_grad[1],
+            bias is not None and ctx.needs_input_grad[2],
+        )
         grad_h = torch.empty(hidden.shape, dtype=dtype, device=hidden.device) if need_h else None
         grad_w = torch.zeros(weight.shape, dtype=dtype, device=weight.device) if need_w else None
         grad_b = torch.zeros(bias.shape, dtype=dtype, device=bias.device) if need_b else None
@@ -81,16 +85,31 @@ class LinearLogprob(torch.autograd.Function):
             z = mm(h, w.t(), op, dtype)
             if b is not None:
                 z += b
-            gz = row_ops.backward_rows(z, targets[s:s + step], lse[s:s + step], None if ent is None else ent[s:s + step],
-                                       g_logp[s:s + step], None if g_ent is None else g_ent[s:s + step], inv_temp)
+            gz = row_ops.backward_rows(
+                z,
+                targets[s : s + step],
+                lse[s : s + step],
+                None if ent is None else ent[s : s + step],
+                g_logp[s : s + step],
+                None if g_ent is None else g_ent[s : s + step],
+                inv_temp,
+            )
             if need_h:
                 grad_h[s:s + step] = mm(gz, w, op, dtype)
             if need_w:
                 grad_w += mm(gz.t(), h, op, dtype)
             if need_b:
                 grad_b += gz.sum(0)
-        return (None if grad_h is None else grad_h.to(hidden.dtype), None if grad_w is None else grad_w.to(weight.dtype),
-                None if grad_b is None else grad_b.to(bias.dtype), None, None, None, None, None)
+        return (
+            None if grad_h is None else grad_h.to(hidden.dtype),
+            None if grad_w is None else grad_w.to(weight.dtype),
+            None if grad_b is None else grad_b.to(bias.dtype),
+            None,
+            None,
+            None,
+            None,
+            None,
+        )
 
 
 def token_logprobs_chunked(
@@ -185,8 +204,15 @@ class VocabChunkedLogprob(torch.autograd.Function):
                 grad_w[v0:v1] = mm(gz.t(), h, op, dtype)
             if need_b:
                 grad_b[v0:v1] = gz.sum(0)
-        return (None if grad_h is None else grad_h.to(hidden.dtype), None if grad_w is None else grad_w.to(weight.dtype),
-                None if grad_b is None else grad_b.to(bias.dtype), None, None, None, None)
+        return (
+            None if grad_h is None else grad_h.to(hidden.dtype),
+            None if grad_w is None else grad_w.to(weight.dtype),
+            None if grad_b is None else grad_b.to(bias.dtype),
+            None,
+            None,
+            None,
+            None,
+        )
 
 
 def _in_block(targets: torch.Tensor, v0: int, width: int) -> tuple[torch.Tensor, torch.Tensor]:

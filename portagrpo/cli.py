@@ -14,6 +14,7 @@ from typing import Callable
 
 from portagrpo.errors import UserError
 
+
 def _fail(err: BaseException) -> int:
     for line in str(err).splitlines():
         print(f"portagrpo: error: {line}", file=sys.stderr)
@@ -25,10 +26,14 @@ def _train_parser(sub, help: str) -> None:
     p.add_argument("--config", help="YAML recipe (see configs/); defaults are the tiny CPU demo")
     p.add_argument("--device", help="cpu|cuda|rocm|npu|auto (same as trainer.device=...)")
     p.add_argument("--output-dir", help="run directory (default runs/<timestamp>)")
-    p.add_argument("--resume", help="run directory, checkpoint directory, or 'auto' (the --output-dir or the newest run)")
+    p.add_argument(
+        "--resume", help="run directory, checkpoint directory, or 'auto' (the --output-dir or the newest run)"
+    )
     p.add_argument("--print-config", action="store_true", help="print the merged config and exit")
     p.add_argument("--dry-run", action="store_true", help="resolve and validate everything, then exit without training")
-    p.add_argument("--ray", action="store_true", help="place training workers with Ray (trainer.nnodes x trainer.devices_per_node)")
+    p.add_argument(
+        "--ray", action="store_true", help="place training workers with Ray (trainer.nnodes x trainer.devices_per_node)"
+    )
     p.add_argument("--ray-address", default=None, help="address of a running Ray cluster (default: start a local one)")
     p.add_argument("overrides", nargs="*", help="key=value overrides with dotted keys, e.g. actor.lr=1e-3")
 
@@ -39,7 +44,7 @@ def _dry_run(config_path, overrides: list[str]) -> int:
     machine lacks (models, datasets) are listed, not errors: a recipe is usually checked
     away from the cluster that holds them."""
     from portagrpo.backends import get_backend
-    from portagrpo.config import ConfigError, missing_files, load_config, validate_world
+    from portagrpo.config import ConfigError, load_config, missing_files, validate_world
     from portagrpo.rewards.functions import RewardResolver
 
     notices: list[str] = []
@@ -168,8 +173,10 @@ BENCHMARKS = {"kernels": "portagrpo.tools.bench", "step": "portagrpo.tools.bench
 
 
 def cmd_bench(argv: list[str]) -> int:
-    usage = ("usage: portagrpo bench kernels|step ...\n  step     the whole GRPO step by phase against its FLOP floor "
-             "(`portagrpo bench step --help`)\n  kernels  log-prob kernel time and memory (`portagrpo bench kernels --help`)")
+    usage = (
+        "usage: portagrpo bench kernels|step ...\n  step     the whole GRPO step by phase against its FLOP floor "
+        "(`portagrpo bench step --help`)\n  kernels  log-prob kernel time and memory (`portagrpo bench kernels --help`)"
+    )
     if argv[:1] in (["--help"], ["-h"]):
         print(usage)
         return 0
@@ -190,24 +197,33 @@ class Command:
 COMMANDS: dict[str, Command] = {
     "train": Command("train a policy with GRPO/DrGRPO", cmd_train, parsed=True),
     "doctor": Command("what this machine has, per backend", cmd_doctor, parsed=True),
-    "parity": Command("compare this backend with the float64 golden (`portagrpo parity --help`)",
-                      _tool("portagrpo.tools.parity")),
+    "parity": Command(
+        "compare this backend with the float64 golden (`portagrpo parity --help`)", _tool("portagrpo.tools.parity")
+    ),
     "bench": Command("benchmarks: `bench step` (the whole GRPO step by phase), `bench kernels`", cmd_bench),
-    "replay": Command("re-train a recorded run on another backend (`portagrpo replay --help`)",
-                      _tool("portagrpo.tools.replay")),
-    "data": Command("convert GSM8K / MATH files to the training schema (`portagrpo data --help`)",
-                    _tool("portagrpo.data.prepare")),
-    "eval": Command("greedy accuracy and pass@k of a model or run (`portagrpo eval --help`)",
-                    _tool("portagrpo.tools.evaluate")),
-    "export": Command("write the trained policy as a Hugging Face model (`portagrpo export --help`)",
-                      _tool("portagrpo.tools.export")),
-    "hardware-check": Command("the whole check of this machine's device, one report (`portagrpo hardware-check --help`)",
-                              _tool("portagrpo.tools.hardware_check")),
+    "replay": Command(
+        "re-train a recorded run on another backend (`portagrpo replay --help`)", _tool("portagrpo.tools.replay")
+    ),
+    "data": Command(
+        "convert GSM8K / MATH files to the training schema (`portagrpo data --help`)", _tool("portagrpo.data.prepare")
+    ),
+    "eval": Command(
+        "greedy accuracy and pass@k of a model or run (`portagrpo eval --help`)", _tool("portagrpo.tools.evaluate")
+    ),
+    "export": Command(
+        "write the trained policy as a Hugging Face model (`portagrpo export --help`)", _tool("portagrpo.tools.export")
+    ),
+    "hardware-check": Command(
+        "the whole check of this machine's device, one report (`portagrpo hardware-check --help`)",
+        _tool("portagrpo.tools.hardware_check"),
+    ),
 }
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="portagrpo", description="GRPO/DrGRPO trainer with the same numbers on every backend")
+    parser = argparse.ArgumentParser(
+        prog="portagrpo", description="GRPO/DrGRPO trainer with the same numbers on every backend"
+    )
     sub = parser.add_subparsers(dest="command")
     for name, command in COMMANDS.items():
         if name == "train":
@@ -215,7 +231,9 @@ def build_parser() -> argparse.ArgumentParser:
         elif name == "doctor":
             d = sub.add_parser("doctor", help=command.help)
             d.add_argument("--json", action="store_true")
-            d.add_argument("--require", metavar="BACKEND", help="exit 1 unless this backend is usable (image health checks)")
+            d.add_argument(
+                "--require", metavar="BACKEND", help="exit 1 unless this backend is usable (image health checks)"
+            )
         else:
             sub.add_parser(name, help=command.help)
     return parser

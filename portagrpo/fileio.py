@@ -202,5 +202,9 @@ def check_report_destination(path: str | Path, option: str, kind: str) -> None:
 
 def write_report(path: str | Path, report, kind: str) -> None:
     """Write a JSON report (a dict or a list of dicts) marked as `kind`, atomically."""
-    marked = [dict(r, **{REPORT_KEY: kind}) for r in report] if isinstance(report, list) else dict(report, **{REPORT_KEY: kind})
+    marked = (
+        [dict(r, **{REPORT_KEY: kind}) for r in report]
+        if isinstance(report, list)
+        else dict(report, **{REPORT_KEY: kind})
+    )
     write_text_atomic(path, json.dumps(marked, indent=1, default=str) + "\n", what=f"writing the {kind} report")

@@ -20,7 +20,6 @@ from typing import Any, Callable
 from portagrpo.config import Config, to_dict
 from portagrpo.errors import UserError
 
-
 # Ray's switch for a cluster that never leaves this machine (made for laptops): with it off, Ray
 # takes 127.0.0.1 as the node's address instead of resolving the machine's routable one.
 LOOPBACK_ONLY = "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"
@@ -160,8 +159,10 @@ class RayRun:
         infos = self._call("setup", per_rank=lambda i: (to_dict(cfg), str(self.run_dir), self.resume,
                                                          _rank_env(self.nodes, i, master, spec.visible_devices_env)))
         self.info = infos[0]
-        self.log(f"ray: {n} workers on {len({_node_key(r) for r in self.nodes})} node(s), backend {self.info['backend']}, "
-                 f"{self.info['strategy']} parallel")
+        self.log(
+            f"ray: {n} workers on {len({_node_key(r) for r in self.nodes})} node(s), backend {self.info['backend']}, "
+            f"{self.info['strategy']} parallel"
+        )
         return self
 
     def _call(self, method: str, *args, per_rank: Callable[[int], tuple] | None = None) -> list[Any]:

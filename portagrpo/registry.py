@@ -38,7 +38,9 @@ class Registry(Generic[T]):
             where = f"{field}={name!r}" if field else f"{self.kind} {name!r}"
             close = difflib.get_close_matches(name, self.names(), n=1)
             hint = f" (did you mean {close[0]!r}?)" if close else ""
-            raise UnknownNameError(f"{where} is not a known {self.kind}{hint}; choose one of {', '.join(self.names())}.")
+            raise UnknownNameError(
+                f"{where} is not a known {self.kind}{hint}; choose one of {', '.join(self.names())}."
+            )
         return self._items[name]
 
     def set(self, name: str, obj: T) -> None:

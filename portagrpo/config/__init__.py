@@ -1,9 +1,32 @@
 """The config: schema.py (the dataclasses), load.py (YAML + overrides -> Config), rules.py (what a
 valid config satisfies), verl.py (verl's keys)."""
-from portagrpo.config.load import all_keys, from_dict, load_config, merge_raw, parse_override, read_yaml, replace, to_dict, to_yaml
+from portagrpo.config.load import (
+    all_keys,
+    from_dict,
+    load_config,
+    merge_raw,
+    parse_override,
+    read_yaml,
+    replace,
+    to_dict,
+    to_yaml,
+)
 from portagrpo.config.rules import missing_files, validate, validate_world
-from portagrpo.config.schema import (PRESETS, ActorConfig, AlgorithmConfig, Config, ConfigError, DataConfig, KernelsConfig,
-                     LoraSettings, ModelConfig, RewardConfig, RolloutConfig, TinyModelConfig, TrainerConfig)
+from portagrpo.config.schema import (
+    PRESETS,
+    ActorConfig,
+    AlgorithmConfig,
+    Config,
+    ConfigError,
+    DataConfig,
+    KernelsConfig,
+    LoraSettings,
+    ModelConfig,
+    RewardConfig,
+    RolloutConfig,
+    TinyModelConfig,
+    TrainerConfig,
+)
 
 __all__ = [
     "PRESETS", "ActorConfig", "AlgorithmConfig", "Config", "ConfigError", "DataConfig", "KernelsConfig",

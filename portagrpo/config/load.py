@@ -11,9 +11,8 @@ from typing import Any, Literal, Union
 
 import yaml
 
-from portagrpo.fileio import shorten
 from portagrpo.config.schema import PRESETS, Config, ConfigError, RolloutConfig
-
+from portagrpo.fileio import shorten
 
 # ---------------------------------------------------------------- typed construction
 
@@ -46,7 +45,9 @@ def _coerce(value: Any, tp: Any, where: str) -> Any:
         if value not in choices:
             close = difflib.get_close_matches(str(value), [str(c) for c in choices], n=1)
             hint = f" (did you mean {close[0]!r}?)" if close else ""
-            raise ConfigError([f"{where}={short(value)} is not allowed{hint}; use one of {', '.join(map(repr, choices))}."])
+            raise ConfigError(
+                [f"{where}={short(value)} is not allowed{hint}; use one of {', '.join(map(repr, choices))}."]
+            )
         return value
     if origin is list:
         (inner,) = typing.get_args(tp)
@@ -198,7 +199,9 @@ def read_yaml(path: str | Path) -> dict:
     except yaml.YAMLError as err:
         raise ConfigError([f"--config {str(path)!r} is not valid YAML ({err}); fix the file."]) from err
     except ValueError as err:  # e.g. an integer longer than Python converts
-        raise ConfigError([f"--config {str(path)!r} holds a value YAML cannot read ({str(err)[:100]}); fix the file."]) from None
+        raise ConfigError(
+            [f"--config {str(path)!r} holds a value YAML cannot read ({str(err)[:100]}); fix the file."]
+        ) from None
     if data is None:
         return {}
     if not isinstance(data, dict):

@@ -9,8 +9,8 @@ import math
 from pathlib import Path
 from typing import Any
 
-from portagrpo.errors import UnknownNameError
 from portagrpo.config.schema import Config
+from portagrpo.errors import UnknownNameError
 from portagrpo.paths import model_source_problem
 
 # Float fields where infinity means something (no clipping).
@@ -53,7 +53,9 @@ def _ranges(cfg) -> list[str]:
         p.append(f"actor.warmup_steps={a.warmup_steps} must be 0 or positive.")
     for name, value in (("actor.kl_loss_coef", a.kl_loss_coef), ("algorithm.kl_coef", alg.kl_coef)):
         if value < 0:
-            p.append(f"{name}={value} must be 0 or positive (a negative coefficient rewards drifting from the reference).")
+            p.append(
+                f"{name}={value} must be 0 or positive (a negative coefficient rewards drifting from the reference)."
+            )
     if r.top_k < -1:
         p.append(f"rollout.top_k={r.top_k} must be -1 or 0 (off) or positive.")
     if not 0 <= r.min_p < 1:
@@ -61,12 +63,16 @@ def _ranges(cfg) -> list[str]:
     if not r.repetition_penalty > 0:
         p.append(f"rollout.repetition_penalty={r.repetition_penalty} must be positive (1 is off).")
     if r.val_temperature <= 0 and r.val_n > 1 and t.test_freq:
-        p.append(f"rollout.val_n={r.val_n} with greedy validation (rollout.val_temperature=0) gives {r.val_n} identical "
-                 f"samples, so pass@{r.val_n} would equal accuracy; set val_temperature > 0 or val_n=1.")
+        p.append(
+            f"rollout.val_n={r.val_n} with greedy validation (rollout.val_temperature=0) gives {r.val_n} identical "
+            f"samples, so pass@{r.val_n} would equal accuracy; set val_temperature > 0 or val_n=1."
+        )
     if r.val_temperature < 0:
         p.append(f"rollout.val_temperature={r.val_temperature} must be 0 (greedy) or positive.")
     if r.val_n < 1 and t.test_freq:
-        p.append(f"rollout.val_n={r.val_n} must be at least 1 while validation is on (trainer.test_freq={t.test_freq}).")
+        p.append(
+            f"rollout.val_n={r.val_n} must be at least 1 while validation is on (trainer.test_freq={t.test_freq})."
+        )
     if t.total_steps is None and t.total_epochs < 1:
         p.append(f"trainer.total_epochs={t.total_epochs} must be at least 1 (or set trainer.total_steps).")
     for name, value in (("algorithm.reward_clip", alg.reward_clip), ("algorithm.advantage_clip", alg.advantage_clip)):
@@ -103,7 +109,7 @@ def validate(cfg: Config, *, check_files: bool = True) -> list[str]:
 
 
 def _names_and_sizes(cfg: Config) -> list[str]:
-    from portagrpo.algo import AGG_MODES, ADV_ESTIMATORS
+    from portagrpo.algo import ADV_ESTIMATORS, AGG_MODES
     from portagrpo.algo.losses import parse_kl_type
 
     p: list[str] = []
@@ -134,7 +140,9 @@ def _batch_and_loss(cfg: Config) -> list[str]:
     p: list[str] = []
     a, d, r = cfg.actor, cfg.data, cfg.rollout
     total = cfg.rollout_batch_size
-    sizes = min(d.train_batch_size, r.n, a.ppo_mini_batch_size, a.micro_batch_size) >= 1  # else _names_and_sizes says so
+    sizes = (
+        min(d.train_batch_size, r.n, a.ppo_mini_batch_size, a.micro_batch_size) >= 1
+    )  # else _names_and_sizes says so
     if sizes and total % a.ppo_mini_batch_size:
         p.append(
             f"actor.ppo_mini_batch_size={a.ppo_mini_batch_size} does not divide data.train_batch_size * rollout.n = "
@@ -146,7 +154,9 @@ def _batch_and_loss(cfg: Config) -> list[str]:
             f"{a.ppo_mini_batch_size}; pick a divisor of {a.ppo_mini_batch_size}."
         )
     if a.clip_ratio_c <= 1.0:
-        p.append(f"actor.clip_ratio_c={a.clip_ratio_c} must be greater than 1 (dual clip bound); the usual value is 3.0.")
+        p.append(
+            f"actor.clip_ratio_c={a.clip_ratio_c} must be greater than 1 (dual clip bound); the usual value is 3.0."
+        )
     for name, value in (("actor.clip_ratio", a.clip_ratio), ("actor.clip_ratio_low", cfg.clip_low),
                         ("actor.clip_ratio_high", cfg.clip_high)):
         if value < 0:
@@ -154,9 +164,12 @@ def _batch_and_loss(cfg: Config) -> list[str]:
     if cfg.clip_low >= 1:
         p.append(f"actor.clip_ratio_low={cfg.clip_low} must be below 1 so that 1 - clip_ratio_low stays positive.")
     if a.loss_scale_factor is not None and a.loss_scale_factor <= 0:
-        p.append(f"actor.loss_scale_factor={a.loss_scale_factor} must be positive (or null for the max response length).")
+        p.append(
+            f"actor.loss_scale_factor={a.loss_scale_factor} must be positive (or null for the max response length)."
+        )
     if r.temperature <= 0:
-        p.append(f"rollout.temperature={r.temperature} must be positive; use rollout.val_temperature=0 for greedy validation.")
+        p.append(f"rollout.temperature={r.temperature} must be positive; "
+                 f"use rollout.val_temperature=0 for greedy validation.")
     if not 0 < r.top_p <= 1:
         p.append(f"rollout.top_p={r.top_p} must be in (0, 1].")
     if cfg.reward.num_workers < 0 or cfg.reward.timeout_s <= 0:
@@ -171,7 +184,8 @@ def _run_settings(cfg: Config) -> list[str]:
     p: list[str] = []
     a, d, alg, t = cfg.actor, cfg.data, cfg.algorithm, cfg.trainer
     if alg.use_kl_in_reward and a.use_kl_loss:
-        p.append("algorithm.use_kl_in_reward and actor.use_kl_loss are both true; docs/design.md uses one or the other, so set actor.use_kl_loss=false.")
+        p.append("algorithm.use_kl_in_reward and actor.use_kl_loss are both true; docs/design.md uses one or the "
+                 "other, so set actor.use_kl_loss=false.")
     if t.total_steps is not None and t.total_steps < 1:
         p.append(f"trainer.total_steps={t.total_steps} must be at least 1 (or null to use trainer.total_epochs).")
     for name, value in (("trainer.save_freq", t.save_freq), ("trainer.test_freq", t.test_freq)):
@@ -196,7 +210,8 @@ def _run_settings(cfg: Config) -> list[str]:
     if t.max_ckpt_to_keep < 1:
         p.append(f"trainer.max_ckpt_to_keep={t.max_ckpt_to_keep} must be at least 1.")
     if not d.train_files and not d.task:
-        p.append("data.train_files is empty and data.task is null; give a JSONL/Parquet file or a built-in task such as data.task=repeat.")
+        p.append("data.train_files is empty and data.task is null; give a JSONL/Parquet file or a built-in task "
+                 "such as data.task=repeat.")
     if d.train_files and d.task:
         p.append(f"data.train_files and data.task={d.task!r} are both set; set data.task=null to train on the files.")
     return p
@@ -215,8 +230,10 @@ def validate_world(cfg: Config, world_size: int) -> list[str]:
         p.append(f"actor.ppo_mini_batch_size={a.ppo_mini_batch_size} cannot be split over {world_size} ranks; "
                  f"use a multiple of {world_size}.")
     elif (a.ppo_mini_batch_size // world_size) % a.micro_batch_size:
-        p.append(f"actor.micro_batch_size={a.micro_batch_size} does not divide the per-rank mini-batch "
-                 f"{a.ppo_mini_batch_size} / {world_size} = {a.ppo_mini_batch_size // world_size}; pick a divisor of it.")
+        p.append(
+            f"actor.micro_batch_size={a.micro_batch_size} does not divide the per-rank mini-batch "
+            f"{a.ppo_mini_batch_size} / {world_size} = {a.ppo_mini_batch_size // world_size}; pick a divisor of it."
+        )
     return p
 
 
@@ -237,5 +254,6 @@ def missing_files(cfg: Config) -> list[str]:
                 p.append(f"data.{name}[{i}]={value!r} does not exist; give the path of a .jsonl or .parquet file.")
     fn = cfg.reward.function
     if ":" in fn and fn.split(":", 1)[0].endswith(".py") and not Path(fn.split(":", 1)[0]).is_file():
-        p.append(f"reward.function={fn!r}: the file {fn.split(':', 1)[0]!r} does not exist; use path/to/file.py:function_name.")
+        p.append(f"reward.function={fn!r}: the file {fn.split(':', 1)[0]!r} does not exist; "
+                 f"use path/to/file.py:function_name.")
     return p

@@ -64,9 +64,21 @@ WARMUP = AR + "actor.optim.lr_warmup_steps"
 WARMUP_RATIO = AR + "actor.optim.lr_warmup_steps_ratio"  # only 0 maps: a ratio needs the step count first
 SCHEDULE = AR + "actor.optim.warmup_style"  # verl's name for the schedule after warmup
 VERL_ONLY_PREFIXES = (AR, "critic.", "reward_model.", "custom_reward_function.", "ray_init.", "ray_kwargs.")
-VERL_ONLY_KEYS = {"trainer.logger", "trainer.project_name", "trainer.experiment_name", "trainer.val_before_train",
-                  "trainer.critic_warmup", "trainer.default_local_dir", "trainer.resume_mode", "data.filter_overlong_prompts",
-                  "data.truncation", "data.shuffle_seed", "data.prompt_key", "data.reward_fn_key", GPUS_PER_NODE}
+VERL_ONLY_KEYS = {
+    "trainer.logger",
+    "trainer.project_name",
+    "trainer.experiment_name",
+    "trainer.val_before_train",
+    "trainer.critic_warmup",
+    "trainer.default_local_dir",
+    "trainer.resume_mode",
+    "data.filter_overlong_prompts",
+    "data.truncation",
+    "data.shuffle_seed",
+    "data.prompt_key",
+    "data.reward_fn_key",
+    GPUS_PER_NODE,
+}
 
 
 def is_verl_key(key: str) -> bool:

@@ -10,8 +10,8 @@ from typing import Any, Iterator
 
 from portagrpo.data.records import DataError
 from portagrpo.fileio import atomic_path, check_output_path
-from portagrpo.rewards.math_answers import extract_boxed
 from portagrpo.rewards.functions import normalize_number
+from portagrpo.rewards.math_answers import extract_boxed
 
 GSM8K_INSTRUCTION = 'Let\'s think step by step and output the final answer after "####".'
 MATH_INSTRUCTION = "Let's think step by step and output the final answer within \\boxed{}."
@@ -145,7 +145,9 @@ def main_cli(argv: list[str]) -> int:
 
     p = argparse.ArgumentParser(prog="portagrpo data")
     p.add_argument("kind", choices=sorted(CONVERTERS))
-    p.add_argument("--input", required=True, help="GSM8K JSONL (question/answer) or MATH JSON/JSONL/folder (problem/solution)")
+    p.add_argument(
+        "--input", required=True, help="GSM8K JSONL (question/answer) or MATH JSON/JSONL/folder (problem/solution)"
+    )
     p.add_argument("--output", required=True, help="output directory")
     p.add_argument("--split", default=None, help="split name (default: the input file's name)")
     p.add_argument("--on-error", choices=["skip", "fail"], default="skip")

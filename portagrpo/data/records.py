@@ -8,8 +8,8 @@ from typing import Any
 
 import torch
 
-from portagrpo.errors import UserError
 from portagrpo.data.tasks import TASKS
+from portagrpo.errors import UserError
 
 
 class DataError(UserError, ValueError):
@@ -73,7 +73,9 @@ def read_rows(path: str | Path) -> list[dict]:
             try:
                 line = raw.decode("utf-8")
             except UnicodeDecodeError as err:
-                raise DataError(f"{path}:{lineno}: not UTF-8 (byte {err.start}); re-encode the file as UTF-8.") from None
+                raise DataError(
+                    f"{path}:{lineno}: not UTF-8 (byte {err.start}); re-encode the file as UTF-8."
+                ) from None
             if not line.strip():
                 continue
             try:

@@ -33,7 +33,9 @@ def _row(content: str, answer: str, source: str, index: int) -> dict:
 def repeat_task(size: int, seed: int) -> list[dict]:
     """'repeat 7' -> '77777777'. Partial credit per position makes a fresh policy's reward non-zero."""
     rng = random.Random(seed)
-    return [_row(f"repeat {d}", d, "portagrpo/repeat", i) for i, d in enumerate(str(rng.randrange(10)) for _ in range(size))]
+    return [
+        _row(f"repeat {d}", d, "portagrpo/repeat", i) for i, d in enumerate(str(rng.randrange(10)) for _ in range(size))
+    ]
 
 
 def repeat_reward(solution: str, ground_truth: str) -> float:

@@ -4,8 +4,8 @@ sets a private attribute.
 portagrpo's losses already divide by the global token or sequence count, so FSDP2 must *sum*
 gradients across ranks, never average them. torch >= 2.8 says so publicly
 (`set_gradient_divide_factor(1.0)` + `set_force_sum_reduction_for_comms(True)`). torch 2.6 and 2.7
-have only `set_reduce_scatter_divide_factor`, which becomes NCCL's PREMUL_SUM: refused by Ascend's collectives (the NPU build
-for 2.7.1), by NCCL for bf16, and ignored by gloo. Their param group reads the op from
+have only `set_reduce_scatter_divide_factor`, which becomes NCCL's PREMUL_SUM: refused by Ascend's
+collectives (the NPU build for 2.7.1), by NCCL for bf16, and ignored by gloo. Their param group reads the op from
 `FSDPParamGroup.reduce_scatter_reduce_op` (None = AVG), so a plain ReduceOp.SUM there is a sum on
 every collective library for fp32/bf16 gradients (read in torch 2.7.1's _fsdp_param_group.py and
 _fsdp_collectives.py `foreach_reduce`). For fp16/fp64 gradients torch 2.7 also pre- and post-divides

@@ -115,8 +115,10 @@ def check_tiny_matches(tiny, init_dir: Path) -> None:
              "intermediate_size": "intermediate_size", "tie_word_embeddings": "tie_word_embeddings"}
     for ours, theirs in pairs.items():
         if theirs in saved and saved[theirs] != getattr(tiny, ours):
-            raise ModelLoadError(f"model.tiny.{ours}={getattr(tiny, ours)} but this run's init_model has {saved[theirs]}; "
-                                 f"resume with the run's own model settings (its config.yaml) or start a new run.")
+            raise ModelLoadError(
+                f"model.tiny.{ours}={getattr(tiny, ours)} but this run's init_model has {saved[theirs]}; "
+                f"resume with the run's own model settings (its config.yaml) or start a new run."
+            )
 
 
 def load_model(path: str | Path, attn_implementation: str, field: str = "model.path"):
@@ -205,5 +207,7 @@ def apply_lora(model, lora):
         return get_peft_model(model, config)
     except ValueError as err:
         names = sorted({n.rsplit(".", 1)[-1] for n, m in model.named_modules() if isinstance(m, torch.nn.Linear)})
-        raise ModelLoadError(f"model.lora.target_modules={list(lora.target_modules)} cannot be adapted ({str(err)[:120]}); "
-                             f"this model's linear layers are named {names}.") from None
+        raise ModelLoadError(
+            f"model.lora.target_modules={list(lora.target_modules)} cannot be adapted ({str(err)[:120]}); "
+            f"this model's linear layers are named {names}."
+        ) from None

@@ -8,7 +8,6 @@ global mini-batch is the SUM of the per-rank gradients: both strategies sum, nev
 from __future__ import annotations
 
 import contextlib
-
 from typing import Any, Iterator
 
 import torch

@@ -11,9 +11,9 @@ from decimal import Decimal, InvalidOperation
 from pathlib import Path
 from typing import Any, Protocol
 
+from portagrpo.data.tasks import repeat_reward
 from portagrpo.errors import UserError
 from portagrpo.registry import Registry
-from portagrpo.data.tasks import repeat_reward
 
 
 class RewardFn(Protocol):
@@ -84,7 +84,9 @@ def gsm8k_reward(data_source: str, solution_str: str, ground_truth: str, extra_i
 
 
 @REWARDS.register("gsm8k_flexible")
-def gsm8k_flexible_reward(data_source: str, solution_str: str, ground_truth: str, extra_info: dict | None = None) -> dict:
+def gsm8k_flexible_reward(
+    data_source: str, solution_str: str, ground_truth: str, extra_info: dict | None = None
+) -> dict:
     """As `gsm8k`, but a response without the strict forms is judged by its last number."""
     return _gsm8k_score(solution_str, ground_truth, flexible=True)
 
@@ -144,7 +146,9 @@ def parse_weighted(spec: str) -> list[tuple[str, float]] | None:
         try:
             terms.append((name.strip(), float(weight) if weight else 1.0))
         except ValueError:
-            raise RewardSpecError(f"reward.function={spec!r}: {weight!r} is not a weight; write name*weight + ...") from None
+            raise RewardSpecError(
+                f"reward.function={spec!r}: {weight!r} is not a weight; write name*weight + ..."
+            ) from None
     return terms
 
 

@@ -118,12 +118,14 @@ class RewardPool:
                             self.close()
                             raise RewardSpecError(f"reward workers for reward.function={self.spec!r} die while "
                                                   f"starting (exit code {w.proc.exitcode}); run the function in "
-                                                  f"process with reward.num_workers=0 to see why.")
+                                                  f"process with reward.num_workers=0 to see why.") from None
                     failures += self._replace(w, results, f"the reward worker died (exit code {w.proc.exitcode})")
                     continue
                 if kind == "init_error":
                     self.close()
-                    raise RewardSpecError(f"reward.function={self.spec!r} cannot be loaded in a reward worker: {payload}")
+                    raise RewardSpecError(
+                        f"reward.function={self.spec!r} cannot be loaded in a reward worker: {payload}"
+                    )
                 if kind == "ready":
                     w.ready = True
                 else:

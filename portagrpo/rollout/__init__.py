@@ -1,7 +1,15 @@
 """Rollout engines by name: engines.py (the registry, `hf`, `fixed`, sampling settings, the one
 prompt -> responses path), vllm.py (the `vllm` engine, imported only when chosen)."""
-from portagrpo.rollout.engines import (ROLLOUT_ENGINES, FixedRollout, HFRollout, RolloutEngine, SamplingParams,
-                                       decode_responses, rollout_groups, stop_token_ids)
+from portagrpo.rollout.engines import (
+                                       ROLLOUT_ENGINES,
+                                       FixedRollout,
+                                       HFRollout,
+                                       RolloutEngine,
+                                       SamplingParams,
+                                       decode_responses,
+                                       rollout_groups,
+                                       stop_token_ids,
+)
 
 __all__ = ["ROLLOUT_ENGINES", "FixedRollout", "HFRollout", "RolloutEngine", "SamplingParams", "decode_responses",
            "rollout_groups", "stop_token_ids"]

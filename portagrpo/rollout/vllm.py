@@ -26,7 +26,9 @@ from portagrpo.rollout.engines import ROLLOUT_ENGINES, SamplingParams, response_
 PEFT_PREFIX = "base_model.model."
 
 
-def sampling_kwargs(params: SamplingParams, *, seed: int | None, stop_token_ids: list[int], n: int = 1) -> dict[str, Any]:
+def sampling_kwargs(
+    params: SamplingParams, *, seed: int | None, stop_token_ids: list[int], n: int = 1
+) -> dict[str, Any]:
     """portagrpo sampling settings as `vllm.SamplingParams` keyword arguments."""
     greedy = params.temperature <= 0
     return {
@@ -60,7 +62,9 @@ def vllm_weight_names(state: dict[str, torch.Tensor] | Iterable[tuple[str, torch
         yield name, tensor
 
 
-def bucket_tensors(named: Iterable[tuple[str, torch.Tensor]], bucket_bytes: int) -> Iterator[list[tuple[str, torch.Tensor]]]:
+def bucket_tensors(
+    named: Iterable[tuple[str, torch.Tensor]], bucket_bytes: int
+) -> Iterator[list[tuple[str, torch.Tensor]]]:
     """Group tensors into buckets of at most `bucket_bytes` (a larger tensor travels alone)."""
     bucket: list[tuple[str, torch.Tensor]] = []
     size = 0
@@ -220,7 +224,9 @@ class VLLMRollout:
 
     def _model(self):
         """vLLM's model object in this process (the path verl and TRL's colocate mode use)."""
-        return self.llm.llm_engine.model_executor.driver_worker.worker.get_model()  # the bare model, not a graph wrapper
+        return (
+            self.llm.llm_engine.model_executor.driver_worker.worker.get_model()
+        )  # the bare model, not a graph wrapper
 
     def update_weights(self, state: dict[str, torch.Tensor] | Iterable[tuple[str, torch.Tensor]]) -> int:
         """Load the full weights into the engine, bucket by bucket: from an iterator of (name, tensor) that

@@ -82,7 +82,9 @@ def run_variant(config: str | None, overrides: list[str], steps: int, warmup: in
             rows = [trainer.step().metrics for _ in range(steps + warmup)][warmup:]
             scoring_passes = (0 if trainer.on_policy else 1) + (1 if trainer.ref_scorer is not None else 0)
             params = sum(p.numel() for p in trainer.policy.parameters())
-            rate = matmul_flops_per_s(trainer.device, trainer.dtype if trainer.dtype != torch.float64 else torch.float32)
+            rate = matmul_flops_per_s(
+                trainer.device, trainer.dtype if trainer.dtype != torch.float64 else torch.float32
+            )
             bandwidth = copy_bytes_per_s(trainer.device)
             param_bytes = sum(p.numel() * p.element_size() for p in trainer.policy.parameters())
             world = trainer.comm.world_size
@@ -136,7 +138,9 @@ def parse_variants(items: list[str]) -> list[tuple[str, list[str]]]:
         if not name or not sep:
             from portagrpo.errors import UserError
 
-            raise UserError(f"--variant {item!r} must look like NAME=key=value[,key=value...] (or NAME= for no overrides).")
+            raise UserError(
+                f"--variant {item!r} must look like NAME=key=value[,key=value...] (or NAME= for no overrides)."
+            )
         out.append((name, [kv for kv in rest.split(",") if kv]))
     return out or [("default", [])]
 
@@ -145,8 +149,10 @@ def render(results: list[dict]) -> str:
     head = f"{'variant':<14}{'step s':>8}" + "".join(f"{p + ' s (xfloor)':>22}" for p in PHASES) + f"{'resp tok/s':>12}"
     lines = [head]
     for r in results:
-        cells = "".join(f"{r['phases_s'][p]:>12.3f} " + (f"({r['x_floor'][p]:>6.1f}x)" if r["x_floor"][p] else "(     -)")
-                        for p in PHASES)
+        cells = "".join(
+            f"{r['phases_s'][p]:>12.3f} " + (f"({r['x_floor'][p]:>6.1f}x)" if r["x_floor"][p] else "(     -)")
+            for p in PHASES
+        )
         lines.append(f"{r['variant']:<14}{r['time_step_s']:>8.3f}{cells}{r['response_tokens_per_s']:>12.1f}")
     base = results[0]["time_step_s"]
     lines += [f"{r['variant']}: step time {r['time_step_s'] / base:.2f}x {results[0]['variant']}" for r in results[1:]]

@@ -4,6 +4,7 @@ from __future__ import annotations
 import platform
 from typing import Any
 
+
 def collect() -> dict[str, Any]:
     from portagrpo.backends import all_backends
     from portagrpo.backends.npu_env import autoload_disabled_reason
@@ -25,7 +26,8 @@ def render(info: dict[str, Any]) -> str:
     lines.append(f"torch {tb['version']} (cuda={tb['cuda']}, hip={tb['hip']})")
     lines.append("packages: " + ", ".join(f"{k} {v or '-'}" for k, v in info["packages"].items()))
     lines += [f"note: {n}" for n in info["notes"]]
-    head = f"{'backend':8} {'ok':3} {'devices':>7}  {'collective':10} {'bf16':5} {'attention fp32/bf16':26} {'kernel':9} names / reason"
+    head = (f"{'backend':8} {'ok':3} {'devices':>7}  {'collective':10} {'bf16':5} {'attention fp32/bf16':26} "
+            f"{'kernel':9} names / reason")
     lines += ["", head, "-" * len(head)]
     for r in info["backends"]:
         attn = f"{r['attention']['fp32'] or '-'}/{r['attention']['bf16'] or '-'}"

@@ -26,8 +26,10 @@ def load_for_eval(model: str | Path, allow_untrained: bool = False):
         cfg = load_config(path / "config.yaml", check_files=False)
         base = cfg.model.path or str(path / "init_model")
         if ckpt is None and not allow_untrained:
-            raise UserError(f"--model {path} is a run with no whole checkpoint: evaluating it would measure the untrained "
-                            f"initial model; pass --untrained to do that on purpose, or train with trainer.save_freq > 0.")
+            raise UserError(
+                f"--model {path} is a run with no whole checkpoint: evaluating it would measure the untrained "
+                f"initial model; pass --untrained to do that on purpose, or train with trainer.save_freq > 0."
+            )
         if ckpt is None:
             return load_model(base, "sdpa"), load_tokenizer(cfg.model.tokenizer_path or base), f"{base} (no checkpoint)"
         model_dir = ckpt / "model"
@@ -38,7 +40,9 @@ def load_for_eval(model: str | Path, allow_untrained: bool = False):
             return merged, load_tokenizer(cfg.model.tokenizer_path or base), f"{model_dir} (LoRA merged)"
         return load_model(model_dir, "sdpa"), load_tokenizer(str(model_dir)), str(model_dir)
     if not str(model).startswith("pkg:") and not path.exists():
-        raise UserError(f"--model {str(model)!r} does not exist; give a model directory, a .gguf file or a run directory.")
+        raise UserError(
+            f"--model {str(model)!r} does not exist; give a model directory, a .gguf file or a run directory."
+        )
     return load_model(model, "sdpa", "--model"), load_tokenizer(str(model), "--model"), str(model)
 
 
@@ -50,8 +54,8 @@ def evaluate(model_spec: str, data_files: list[str], *, n: int = 1, temperature:
     from tqdm.auto import tqdm
 
     from portagrpo.backends import get_backend
-    from portagrpo.errors import UserError
     from portagrpo.data.records import load_records
+    from portagrpo.errors import UserError
     from portagrpo.rewards.functions import RewardResolver, score_responses
     from portagrpo.rollout.engines import HFRollout, SamplingParams, rollout_groups
 
@@ -67,7 +71,9 @@ def evaluate(model_spec: str, data_files: list[str], *, n: int = 1, temperature:
     # Exactly these settings: nothing is taken from the model's generation_config (see rollout.py).
     runs = [("greedy", 1, SamplingParams(max_new_tokens, 0.0, repetition_penalty=repetition_penalty))]
     if n > 1:
-        runs.append(("sampled", n, SamplingParams(max_new_tokens, temperature, top_p, top_k, min_p, repetition_penalty)))
+        runs.append(
+            ("sampled", n, SamplingParams(max_new_tokens, temperature, top_p, top_k, min_p, repetition_penalty))
+        )
     report: dict[str, Any] = {"model": described, "data": [str(f) for f in data_files], "prompts": len(records),
                               "device": backend.name, "n": n}
     for name, k, params in runs:
@@ -145,7 +151,9 @@ def main_cli(argv: list[str]) -> int:
 
     p = argparse.ArgumentParser(prog="portagrpo eval")
     p.add_argument("--model", required=True, help="model directory, .gguf file, pkg:PACKAGE/FILE, or run directory")
-    p.add_argument("--data", required=True, action="append", help="JSONL or Parquet in the training schema (repeatable)")
+    p.add_argument(
+        "--data", required=True, action="append", help="JSONL or Parquet in the training schema (repeatable)"
+    )
     p.add_argument("--n", type=int, default=1, help="samples per prompt for pass@k / mean@k (greedy is always run)")
     p.add_argument("--temperature", type=float, default=1.0)
     p.add_argument("--top-p", type=float, default=1.0)
@@ -158,9 +166,15 @@ def main_cli(argv: list[str]) -> int:
     p.add_argument("--device", default="auto")
     p.add_argument("--reward", default="auto", help="reward function (as reward.function)")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--output", default=None, help="the JSON report: a new file or an earlier eval report (default: a new "
-                                                  "eval-<time>.json in the working directory)")
-    p.add_argument("--untrained", action="store_true", help="allow a run directory without a checkpoint (its init model)")
+    p.add_argument(
+        "--output",
+        default=None,
+        help="the JSON report: a new file or an earlier eval report (default: a new "
+        "eval-<time>.json in the working directory)",
+    )
+    p.add_argument(
+        "--untrained", action="store_true", help="allow a run directory without a checkpoint (its init model)"
+    )
     args = p.parse_args(argv)
     _check_args(args)
     report = evaluate(args.model, args.data, n=args.n, temperature=args.temperature, top_p=args.top_p,
@@ -173,6 +187,7 @@ def main_cli(argv: list[str]) -> int:
     line = f"greedy accuracy {g['accuracy']:.3f} (mean reward {g['reward_mean']:.3f}) on {report['prompts']} prompts"
     if "sampled" in report:
         s = report["sampled"]
-        line += f"; n={args.n}: pass@1 {s['pass@1']:.3f}, pass@{args.n} {s[f'pass@{args.n}']:.3f}, mean@{args.n} {s[f'mean@{args.n}']:.3f}"
+        line += (f"; n={args.n}: pass@1 {s['pass@1']:.3f}, pass@{args.n} {s[f'pass@{args.n}']:.3f}, "
+                 f"mean@{args.n} {s[f'mean@{args.n}']:.3f}")
     print(line + f"; report in {output}")
     return 0

@@ -5,8 +5,14 @@ import json
 import shutil
 from pathlib import Path
 
-from portagrpo.checkpoint import (PREFIX, CheckpointError, checkpoint_dir, latest_valid_checkpoint, list_checkpoints,
-                                  verify_checkpoint)
+from portagrpo.checkpoint import (
+    PREFIX,
+    CheckpointError,
+    checkpoint_dir,
+    latest_valid_checkpoint,
+    list_checkpoints,
+    verify_checkpoint,
+)
 from portagrpo.config import load_config
 from portagrpo.errors import UserError
 from portagrpo.fileio import atomic_path, check_output_path

@@ -130,8 +130,20 @@ def run_check(device: str, out: Path, size: str = "full", log=print) -> dict[str
     dtype = "bf16" if facts["bf16"] and facts["name"] != "cpu" else "fp32"
     check.run("doctor", _cli("doctor", "--json"))
     (out / "doctor.json").write_text(check.last_output)
-    check.run("parity", _cli("parity", "--device", device, "--dtype", "fp32,bf16", "--kernels", ",".join(facts["kernels"]),
-                             "--json", str(out / "parity.json")))
+    check.run(
+        "parity",
+        _cli(
+            "parity",
+            "--device",
+            device,
+            "--dtype",
+            "fp32,bf16",
+            "--kernels",
+            ",".join(facts["kernels"]),
+            "--json",
+            str(out / "parity.json"),
+        ),
+    )
     check.run("device tests", [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-m", facts["name"],
                                "tests/parity", "--junitxml", str(out / "pytest-device.xml")],
               skip_codes={5: f"no test is marked {facts['name']}"})
@@ -154,10 +166,24 @@ def run_check(device: str, out: Path, size: str = "full", log=print) -> dict[str
             if nproc < 2 and parallel != "auto":
                 check.skip(name, "this machine has one device")
                 continue
-            check.run(name, _cli("train", "--device", device, "--output-dir", str(out / "runs" / f"{engine}-{parallel}"),
-                                 *QUIET, f"model.path={model}", f"model.dtype={dtype}", f"rollout.engine={engine}",
-                                 f"trainer.total_steps={s['steps']}", f"trainer.nproc_per_node={nproc}",
-                                 f"trainer.parallel={parallel}", *s["batch"]))
+            check.run(
+                name,
+                _cli(
+                    "train",
+                    "--device",
+                    device,
+                    "--output-dir",
+                    str(out / "runs" / f"{engine}-{parallel}"),
+                    *QUIET,
+                    f"model.path={model}",
+                    f"model.dtype={dtype}",
+                    f"rollout.engine={engine}",
+                    f"trainer.total_steps={s['steps']}",
+                    f"trainer.nproc_per_node={nproc}",
+                    f"trainer.parallel={parallel}",
+                    *s["batch"],
+                ),
+            )
     shapes = ["--shapes", s["shapes"]] if s["shapes"] else []
     check.run("bench kernels", _cli("bench", "kernels", "--device", device, "--repeats", "1", *shapes,
                                     "--json", str(out / "bench-kernels.json")))

@@ -16,8 +16,8 @@ import torch
 
 from portagrpo import algo
 from portagrpo.algo.objective import Objective, Shaping, shape_and_advantage, total_loss
-from portagrpo.model.scorer import ResponseScorer
 from portagrpo.kernels import logprob_impl
+from portagrpo.model.scorer import ResponseScorer
 from portagrpo.tolerances import DTYPES, relative_error, tolerance
 
 DATA_DIR = Path(__file__).resolve().parent / "parity_data"
@@ -197,7 +197,9 @@ def load_fixture(name: str, data_dir: Path = DATA_DIR) -> dict[str, torch.Tensor
 
     path = Path(data_dir) / name
     if not path.is_file():
-        raise FileNotFoundError(f"parity fixture {path} is missing; regenerate with `python -m portagrpo.tools.parity --regenerate`.")
+        raise FileNotFoundError(
+            f"parity fixture {path} is missing; regenerate with `python -m portagrpo.tools.parity --regenerate`."
+        )
     return load_file(str(path))
 
 
@@ -262,9 +264,15 @@ def format_table(backend: str, dtype: str, kernel: str, rows: list[ParityRow]) -
 def to_json(backend: str, dtype: str, kernel: str, rows: list[ParityRow]) -> dict[str, Any]:
     from portagrpo.backends.probe import package_versions, torch_build
 
-    return {"device": backend, "dtype": dtype, "kernel": kernel, "torch": torch_build(), "packages": package_versions(),
-            "passed": all(r.passed for r in rows),
-            "stages": [{"stage": r.stage, "error": r.error, "tolerance": r.tolerance, "passed": r.passed} for r in rows]}
+    return {
+        "device": backend,
+        "dtype": dtype,
+        "kernel": kernel,
+        "torch": torch_build(),
+        "packages": package_versions(),
+        "passed": all(r.passed for r in rows),
+        "stages": [{"stage": r.stage, "error": r.error, "tolerance": r.tolerance, "passed": r.passed} for r in rows],
+    }
 
 
 def main_cli(argv: list[str]) -> int:
@@ -286,7 +294,9 @@ def main_cli(argv: list[str]) -> int:
             raise UserError(f"--dtype {args.dtype!r}: {dtype!r} is not one of {', '.join(DTYPES)}; give one or more of "
                             f"them separated by commas, e.g. --dtype fp32,bf16.")
     if "" in kernels:
-        raise UserError(f"--kernels {args.kernels!r} has an empty name; give names separated by commas, e.g. auto,chunked.")
+        raise UserError(
+            f"--kernels {args.kernels!r} has an empty name; give names separated by commas, e.g. auto,chunked."
+        )
     if args.json_path:
         check_report_destination(args.json_path, "--json", "parity")
     backend = get_backend(args.device).name

@@ -85,7 +85,11 @@ def replay(run_dir: str | Path, device: str, steps: int | None, output_dir: str 
         if key not in rows[0]:
             continue
         err = curve_error([r[key]["replayed"] for r in rows], [r[key]["recorded"] for r in rows])
-        verdict[key] = {"error": err, "tolerance": TOLERANCES[loosest][quantity], "passed": err <= TOLERANCES[loosest][quantity]}
+        verdict[key] = {
+            "error": err,
+            "tolerance": TOLERANCES[loosest][quantity],
+            "passed": err <= TOLERANCES[loosest][quantity],
+        }
     drift = max(r["param_drift"] for r in rows)
     verdict["params"] = {"error": drift, "tolerance": TOLERANCES[loosest]["params"],
                          "passed": drift <= TOLERANCES[loosest]["params"]}
@@ -136,7 +140,9 @@ def plot_replay(rows: list[dict[str, Any]], out: Path, report: dict[str, Any]) -
             ax.set_title("parameter drift (relative)")
         else:
             ax.plot(steps, [r[key]["recorded"] for r in rows], "o-", label=f"recorded ({rec['device']}/{rec['dtype']})")
-            ax.plot(steps, [r[key]["replayed"] for r in rows], "x--", label=f"replayed ({rep['device']}/{rep['dtype']})")
+            ax.plot(
+                steps, [r[key]["replayed"] for r in rows], "x--", label=f"replayed ({rep['device']}/{rep['dtype']})"
+            )
             ax.set_title(key)
             ax.legend(fontsize=7)
         ax.set_xlabel("step")

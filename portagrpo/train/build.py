@@ -10,14 +10,13 @@ from portagrpo.algo.schedule import lr_multiplier
 from portagrpo.backends import Backend
 from portagrpo.config import Config
 from portagrpo.data.records import PromptLoader, filter_long_prompts, load_records, task_records
-from portagrpo.model.scorer import AdaptersOff, ResponseScorer
-from portagrpo.model.loading import apply_lora, build_tiny_model, check_tiny_matches, load_model, load_tokenizer
-from portagrpo.rewards.pool import RewardPool
-from portagrpo.rewards.functions import RewardResolver
-from portagrpo.rollout.engines import ROLLOUT_ENGINES, EngineInputs
 from portagrpo.fileio import atomic_path
+from portagrpo.model.loading import apply_lora, build_tiny_model, check_tiny_matches, load_model, load_tokenizer
+from portagrpo.model.scorer import AdaptersOff, ResponseScorer
+from portagrpo.rewards.functions import RewardResolver
+from portagrpo.rewards.pool import RewardPool
+from portagrpo.rollout.engines import ROLLOUT_ENGINES, EngineInputs
 from portagrpo.train.update import objective_from, shaping_from
-
 
 
 class Builder:
@@ -73,14 +72,22 @@ class Builder:
         if cfg.model.gradient_checkpointing:
             self.policy.gradient_checkpointing_enable()
         self.policy.config.use_cache = True
-        self.scorer = self.strategy.wrap(ResponseScorer(self.policy, self.kernel), trainable=True, compute_dtype=self.dtype)
+        self.scorer = self.strategy.wrap(
+            ResponseScorer(self.policy, self.kernel), trainable=True, compute_dtype=self.dtype
+        )
         self.ref = self.ref_scorer = None
         if (cfg.actor.use_kl_loss or cfg.algorithm.use_kl_in_reward) and self.is_lora:
             self.ref_scorer = AdaptersOff(self.scorer)
         elif cfg.actor.use_kl_loss or cfg.algorithm.use_kl_in_reward:
-            self.ref = load_model(ref_path, attn, "model.ref_path" if cfg.model.ref_path else "model.path").to(device=self.device, dtype=self.master_dtype).eval()
+            self.ref = (
+                load_model(ref_path, attn, "model.ref_path" if cfg.model.ref_path else "model.path")
+                .to(device=self.device, dtype=self.master_dtype)
+                .eval()
+            )
             self.ref.requires_grad_(False)
-            self.ref_scorer = self.strategy.wrap(ResponseScorer(self.ref, self.kernel), trainable=False, compute_dtype=self.dtype)
+            self.ref_scorer = self.strategy.wrap(
+                ResponseScorer(self.ref, self.kernel), trainable=False, compute_dtype=self.dtype
+            )
         self.kl_needs_vocab = cfg.actor.kl_loss_type.rstrip("+") == "full"
         self.shaping, self.objective = shaping_from(cfg), objective_from(cfg)
 

@@ -11,8 +11,8 @@ import torch
 from portagrpo.algo.objective import shape_and_advantage
 from portagrpo.batch import RolloutBatch, TrainBatch
 from portagrpo.data.records import PromptRecord, tokenize_prompts
-from portagrpo.model.scorer import eval_mode, response_stats
 from portagrpo.metrics import pass_at_k
+from portagrpo.model.scorer import eval_mode, response_stats
 from portagrpo.rewards.functions import score_responses
 from portagrpo.rollout.engines import SamplingParams, rollout_groups
 
@@ -67,7 +67,8 @@ class ExperienceMaker:
         scored = self.score(rb)
         t_scored = time.perf_counter()
         for failure in scored.failures[:3]:
-            self.log(f"step {step}: reward failed on sample {failure.sample} (prompt id {failure.prompt_id}): {failure.message}")
+            self.log(f"step {step}: reward failed on sample {failure.sample} (prompt id {failure.prompt_id}): "
+                     f"{failure.message}")
         old_logp, entropy = self.logprobs(self.scorer, rb, entropy=True) if not self.on_policy else (None, None)
         ref_logp = self.logprobs(self.ref_scorer, rb, entropy=False)[0] if self.ref_scorer is not None else None
         local = {
@@ -135,7 +136,8 @@ class ExperienceMaker:
         """Log-probs [B, T] (and entropy) of `scorer`'s model over the batch, in micro-batches."""
         mb = self.cfg.actor.micro_batch_size
         logps, ents = [], []
-        with eval_mode(scorer), self.backend.region("logprobs"):  # scoring is deterministic: no dropout (LoRA's or the model's), as in verl
+        # scoring is deterministic: no dropout (LoRA's or the model's), as in verl
+        with eval_mode(scorer), self.backend.region("logprobs"):
             for start in range(0, batch.size, mb):
                 part = batch.select(list(range(start, min(start + mb, batch.size))))
                 stats = response_stats(scorer, part, temperature=self.cfg.rollout.temperature, compute_entropy=entropy,
@@ -159,7 +161,9 @@ class ExperienceMaker:
         )
         return full, {k: (None if v is None else g(v)) for k, v in tensors.items()}
 
-    def advantages(self, batch: RolloutBatch, scores: torch.Tensor, old_logp, ref_logp) -> tuple[torch.Tensor, torch.Tensor]:
+    def advantages(
+        self, batch: RolloutBatch, scores: torch.Tensor, old_logp, ref_logp
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """Reward shaping then the group advantage (algo.objective). Returns (scores', advantages [B, T])."""
         return shape_and_advantage(scores, batch.uid, batch.response_mask, self.shaping, old_logp=old_logp,
                                    ref_logp=ref_logp)

@@ -82,7 +82,9 @@ class Trainer(Builder, ExperienceMaker, Updater, RunState):
         self.device = self.backend.device(self.comm.env.local_rank)
         self.dtype = DTYPES[cfg.model.dtype]
         if not self.backend.supports_dtype(self.dtype):
-            raise ConfigError([f"model.dtype={cfg.model.dtype} is not supported on --device {self.backend.name}; use fp32."])
+            raise ConfigError(
+                [f"model.dtype={cfg.model.dtype} is not supported on --device {self.backend.name}; use fp32."]
+            )
         # Rank 0 names the run directory (a timestamp would differ between processes).
         self.run_dir = Path(self.comm.broadcast_object(str(self.run_dir)))
         self.run = RunDir(self.run_dir)

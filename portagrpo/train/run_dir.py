@@ -24,8 +24,18 @@ from portagrpo.fileio import check_output_path
 
 LOCK = ".lock"
 # What a portagrpo run writes; a directory holding only these and no finished step is reusable.
-RUN_ENTRIES = {"config.yaml", "init_model", "checkpoints", "rollouts", "metrics.jsonl", "tensorboard", "reward.png", LOCK,
-               "export", "export-merged"}
+RUN_ENTRIES = {
+    "config.yaml",
+    "init_model",
+    "checkpoints",
+    "rollouts",
+    "metrics.jsonl",
+    "tensorboard",
+    "reward.png",
+    LOCK,
+    "export",
+    "export-merged",
+}
 
 
 class RunDirError(UserError, RuntimeError):
@@ -77,7 +87,9 @@ class RunDir:
     def foreign_entries(self) -> list[str]:
         if not self.path.is_dir():
             return []
-        return sorted(p.name for p in self.path.iterdir() if p.name not in RUN_ENTRIES and not p.name.startswith(".tmp_"))
+        return sorted(
+            p.name for p in self.path.iterdir() if p.name not in RUN_ENTRIES and not p.name.startswith(".tmp_")
+        )
 
     def check_new_run(self) -> list[str]:
         """Refuse a directory a new run would damage; returns our own leftovers to clear."""
@@ -85,8 +97,10 @@ class RunDir:
             raise RunDirError(f"--output-dir {self.path} is a file; pass a directory.")
         foreign = self.foreign_entries()
         if foreign:
-            raise RunDirError(f"--output-dir {self.path} is not empty and not a portagrpo run (it holds {foreign[0]!r}); "
-                              f"pick a new directory.")
+            raise RunDirError(
+                f"--output-dir {self.path} is not empty and not a portagrpo run (it holds {foreign[0]!r}); "
+                f"pick a new directory."
+            )
         if self.has_finished_step():
             raise RunDirError(f"--output-dir {self.path} already holds a run; continue it with --resume {self.path}, "
                               f"or pick a new --output-dir.")
@@ -162,7 +176,9 @@ def resolve_run(output_dir: str | Path | None, resume: str | None) -> tuple[Path
     if not target.exists():
         raise RunDirError(f"--resume {resume!r} does not exist; pass a run directory or a checkpoint directory.")
     if not target.is_dir():
-        raise RunDirError(f"--resume {resume!r} is a file; pass a run directory or a checkpoint directory (checkpoints/step_N).")
+        raise RunDirError(
+            f"--resume {resume!r} is a file; pass a run directory or a checkpoint directory (checkpoints/step_N)."
+        )
     is_ckpt = target.name.startswith(PREFIX) and target.parent.name == "checkpoints"
     run = target.parent.parent if is_ckpt else target
     if output_dir and Path(output_dir).resolve() != run.resolve():

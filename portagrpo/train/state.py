@@ -8,10 +8,14 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import torch
 
-from portagrpo.checkpoint import (CheckpointError, check_checkpoint_fits, latest_valid_checkpoint, load_checkpoint_state,
-                          save_checkpoint)
+from portagrpo.checkpoint import (
+    CheckpointError,
+    check_checkpoint_fits,
+    latest_valid_checkpoint,
+    load_checkpoint_state,
+    save_checkpoint,
+)
 from portagrpo.fileio import WriteError, atomic_path
-
 
 if TYPE_CHECKING:
     from portagrpo.train.loop import StepOutput
@@ -54,7 +58,9 @@ class RunState:
         else:
             ckpt = latest_valid_checkpoint(target, warn=self.log)
             if ckpt is None:
-                raise CheckpointError(f"--resume {str(target)!r}: no whole checkpoint found under {target}/checkpoints.")
+                raise CheckpointError(
+                    f"--resume {str(target)!r}: no whole checkpoint found under {target}/checkpoints."
+                )
         check_checkpoint_fits(ckpt, self.policy.config, self.cfg.model.lora.rank)
         parts = load_checkpoint_state(ckpt)
         from safetensors.torch import load_file
@@ -80,7 +86,9 @@ class RunState:
         result = set_peft_model_state_dict(self.policy, state)
         unexpected = [k for k in getattr(result, "unexpected_keys", []) if "lora_" in k]
         if not state or unexpected:
-            raise CheckpointError(f"checkpoint {ckpt} does not hold this run's LoRA adapter (unexpected {unexpected[:3]}).")
+            raise CheckpointError(
+                f"checkpoint {ckpt} does not hold this run's LoRA adapter (unexpected {unexpected[:3]})."
+            )
 
     def _load_full(self, ckpt: Path, state: dict[str, torch.Tensor]) -> None:
         expected = set(self.policy.state_dict())  # parameter names (sharded or not)
@@ -88,7 +96,9 @@ class RunState:
         missing = sorted(expected - set(state) - tied)
         unexpected = sorted(set(state) - expected - {"lm_head.weight"})
         if missing or unexpected:
-            raise CheckpointError(f"checkpoint {ckpt} does not fit the model (missing {missing[:3]}, unexpected {unexpected[:3]}).")
+            raise CheckpointError(
+                f"checkpoint {ckpt} does not fit the model (missing {missing[:3]}, unexpected {unexpected[:3]})."
+            )
         self.strategy.load_model_state(self.scorer, state)
 
     def rng_state(self) -> dict[str, Any]:

@@ -87,7 +87,8 @@ class Updater:
             # response tokens of all ranks per second of step time (the batch's generation + training rate)
             "response_tokens_per_s": resp_tokens / (t_end - t0),
             # verl's perf/throughput: prompt + response tokens / (step time x devices)
-            "tokens_per_s_per_device": (resp_tokens + float(rb.prompt_mask.sum())) / ((t_end - t0) * self.comm.world_size),
+            "tokens_per_s_per_device": (resp_tokens + float(rb.prompt_mask.sum()))
+            / ((t_end - t0) * self.comm.world_size),
             "mem_peak_gb": float(self.comm.all_reduce_max(peak)),
             "world_size": self.comm.world_size,
         }

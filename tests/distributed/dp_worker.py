@@ -14,7 +14,6 @@ import torch
 from portagrpo.config import load_config
 from portagrpo.train import Trainer
 
-
 # Shared with tests/distributed/test_ray.py, so Ray, torchrun and one process train the same thing.
 OVERRIDES = [
     "trainer.progress_bar=false", "trainer.test_freq=0", "trainer.save_freq=0", "trainer.tensorboard=false",

@@ -38,7 +38,9 @@ def single(tmp_path_factory):
 
 # fp64: the two runs differ only by summation order (~1e-16 per op); fp32 as observed for
 # FSDP2 over gloo (measured ~6e-6 relative), bounded at 2e-5.
-@pytest.mark.parametrize("parallel,dtype,tol", [("ddp", "fp64", 1e-10), ("fsdp2", "fp64", 1e-10), ("fsdp2", "fp32", 2e-5)])
+@pytest.mark.parametrize(
+    "parallel,dtype,tol", [("ddp", "fp64", 1e-10), ("fsdp2", "fp64", 1e-10), ("fsdp2", "fp32", 2e-5)]
+)
 def test_two_processes_match_one(tmp_path, single, parallel, dtype, tol):
     from portagrpo.model.fsdp_compat import fsdp2_problem
 
@@ -121,7 +123,7 @@ def test_world_size_divisions_are_checked():
 
 
 def test_cli_trains_with_two_local_ranks(tmp_path):
-    """`portagrpo train trainer.nproc_per_node=2 --device cpu` starts two ranks through portagrpo.launcher and trains."""
+    """`portagrpo train trainer.nproc_per_node=2 --device cpu` starts two ranks (portagrpo.launcher) and trains."""
     from portagrpo.metrics import read_metrics
 
     res = subprocess.run(

@@ -53,9 +53,10 @@ def test_fp32_runs_keep_fp32_parameters(one_rank_group, tiny_model_dir):
     assert seen == [torch.float32]
 
 
-@pytest.mark.skipif(not hasattr(__import__("torch.distributed.fsdp", fromlist=["FSDPModule"]).FSDPModule,
-                                 "set_reshard_after_forward"),
-                    reason="torch < 2.8 has no set_reshard_after_forward: generation gathers per forward (slower, same result)")
+@pytest.mark.skipif(
+    not hasattr(__import__("torch.distributed.fsdp", fromlist=["FSDPModule"]).FSDPModule, "set_reshard_after_forward"),
+    reason="torch < 2.8 has no set_reshard_after_forward: generation gathers per forward (slower, same result)",
+)
 def test_a_rollout_gathers_the_shards_once(one_rank_group, tiny_model_dir):
     from torch.distributed.tensor import DTensor
 

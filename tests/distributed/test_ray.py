@@ -11,12 +11,12 @@ import pytest
 
 ray = pytest.importorskip("ray")
 
+from dp_worker import OVERRIDES  # noqa: E402
+from test_data_parallel import run_worker  # noqa: E402
+
 from portagrpo.config import load_config  # noqa: E402
 from portagrpo.errors import UserError  # noqa: E402
 from portagrpo.ray_launcher import _rank_env, train_with_ray  # noqa: E402
-
-from dp_worker import OVERRIDES  # noqa: E402
-from test_data_parallel import run_worker  # noqa: E402
 
 COMMON = [*OVERRIDES, "model.dtype=fp64"]
 

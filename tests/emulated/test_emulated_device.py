@@ -9,10 +9,9 @@ from pathlib import Path
 
 import pytest
 import torch
+import torch.utils.backend_registration as _registration  # noqa: E402
 
 from portagrpo.tolerances import tolerance
-
-import torch.utils.backend_registration as _registration  # noqa: E402
 
 # The plugin registers its device through PyTorch's Python device API, which torch 2.7 lacks.
 pytestmark = pytest.mark.skipif(not hasattr(_registration, "_setup_privateuseone_for_python_backend"),

@@ -6,7 +6,6 @@ import subprocess
 import sys
 
 import pytest
-
 from npu_sim_env import npu_sim_env
 from test_emulated_device import ENV, FAST, HERE, _metrics, assert_trained_alike, pytestmark  # noqa: F401
 

@@ -9,8 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from portagrpo.rewards.pool import RewardPool
 from portagrpo.rewards.functions import RewardFunctionError, RewardResolver, score_responses
+from portagrpo.rewards.pool import RewardPool
 
 ROOT = Path(__file__).resolve().parents[2]
 linux_only = pytest.mark.skipif(not Path("/proc/self/stat").exists(), reason="reads the process table from /proc")

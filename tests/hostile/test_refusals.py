@@ -238,11 +238,17 @@ def test_a_write_refused_by_the_system_mid_checkpoint_is_cleaned_up(tmp_path, ca
 # ---------------------------------------------------------------- configs
 
 
-@pytest.mark.parametrize("make,expected", [
-    (lambda d: (d / "bin.yaml").write_bytes(b"\x00\x01\xff\xfe"), "is not a text file"),
-    (lambda d: (d / "bin.yaml").mkdir(), "is a directory"),
-    (lambda d: (d / "bin.yaml").write_text("actor:\n  lr: 1" + "0" * 5000 + "\n"), "actor.lr=inf must be a finite number"),
-])
+@pytest.mark.parametrize(
+    "make,expected",
+    [
+        (lambda d: (d / "bin.yaml").write_bytes(b"\x00\x01\xff\xfe"), "is not a text file"),
+        (lambda d: (d / "bin.yaml").mkdir(), "is a directory"),
+        (
+            lambda d: (d / "bin.yaml").write_text("actor:\n  lr: 1" + "0" * 5000 + "\n"),
+            "actor.lr=inf must be a finite number",
+        ),
+    ],
+)
 def test_unreadable_configs_are_one_sentence(tmp_path, capsys, make, expected):
     make(tmp_path)
     assert main(["train", "--dry-run", "--config", str(tmp_path / "bin.yaml")]) == 2

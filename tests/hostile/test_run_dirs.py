@@ -144,7 +144,9 @@ def test_resume_target_rules(finished_run, tmp_path, capsys):
     before = snapshot(fresh)
     assert train(fresh, "trainer.total_steps=2", resume="auto") == 2
     assert "holds a run with no whole checkpoint" in capsys.readouterr().err
-    assert {k: v for k, v in snapshot(fresh).items() if k != ".lock"} == {k: v for k, v in before.items() if k != ".lock"}
+    assert {k: v for k, v in snapshot(fresh).items() if k != ".lock"} == {
+        k: v for k, v in before.items() if k != ".lock"
+    }
 
 
 def test_resume_cleans_temporaries_survives_a_torn_metrics_line_and_says_when_done(finished_run, tmp_path, capsys):

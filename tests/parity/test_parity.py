@@ -8,10 +8,10 @@ import pytest
 import torch
 
 from portagrpo import algo
-from portagrpo.tools import parity
 from portagrpo.backends import get_backend
 from portagrpo.backends.base import BackendUnavailable
 from portagrpo.tolerances import relative_error
+from portagrpo.tools import parity
 
 DEVICES = [pytest.param(d, marks=getattr(pytest.mark, d)) for d in ("cpu", "cuda", "rocm", "npu")]
 

@@ -14,7 +14,9 @@ FAST = ["trainer.progress_bar=false", "data.train_batch_size=4", "rollout.n=4", 
 @pytest.fixture(scope="module")
 def recorded(tmp_path_factory):
     run = tmp_path_factory.mktemp("recorded")
-    assert main(["train", "--output-dir", str(run), "trainer.record_rollouts=true", "trainer.total_steps=5", *FAST]) == 0
+    assert (
+        main(["train", "--output-dir", str(run), "trainer.record_rollouts=true", "trainer.total_steps=5", *FAST]) == 0
+    )
     return run
 
 

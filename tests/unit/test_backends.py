@@ -8,8 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from portagrpo.backends import BackendUnavailable, get_backend
-from portagrpo.backends import npu_env
+from portagrpo.backends import BackendUnavailable, get_backend, npu_env
 from portagrpo.backends.cpu import CPUBackend
 from portagrpo.backends.cuda import CUDABackend
 from portagrpo.backends.npu import NPU_ATTENTION, NPUBackend, npu_attention_forward, register_npu_attention

@@ -24,8 +24,14 @@ def parts(tiny_model_dir, tokenizer):
 
 
 def _save(run, step, parts, keep=3):
-    return save_checkpoint(run, step, state={"loader": {"epoch": 0, "cursor": step}}, rng={"torch": torch.get_rng_state()},
-                           keep=keep, **parts)
+    return save_checkpoint(
+        run,
+        step,
+        state={"loader": {"epoch": 0, "cursor": step}},
+        rng={"torch": torch.get_rng_state()},
+        keep=keep,
+        **parts,
+    )
 
 
 def test_save_is_whole_and_loadable_by_transformers(tmp_path, parts):

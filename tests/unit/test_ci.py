@@ -2,6 +2,7 @@
 import re
 import shutil
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -75,7 +76,9 @@ def test_workflow_runs_every_matrix_backend_on_its_runner():
     steps = jobs["accelerator"]["steps"]
     assert any("--build-arg \"BASE_IMAGE=${{ matrix.base_image }}\"" in str(s.get("run", "")) for s in steps)
     assert any("ci/hardware-check.sh" in str(s.get("run", "")) for s in steps)
-    uploads = [s for job in jobs.values() for s in job["steps"] if str(s.get("uses", "")).startswith("actions/upload-artifact")]
+    uploads = [
+        s for job in jobs.values() for s in job["steps"] if str(s.get("uses", "")).startswith("actions/upload-artifact")
+    ]
     assert len(uploads) == 2
 
 
@@ -89,7 +92,9 @@ def test_actionlint_accepts_the_workflow():
 @pytest.mark.skipif(shutil.which("hadolint") is None, reason="hadolint is not installed (test extra)")
 @pytest.mark.parametrize("vendor", ["cuda", "rocm", "npu"])
 def test_hadolint_accepts_the_dockerfiles(vendor):
-    res = subprocess.run(["hadolint", str(ROOT / "ci" / "docker" / vendor / "Dockerfile")], capture_output=True, text=True)
+    res = subprocess.run(
+        ["hadolint", str(ROOT / "ci" / "docker" / vendor / "Dockerfile")], capture_output=True, text=True
+    )
     assert res.returncode == 0, res.stdout + res.stderr
 
 
@@ -110,3 +115,11 @@ def test_every_subpackage_is_in_the_wheel():
     subpackages = {"portagrpo." + ".".join(p.parent.relative_to(core).parts)
                    for p in core.rglob("__init__.py") if p.parent != core}
     assert subpackages <= set(setup["packages"]), sorted(subpackages - set(setup["packages"]))
+
+
+def test_the_code_passes_the_projects_lint_and_import_order():
+    """`ruff check` with pyproject's [tool.ruff] settings (pyflakes, pycodestyle at 120 columns, import
+    order, bugbear): the README's test command runs it, so CI does."""
+    res = subprocess.run([sys.executable, "-m", "ruff", "check", "--no-cache", "."], cwd=ROOT, capture_output=True,
+                         text=True, timeout=300)
+    assert res.returncode == 0, res.stdout[-4000:] + res.stderr[-2000:]

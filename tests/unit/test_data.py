@@ -26,12 +26,16 @@ def test_jsonl_and_parquet_give_same_records(tmp_path):
     pq.write_table(pa.Table.from_pylist(rows), p)
     a, b = load_records([str(j)]), load_records([str(p)])
     assert len(a) == len(b) == 20
-    assert [(r.prompt, r.ground_truth, r.data_source) for r in a] == [(r.prompt, r.ground_truth, r.data_source) for r in b]
+    assert [(r.prompt, r.ground_truth, r.data_source) for r in a] == [
+        (r.prompt, r.ground_truth, r.data_source) for r in b
+    ]
     assert a[0].data_source == "openai/gsm8k" and a[0].prompt[0]["role"] == "user"
 
 
 def test_string_prompts_are_accepted(tmp_path):
-    j = write_jsonl([{"prompt": "2+2=", "reward_model": {"ground_truth": "4"}, "data_source": "gsm8k"}], tmp_path / "s.jsonl")
+    j = write_jsonl(
+        [{"prompt": "2+2=", "reward_model": {"ground_truth": "4"}, "data_source": "gsm8k"}], tmp_path / "s.jsonl"
+    )
     (rec,) = load_records([str(j)])
     assert rec.prompt == "2+2=" and rec.ground_truth == "4"
 

@@ -7,7 +7,6 @@ import torch.distributed as dist
 
 from portagrpo.model import fsdp_compat
 
-
 # Each check runs in its own process: FSDP2 places states by the process's registered devices, and
 # another test module may have registered the emulated PrivateUse1 device in this one.
 SCRIPT = """

@@ -166,7 +166,9 @@ def test_lora_wrapped_head(tiny_model_dir):
 
     from portagrpo.model.loading import position_ids_from_mask
 
-    base = AutoModelForCausalLM.from_pretrained(tiny_model_dir, local_files_only=True, tie_word_embeddings=False).double()
+    base = AutoModelForCausalLM.from_pretrained(
+        tiny_model_dir, local_files_only=True, tie_word_embeddings=False
+    ).double()
     model = get_peft_model(base, LoraConfig(r=4, lora_alpha=8, lora_dropout=0.0, target_modules=["lm_head"],
                                             init_lora_weights=False)).double()  # adapters are created in fp32
     inputs = _inputs(base.config.vocab_size)

@@ -39,8 +39,9 @@ def test_dual_clip_acts_only_where_advantage_negative():
 
 def test_log_ratio_is_clamped():
     logp = torch.tensor([[100.0]], dtype=torch.float64)
-    loss, m = algo.clipped_policy_loss(logp, torch.zeros(1, 1, dtype=torch.float64), torch.ones(1, 1, dtype=torch.float64),
-                                       torch.ones(1, 1), **CLIP)
+    loss, m = algo.clipped_policy_loss(
+        logp, torch.zeros(1, 1, dtype=torch.float64), torch.ones(1, 1, dtype=torch.float64), torch.ones(1, 1), **CLIP
+    )
     assert torch.isfinite(loss).all() and math.isclose(float(m["ratio_mean"]), math.exp(20), rel_tol=1e-12)
 
 

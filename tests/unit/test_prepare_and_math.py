@@ -4,10 +4,16 @@ import json
 import pytest
 
 from portagrpo.cli import main
-from portagrpo.data.records import DataError, load_records
-from portagrpo.rewards.math_answers import extract_boxed, is_equivalent
 from portagrpo.data.prepare import convert
-from portagrpo.rewards.functions import RewardResolver, extract_gsm8k_answer, gsm8k_flexible_reward, math_reward, score_responses
+from portagrpo.data.records import DataError, load_records
+from portagrpo.rewards.functions import (
+    RewardResolver,
+    extract_gsm8k_answer,
+    gsm8k_flexible_reward,
+    math_reward,
+    score_responses,
+)
+from portagrpo.rewards.math_answers import extract_boxed, is_equivalent
 
 
 def _gsm8k_file(tmp_path):
@@ -109,8 +115,8 @@ def test_weighted_sum_and_format_rewards():
 
 
 def test_slow_reward_times_out_in_the_pool(tmp_path):
-    from portagrpo.rewards.pool import RewardPool
     from portagrpo.rewards.functions import RewardFunctionError
+    from portagrpo.rewards.pool import RewardPool
 
     f = tmp_path / "slow.py"
     f.write_text("import time\ndef score(ds, s, gt, extra=None):\n    if s == 'hang':\n        time.sleep(60)\n"

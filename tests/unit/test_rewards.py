@@ -80,7 +80,10 @@ def _resolver(tmp_path, body):
 
 
 def test_raising_reward_stops_with_sample_and_prompt_id(tmp_path):
-    r = _resolver(tmp_path, "def score(ds, s, gt, extra=None):\n    if s == 'boom':\n        raise RuntimeError('kaput')\n    return 1.0\n")
+    r = _resolver(
+        tmp_path,
+        "def score(ds, s, gt, extra=None):\n    if s == 'boom':\n        raise RuntimeError('kaput')\n    return 1.0\n",
+    )
     with pytest.raises(RewardFunctionError) as info:
         score_responses(r, ["ok", "boom", "ok"], ["1"] * 3, ["x"] * 3, [10, 11, 12])
     msg = str(info.value)

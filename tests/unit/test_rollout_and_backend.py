@@ -13,8 +13,9 @@ def test_response_mask_includes_first_eos_only():
 
 
 def test_hf_engine_shapes_and_padding(tiny_model_dir, tokenizer):
-    from transformers import AutoModelForCausalLM
     import contextlib
+
+    from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, local_files_only=True)
     engine = HFRollout(model, tokenizer, contextlib.nullcontext)
@@ -34,8 +35,10 @@ def test_hf_engine_shapes_and_padding(tiny_model_dir, tokenizer):
 
 def test_left_padding_does_not_change_greedy_output(tiny_model_dir, tokenizer):
     """Position ids follow the mask, so a padded prompt generates what it generates alone."""
-    from transformers import AutoModelForCausalLM
     import contextlib
+
+    from transformers import AutoModelForCausalLM
+
     from portagrpo.data.records import left_pad
 
     model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, local_files_only=True)
@@ -204,5 +207,7 @@ def test_engines_declare_whether_they_hold_weights_and_vllm_loads_only_when_aske
     assert "portagrpo.rollout.vllm" not in sys.modules
     vllm_engine = ROLLOUT_ENGINES.get("vllm", field="rollout.engine")
     assert vllm_engine.holds_weights is True and "portagrpo.rollout.vllm" in sys.modules
-    with pytest.raises(UnknownNameError, match=r"rollout.engine='vlm' is not a known rollout engine \(did you mean 'vllm'"):
+    with pytest.raises(
+        UnknownNameError, match=r"rollout.engine='vlm' is not a known rollout engine \(did you mean 'vllm'"
+    ):
         ROLLOUT_ENGINES.get("vlm", field="rollout.engine")
