@@ -100,16 +100,8 @@ class LinearLogprob(torch.autograd.Function):
                 grad_w += mm(gz.t(), h, op, dtype)
             if need_b:
                 grad_b += gz.sum(0)
-        return (
-            None if grad_h is None else grad_h.to(hidden.dtype),
-            None if grad_w is None else grad_w.to(weight.dtype),
-            None if grad_b is None else grad_b.to(bias.dtype),
-            None,
-            None,
-            None,
-            None,
-            None,
-        )
+        grads = (grad_h, hidden), (grad_w, weight), (grad_b, bias)
+        return (*(None if g is None else g.to(x.dtype) for g, x in grads), None, None, None, None, None)
 
 
 def token_logprobs_chunked(
@@ -204,15 +196,8 @@ class VocabChunkedLogprob(torch.autograd.Function):
                 grad_w[v0:v1] = mm(gz.t(), h, op, dtype)
             if need_b:
                 grad_b[v0:v1] = gz.sum(0)
-        return (
-            None if grad_h is None else grad_h.to(hidden.dtype),
-            None if grad_w is None else grad_w.to(weight.dtype),
-            None if grad_b is None else grad_b.to(bias.dtype),
-            None,
-            None,
-            None,
-            None,
-        )
+        grads = (grad_h, hidden), (grad_w, weight), (grad_b, bias)
+        return (*(None if g is None else g.to(x.dtype) for g, x in grads), None, None, None, None)
 
 
 def _in_block(targets: torch.Tensor, v0: int, width: int) -> tuple[torch.Tensor, torch.Tensor]:

@@ -15,6 +15,13 @@ REQUIRED_KEYS = (
 )
 
 
+# Measured by the clock or the allocator: two runs with identical numbers still differ in these.
+MEASURED_KEYS = frozenset({
+    "time_step_s", "time_gen_s", "time_prep_s", "time_reward_s", "time_logprob_s", "time_update_s",
+    "response_tokens_per_s", "tokens_per_s_per_device", "mem_peak_gb",
+})
+
+
 def pass_at_k(n: int, c: int, k: int) -> float:
     """Unbiased pass@k from n samples of which c are correct: 1 - C(n-c, k) / C(n, k)."""
     if n - c < k:

@@ -9,22 +9,11 @@ from portagrpo.cli import main
 from portagrpo.config import load_config
 from portagrpo.data.records import write_jsonl
 from portagrpo.data.tasks import gsm8k_style_rows
-from portagrpo.metrics import REQUIRED_KEYS, read_metrics
+from portagrpo.metrics import MEASURED_KEYS, REQUIRED_KEYS, read_metrics
 
 ROOT = Path(__file__).resolve().parents[2]
 FAST = ["trainer.progress_bar=false", "data.train_batch_size=4", "rollout.n=4", "actor.ppo_mini_batch_size=8",
         "actor.micro_batch_size=4", "data.train_size=64", "data.val_size=8"]
-TIMING = {
-    "time_step_s",
-    "time_gen_s",
-    "time_prep_s",
-    "time_reward_s",
-    "time_logprob_s",
-    "time_update_s",
-    "response_tokens_per_s",
-    "tokens_per_s_per_device",
-    "mem_peak_gb",
-}
 
 
 def train(run_dir, *overrides, config=None, resume=None):
@@ -57,7 +46,7 @@ def test_default_run_writes_every_output(tmp_path):
 
 
 def _comparable(row):
-    return {k: v for k, v in row.items() if k not in TIMING}
+    return {k: v for k, v in row.items() if k not in MEASURED_KEYS}
 
 
 def test_resume_continues_exactly(tmp_path):
