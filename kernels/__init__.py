@@ -45,15 +45,10 @@ def logprob_impl(name: str) -> TokenLogprobFn:
     return LOGPROB_KERNELS.get(name, field="kernels.logprob")()
 
 
-def logprob_impl_names() -> list[str]:
-    return LOGPROB_KERNELS.names()
-
-
 __all__ = [
     "TokenLogprobFn",
     "logits_from_hidden",
     "logprob_impl",
-    "logprob_impl_names",
     "token_logprobs_chunked",
     "token_logprobs_from_logits",
     "token_logprobs_reference",

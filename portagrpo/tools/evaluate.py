@@ -68,7 +68,7 @@ def evaluate(model_spec: str, data_files: list[str], *, n: int = 1, temperature:
     resolver = RewardResolver(reward)
     resolver.check_sources({r.data_source for r in records})
     engine = HFRollout(model, tokenizer, lambda: backend.autocast(torch.float32))
-    # Exactly these settings: nothing is taken from the model's generation_config (see rollout.py).
+    # Exactly these settings: nothing is taken from the model's generation_config (see rollout/engines.py).
     runs = [("greedy", 1, SamplingParams(max_new_tokens, 0.0, repetition_penalty=repetition_penalty))]
     if n > 1:
         runs.append(

@@ -174,7 +174,6 @@ class Trainer(Builder, ExperienceMaker, Updater, RunState):
         val = self.validate()
         if val and self.comm.is_main:
             self.log("step 0 validation: " + ", ".join(f"{k}={v:.3f}" for k, v in val.items()))
-        self.initial_val = val
 
     def close(self) -> None:
         if getattr(self, "reward_pool", None) is not None:

@@ -3,7 +3,7 @@
 Layout: config.yaml, init_model/, checkpoints/step_*/, rollouts/, metrics.jsonl, tensorboard/,
 reward.png, and `.lock` (held by the one process that writes the run).
 
-Rules (docs/running.md has the user-facing version):
+Rules (docs/quickstart.md has the user-facing table):
 - A new run needs a directory that is absent, empty, or holds only the leftovers of a portagrpo
   run that never finished a step; anything else is refused, so a run never truncates another
   run's metrics or mixes its checkpoints with them.
