@@ -73,6 +73,18 @@ def _dry_run(config_path, overrides: list[str]) -> int:
     return 0
 
 
+def _launch_ranks(cfg, argv: list[str]) -> int:
+    """`trainer.nproc_per_node=K`: this command again as K local ranks (portagrpo.launcher), after the
+    batch divisions are checked once here instead of once per rank."""
+    from portagrpo.config import ConfigError, validate_world
+    from portagrpo.launcher import launch_local
+
+    problems = validate_world(cfg, cfg.trainer.nproc_per_node)
+    if problems:
+        raise ConfigError(problems)
+    return launch_local(cfg.trainer.nproc_per_node, [sys.executable, "-m", "portagrpo", *argv])
+
+
 def cmd_train(args) -> int:
     from portagrpo.config import load_config, to_yaml
 
@@ -93,14 +105,7 @@ def cmd_train(args) -> int:
         for line in notices:
             print(f"portagrpo: {line}")
     if cfg.trainer.nproc_per_node > 1 and "WORLD_SIZE" not in os.environ and not args.print_config:
-        from portagrpo.config import ConfigError, validate_world
-
-        problems = validate_world(cfg, cfg.trainer.nproc_per_node)
-        if problems:  # once, here, instead of once per rank
-            raise ConfigError(problems)
-        from portagrpo.launcher import launch_local
-
-        return launch_local(cfg.trainer.nproc_per_node, [sys.executable, "-m", "portagrpo", *args.argv])
+        return _launch_ranks(cfg, args.argv)
     if args.print_config:
         print(to_yaml(cfg), end="")
         return 0

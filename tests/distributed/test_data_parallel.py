@@ -136,3 +136,17 @@ def test_cli_trains_with_two_local_ranks(tmp_path):
     rows = read_metrics(tmp_path / "metrics.jsonl")
     assert [r["step"] for r in rows] == [1, 2, 3] and all(r["world_size"] == 2 for r in rows)
     assert "val/reward_mean" in rows[-1] and (tmp_path / "checkpoints" / "step_00000003" / "manifest.json").is_file()
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc/self/fd"), reason="reads listening sockets from Linux /proc")
+def test_local_ranks_listen_on_loopback_only():
+    """The launcher and its ranks listen only on 127.0.0.1 (torchrun's agent store listened on every
+    interface whatever --master-addr said)."""
+    import json
+
+    res = subprocess.run([sys.executable, "-m", "portagrpo.launcher", "--nproc", "2", str(HERE / "listen_check.py")],
+                         env=ENV, capture_output=True, text=True, timeout=600, cwd="/")
+    assert res.returncode == 0, res.stdout[-2000:] + res.stderr[-2000:]
+    addresses = json.loads(res.stdout.strip().splitlines()[-1])
+    loopback = {"0100007F", "0000000000000000FFFF00000100007F", "00000000000000000000000001000000"}
+    assert addresses and set(addresses) <= loopback, addresses  # the store and gloo, all on 127.0.0.1 / ::1

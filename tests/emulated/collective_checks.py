@@ -9,19 +9,21 @@ import torch.distributed as dist
 from portagrpo.backends import get_backend
 
 
-def group(name: str) -> None:
-    dist.init_process_group(name, store=dist.HashStore(), rank=0, world_size=1)
-
-
-def emuccl():
-    backend = get_backend("emu")
+def group_on(device: str) -> tuple[torch.device, torch.Tensor]:
+    """A one-rank group over `device`'s collective library; its device and a tensor all-reduced there."""
+    backend = get_backend(device)
     dev = backend.device(0)
-    group(backend.dist_backend)
-    from portagrpo_emu.counters import COUNTERS
-
+    dist.init_process_group(backend.dist_backend, store=dist.HashStore(), rank=0, world_size=1)
     t = torch.arange(4.0, device=dev)
     dist.all_reduce(t)
     assert t.device == dev and t.cpu().tolist() == [0.0, 1.0, 2.0, 3.0]
+    return dev, t
+
+
+def emuccl():
+    dev, t = group_on("emu")
+    from portagrpo_emu.counters import COUNTERS
+
     host = torch.ones(3, dtype=torch.float64)
     dist.all_reduce(host)  # emuccl stands for "cpu:gloo,emu:emuccl": host tensors go to gloo as they are
     out = torch.empty(4, device=dev)
@@ -36,12 +38,7 @@ def emuccl():
 def hccl():
     import torch_npu  # noqa: F401 - the stand-in (plugins/npu_sim), as a real run imports the real one
 
-    backend = get_backend("npu")
-    dev = backend.device(0)
-    group(backend.dist_backend)
-    t = torch.arange(4.0, device=dev)
-    dist.all_reduce(t)
-    assert t.cpu().tolist() == [0.0, 1.0, 2.0, 3.0]
+    dev, t = group_on("npu")
     refused = {
         "float64 all_reduce": (lambda: dist.all_reduce(torch.ones(2, dtype=torch.float64, device=dev)),
                                "HCCL allreduce: Unsupported data type at::kDouble"),
@@ -71,7 +68,7 @@ def hccl():
     # portagrpo's own exact float64 sum goes through int64 bit patterns, which HCCL accepts
     from portagrpo.backends.dist import DistEnv, ProcessGroupCollectives
 
-    comm = ProcessGroupCollectives(DistEnv(), backend, 60)
+    comm = ProcessGroupCollectives(DistEnv(), get_backend("npu"), 60)
     assert comm.sum_on_host(torch.tensor([0.1, 0.2], dtype=torch.float64)).tolist() == [0.1, 0.2]
     box = [{"a": 1}]
     dist.broadcast_object_list(box, 0)  # staged on the NPU, as with a real HCCL group
