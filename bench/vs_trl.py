@@ -163,7 +163,7 @@ def run_portagrpo(spec: dict) -> dict:
             "kl_coef": a.kl_loss_coef
             if a.use_kl_loss
             else (cfg.algorithm.kl_coef if cfg.algorithm.use_kl_in_reward else 0.0),
-            "reference_model": trainer.ref_scorer is not None,
+            "reference_model": trainer.models.ref_scorer is not None,
             "loss": a.loss_agg_mode,
             "updates_per_step": a.ppo_epochs * (cfg.rollout_batch_size // a.ppo_mini_batch_size),
             "micro_batches_per_update": a.ppo_mini_batch_size // a.micro_batch_size,
@@ -172,7 +172,7 @@ def run_portagrpo(spec: dict) -> dict:
             "weight_decay": a.weight_decay,
             "grad_clip": a.grad_clip,
             "clip_eps": [cfg.clip_low, cfg.clip_high],
-            "dtype": str(trainer.dtype).removeprefix("torch."),
+            "dtype": str(trainer.runtime.dtype).removeprefix("torch."),
             "gradient_checkpointing": cfg.model.gradient_checkpointing,
             "threads": torch.get_num_threads(),
         }

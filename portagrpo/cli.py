@@ -128,8 +128,9 @@ def cmd_train(args) -> int:
     try:  # close (lock, reward workers, process group) however setup or training ends
         trainer.setup()
         if main_rank:
-            print(f"run directory: {trainer.run_dir} (device {trainer.backend.name}, {trainer.comm.world_size} "
-                  f"process(es), {trainer.strategy.name} parallel, {trainer.total_steps} steps)")
+            print(f"run directory: {trainer.run_dir} (device {trainer.runtime.backend.name}, "
+                  f"{trainer.runtime.comm.world_size} "
+                  f"process(es), {trainer.models.strategy.name} parallel, {trainer.total_steps} steps)")
         if main_rank and trainer.step_done >= trainer.total_steps:
             print(f"nothing to do: the run is at step {trainer.step_done} of {trainer.total_steps}; raise "
                   f"trainer.total_steps (or total_epochs) to train further.")

@@ -3,23 +3,66 @@ from __future__ import annotations
 
 import json
 import math
+from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
 from portagrpo.fileio import WriteError, describe_os_error, write_text_atomic
 
-REQUIRED_KEYS = (
-    "step", "reward_mean", "reward_std", "adv_mean", "adv_std", "loss_policy", "entropy",
-    "clipfrac", "grad_norm", "response_len_mean", "response_clip_ratio", "ratio_mean", "zero_std_group_frac",
-    "time_step_s", "response_tokens_per_s", "tokens_per_s_per_device",
-)
 
+def _measured(doc: str = ""):
+    """A metric taken from the clock or the allocator: two runs with identical numbers still differ in it."""
+    return field(metadata={"measured": True, "doc": doc})
+
+
+@dataclass(frozen=True, kw_only=True)
+class StepMetrics:
+    """Every metric a training step logs (`metrics.jsonl`, TensorBoard, the Ray driver), in log order.
+    `portagrpo.train.report.step_metrics` fills it; a None field (no reference model, no KL loss)
+    is left out of the log rather than written as a made-up 0."""
+
+    step: int
+    reward_mean: float
+    reward_std: float
+    acc: float
+    score_mean: float  # after reward shaping
+    adv_mean: float
+    adv_std: float
+    loss_policy: float
+    loss_kl: float | None = None  # with a KL loss
+    kl: float | None = None  # with a reference model
+    entropy: float
+    clipfrac: float
+    clipfrac_lower: float
+    ppo_kl: float
+    ratio_mean: float
+    grad_norm: float
+    response_len_mean: float
+    prompt_len_mean: float
+    response_clip_ratio: float  # share of responses that hit data.max_response_length (verl's clip_ratio)
+    zero_std_group_frac: float
+    reward_errors: float
+    lr: float
+    time_step_s: float = _measured()
+    time_gen_s: float = _measured()
+    time_prep_s: float = _measured("reward + log-probs + gather + advantages")
+    time_reward_s: float = _measured()
+    time_logprob_s: float = _measured("log-probs, gather and advantages")
+    time_update_s: float = _measured()
+    response_tokens_per_s: float = _measured("response tokens of all ranks per second of step time")
+    tokens_per_s_per_device: float = _measured("verl's perf/throughput: all tokens / (step time x devices)")
+    mem_peak_gb: float = _measured()
+    world_size: int
+
+    def as_dict(self) -> dict[str, Any]:
+        return {f.name: getattr(self, f.name) for f in fields(self) if getattr(self, f.name) is not None}
+
+
+# Keys every step's row has (derived: the fields that are never None).
+REQUIRED_KEYS = tuple(f.name for f in fields(StepMetrics) if f.default is not None)
 
 # Measured by the clock or the allocator: two runs with identical numbers still differ in these.
-MEASURED_KEYS = frozenset({
-    "time_step_s", "time_gen_s", "time_prep_s", "time_reward_s", "time_logprob_s", "time_update_s",
-    "response_tokens_per_s", "tokens_per_s_per_device", "mem_peak_gb",
-})
+MEASURED_KEYS = frozenset(f.name for f in fields(StepMetrics) if f.metadata.get("measured"))
 
 
 def pass_at_k(n: int, c: int, k: int) -> float:

@@ -67,13 +67,10 @@ class TrainWorker:
         log = print if self.rank == 0 else (lambda m: None)
         self.trainer = Trainer(cfg, run_dir=run_dir, resume=resume, log=log, own_outputs=False).setup()
         return {"step_done": self.trainer.step_done, "total_steps": self.trainer.total_steps,
-                "strategy": self.trainer.strategy.name, "backend": self.trainer.backend.name}
+                "strategy": self.trainer.models.strategy.name, "backend": self.trainer.runtime.backend.name}
 
     def step(self, validate: bool) -> dict[str, Any]:
-        metrics = self.trainer.step().metrics
-        if validate:
-            metrics.update(self.trainer.validate())
-        return metrics
+        return self.trainer.advance(validate)
 
     def validate(self) -> dict[str, float]:
         return self.trainer.validate()
@@ -115,6 +112,7 @@ class RayRun:
         self.cfg, self.run_dir, self.resume, self.address, self.log = cfg, Path(run_dir), resume, address, log
         self.workers: list[Any] = []
         self.nodes: list[dict] = []
+        self.step_done = 0
 
     def start(self) -> "RayRun":
         if not self.address:
@@ -159,6 +157,7 @@ class RayRun:
         infos = self._call("setup", per_rank=lambda i: (to_dict(cfg), str(self.run_dir), self.resume,
                                                          _rank_env(self.nodes, i, master, spec.visible_devices_env)))
         self.info = infos[0]
+        self.step_done = self.info["step_done"]
         self.log(
             f"ray: {n} workers on {len({_node_key(r) for r in self.nodes})} node(s), backend {self.info['backend']}, "
             f"{self.info['strategy']} parallel"
@@ -180,6 +179,18 @@ class RayRun:
                                 f"{first}; resume from the last checkpoint with --resume {self.run_dir}.") from err
         return results
 
+    # The driver loop's view of the run (`portagrpo.train.driver.Steps`): every worker takes part, rank 0 answers.
+    def advance(self, validate: bool) -> dict[str, Any]:
+        metrics = self._call("step", validate)[0]
+        self.step_done += 1
+        return metrics
+
+    def validate(self) -> dict[str, float]:
+        return self._call("validate")[0]
+
+    def save(self) -> str | None:
+        return self._call("save")[0]  # rank 0 logs the path
+
     def _call_one(self, i: int, method: str, *args) -> Any:
         import ray
 
@@ -198,13 +209,12 @@ class RayRun:
 
 def train_with_ray(cfg: Config, run_dir: Path, resume: str | None = None, address: str | None = None, log=print,
                    on_step: Callable[[RayRun, dict], None] | None = None) -> list[dict[str, Any]]:
-    """The driver loop. `on_step(run, metrics)` is called after every step (progress hooks, tests)."""
-    from tqdm.auto import tqdm
-
+    """The driver: claims the run directory, starts the workers, then runs the shared driver loop.
+    `on_step(run, metrics)` is called after every step (progress hooks, tests)."""
     from portagrpo.config import to_yaml
     from portagrpo.fileio import write_text_atomic
     from portagrpo.metrics import MetricsLogger
-    from portagrpo.train import Cadence
+    from portagrpo.train.driver import Cadence, drive
     from portagrpo.train.run_dir import RunDir
 
     run_dir = Path(run_dir)
@@ -212,38 +222,19 @@ def train_with_ray(cfg: Config, run_dir: Path, resume: str | None = None, addres
     run_files.claim(resuming=resume is not None, log=log)  # the driver is the run's one writer
     run = RayRun(cfg, run_dir, resume, address, log)
     t = cfg.trainer
-    history = []
     try:
         run.start()
         # only once the workers accepted the config (a refused resume leaves the run's config.yaml as it was)
         write_text_atomic(run_files.config, to_yaml(cfg), what="writing")
-        done, total = run.info["step_done"], run.info["total_steps"]
-        when = Cadence(total, t.test_freq, t.save_freq)  # the single-process loop's cadence
-        logger = MetricsLogger(run_dir, tensorboard=t.tensorboard, resume_step=done, warn=log)
-        bar = tqdm(total=total, initial=done, disable=not t.progress_bar, desc="grpo (ray)")
+        logger = MetricsLogger(run_dir, tensorboard=t.tensorboard, resume_step=run.step_done, warn=log)
         try:
-            if when.validate_first(done):
-                val = run._call("validate")[0]
-                if val:
-                    log("step 0 validation: " + ", ".join(f"{k}={v:.3f}" for k, v in val.items()))
-            while done < total:
-                done += 1
-                metrics = run._call("step", when.validate_after(done))[0]
-                logger.log(metrics)
-                history.append(metrics)
-                bar.update(1)
-                bar.set_postfix(reward=f"{metrics['reward_mean']:.3f}", loss=f"{metrics['loss_policy']:.3f}")
-                if when.save_after(done):
-                    path = run._call("save")[0]
-                    log(f"saved checkpoint {path}")
-                if on_step is not None:
-                    on_step(run, metrics)
+            return drive(run, Cadence(run.info["total_steps"], t.test_freq, t.save_freq), logger,
+                         progress=t.progress_bar, log=log, desc="grpo (ray)",
+                         on_step=None if on_step is None else (lambda metrics: on_step(run, metrics)))
         finally:
-            bar.close()
             if t.plot:
                 logger.plot()
             logger.close()
     finally:
         run.stop()
         run_files.unlock()
-    return history

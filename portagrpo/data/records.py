@@ -10,6 +10,7 @@ import torch
 
 from portagrpo.data.tasks import TASKS
 from portagrpo.errors import UserError
+from portagrpo.fileio import write_text_atomic
 
 
 class DataError(UserError, ValueError):
@@ -101,7 +102,7 @@ def task_records(task: str, size: int, seed: int) -> list[PromptRecord]:
 def write_jsonl(rows: list[dict], path: str | Path) -> Path:
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    write_text_atomic(path, "".join(json.dumps(r) + "\n" for r in rows))
     return path
 
 

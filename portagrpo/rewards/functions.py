@@ -217,6 +217,19 @@ class RewardResolver:
         return REWARDS.get(DATA_SOURCE_REWARDS[data_source])
 
 
+@dataclass(frozen=True)
+class RewardResult:
+    """One sample's outcome from the reward function."""
+
+    score: float = 0.0
+    correct: bool | None = None  # None: the function did not say (then correct means score >= 1)
+    error: str | None = None  # why it failed (it raised, returned no number, or timed out); it scores 0
+    scored: bool = True  # False: never scored, because the batch had already failed too often
+
+
+NOT_SCORED = RewardResult(scored=False)
+
+
 @dataclass
 class RewardFailure:
     sample: int
@@ -229,6 +242,7 @@ class ScoredBatch:
     scores: list[float]
     correct: list[bool]
     failures: list[RewardFailure] = field(default_factory=list)
+    unscored: int = 0  # samples never scored because scoring stopped early
 
 
 def _as_score(result: Any) -> tuple[float, bool | None]:
@@ -253,13 +267,13 @@ def _as_score(result: Any) -> tuple[float, bool | None]:
     return score, (bool(correct) if correct is not None else None)
 
 
-def _score_one(resolver: RewardResolver, data_source: str, text: str, truth: str, extra: dict) -> tuple:
-    """(score, correct, error message or None) for one sample; never raises."""
+def score_one(resolver: RewardResolver, data_source: str, text: str, truth: str, extra: dict) -> RewardResult:
+    """One sample's result; never raises (a failure is the result's `error`)."""
     try:
         score, correct = _as_score(resolver(data_source)(data_source, text, truth, extra))
-        return score, correct, None
+        return RewardResult(score, correct)
     except Exception as err:  # noqa: BLE001 - a user function may raise anything; we report it
-        return 0.0, False, f"{type(err).__name__}: {err}"
+        return RewardResult(0.0, False, f"{type(err).__name__}: {err}")
 
 
 def score_responses(
@@ -280,18 +294,18 @@ def score_responses(
     items = [(data_sources[i], text, ground_truths[i], extras[i]) for i, text in enumerate(responses)]
     allowed = math.floor(max_error_frac * len(responses))
     results = (pool.score(items, max_failures=allowed) if pool is not None
-               else [_score_one(resolver, *item) for item in items])
-    for i, (score, correct, error) in enumerate(results):
-        if error is not None:
-            out.failures.append(RewardFailure(i, prompt_ids[i], error))
-        out.scores.append(score)
-        out.correct.append(score >= 1.0 if correct is None else correct)
-    if len(out.failures) > allowed:
-        real = [f for f in out.failures if not f.message.startswith("NotScored")] or out.failures
-        first, skipped = real[0], len(out.failures) - len(real)
-        rest = f", {skipped} left unscored" if skipped else ""
+               else [score_one(resolver, *item) for item in items])
+    for i, r in enumerate(results):
+        if r.error is not None:
+            out.failures.append(RewardFailure(i, prompt_ids[i], r.error))
+        out.unscored += not r.scored
+        out.scores.append(r.score)
+        out.correct.append(r.score >= 1.0 if r.correct is None else r.correct)
+    if out.failures and len(out.failures) + out.unscored > allowed:
+        first = out.failures[0]
+        rest = f", {out.unscored} left unscored" if out.unscored else ""
         raise RewardFunctionError(
-            f"the reward function failed on {len(real)} of {len(responses)} samples{rest} (first: sample "
+            f"the reward function failed on {len(out.failures)} of {len(responses)} samples{rest} (first: sample "
             f"{first.sample}, prompt id {first.prompt_id}: {first.message}); fix the function or raise "
             f"reward.max_error_frac to tolerate (and zero-score) failures."
         )

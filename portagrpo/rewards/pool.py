@@ -16,7 +16,7 @@ import threading
 import time
 from multiprocessing.connection import wait
 
-_NOT_SCORED = (0.0, False, "NotScored: scoring stopped early because too many other samples had already failed")
+from portagrpo.rewards.functions import NOT_SCORED, RewardResult
 
 
 def _worker_main(conn, spec: str, parent_pid: int) -> None:
@@ -27,7 +27,7 @@ def _worker_main(conn, spec: str, parent_pid: int) -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     set_parent_death_signal()
     exit_with_parent(parent_pid, "reward worker")
-    from portagrpo.rewards.functions import RewardResolver, _score_one
+    from portagrpo.rewards.functions import RewardResolver, score_one
 
     try:
         resolver = RewardResolver(spec)
@@ -40,7 +40,7 @@ def _worker_main(conn, spec: str, parent_pid: int) -> None:
             index, item = conn.recv()
         except EOFError:
             return
-        conn.send(("result", (index, _score_one(resolver, *item))))
+        conn.send(("result", (index, score_one(resolver, *item))))
 
 
 @contextlib.contextmanager
@@ -88,11 +88,11 @@ class RewardPool:
         while len(self._workers) < self.num_workers:
             self._workers.append(_Worker(self._ctx, self.spec))
 
-    def score(self, items: list[tuple], max_failures: int | None = None) -> list[tuple]:
-        """(score, correct, error or None) per item; stops early once more than `max_failures` failed."""
+    def score(self, items: list[tuple], max_failures: int | None = None) -> list[RewardResult]:
+        """A result per item; stops early once more than `max_failures` failed (the rest: NOT_SCORED)."""
         from portagrpo.rewards.functions import RewardSpecError
 
-        results: list[tuple | None] = [None] * len(items)
+        results: list[RewardResult | None] = [None] * len(items)
         queue = list(range(len(items)))
         failures = 0
         self._fill()
@@ -131,20 +131,21 @@ class RewardPool:
                 else:
                     index, result = payload
                     results[index], w.task, w.deadline = result, None, float("inf")
-                    failures += result[2] is not None
+                    failures += result.error is not None
             now = time.monotonic()
             for w in [w for w in self._workers if w.task is not None and w.deadline <= now]:
                 failures += self._replace(w, results, f"TimeoutError: the reward took longer than reward.timeout_s="
                                                       f"{self.timeout_s:g}s")
             self._fill()
         for w in [w for w in self._workers if w.task is not None]:  # abandoned: those workers are busy
-            self._replace(w, results, _NOT_SCORED[2])
-        return [r if r is not None else _NOT_SCORED for r in results]
+            w.kill()
+            self._workers.remove(w)
+        return [r if r is not None else NOT_SCORED for r in results]
 
     def _replace(self, w: _Worker, results: list, message: str) -> int:
         failed = 0
         if w.task is not None:
-            results[w.task] = (0.0, False, message)
+            results[w.task] = RewardResult(0.0, False, message)
             failed = 1
         w.kill()
         self._workers.remove(w)

@@ -80,14 +80,13 @@ def run_variant(config: str | None, overrides: list[str], steps: int, warmup: in
         trainer = Trainer(cfg, run_dir=Path(tmp) / "run", log=lambda message: None).setup()
         try:
             rows = [trainer.step().metrics for _ in range(steps + warmup)][warmup:]
-            scoring_passes = (0 if trainer.on_policy else 1) + (1 if trainer.ref_scorer is not None else 0)
-            params = sum(p.numel() for p in trainer.policy.parameters())
-            rate = matmul_flops_per_s(
-                trainer.device, trainer.dtype if trainer.dtype != torch.float64 else torch.float32
-            )
-            bandwidth = copy_bytes_per_s(trainer.device)
-            param_bytes = sum(p.numel() * p.element_size() for p in trainer.policy.parameters())
-            world = trainer.comm.world_size
+            models, rt = trainer.models, trainer.runtime
+            scoring_passes = (0 if trainer.experience.settings.on_policy else 1) + (models.ref_scorer is not None)
+            params = sum(p.numel() for p in models.policy.parameters())
+            rate = matmul_flops_per_s(rt.device, rt.dtype if rt.dtype != torch.float64 else torch.float32)
+            bandwidth = copy_bytes_per_s(trainer.runtime.device)
+            param_bytes = sum(p.numel() * p.element_size() for p in trainer.models.policy.parameters())
+            world = trainer.runtime.comm.world_size
         finally:
             trainer.close()
     med = {k: statistics.median(r[k] for r in rows) for k in rows[0] if isinstance(rows[0][k], (int, float))}
@@ -104,7 +103,7 @@ def run_variant(config: str | None, overrides: list[str], steps: int, warmup: in
     read_floor = med["response_len_mean"] * param_bytes / bandwidth
     floors["generate"] = max(floors["generate"], read_floor)
     return {
-        "overrides": overrides, "threads": torch.get_num_threads(), "device": str(trainer.device),
+        "overrides": overrides, "threads": torch.get_num_threads(), "device": str(trainer.runtime.device),
         "params": params, "steps": steps, "warmup": warmup, "world_size": world,
         "time_step_s": med["time_step_s"], "phases_s": times,
         "floor_s": floors, "x_floor": {k: (times[k] / floors[k] if floors[k] else None) for k in PHASES},

@@ -28,6 +28,8 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
+from portagrpo.fileio import write_text_atomic
+
 QWEN25_05B = {"hidden_size": 896, "intermediate_size": 4864, "num_hidden_layers": 24, "num_attention_heads": 14,
               "num_key_value_heads": 2, "max_position_embeddings": 32768, "rope_theta": 1000000.0,
               "tie_word_embeddings": True, "vocab_size": 151936}  # Qwen2.5-0.5B's config.json shape
@@ -128,22 +130,29 @@ def run_check(device: str, out: Path, size: str = "full", log=print) -> dict[str
     check = Check(device, out, size, log)
     facts = _backend_facts(device)
     dtype = "bf16" if facts["bf16"] and facts["name"] != "cpu" else "fp32"
+    _check_numerics(check, device, out, facts, s)
+    model = write_model(out / "model", s["model"])
+    _check_training(check, device, out, facts, s, model, dtype)
+    shapes = ["--shapes", s["shapes"]] if s["shapes"] else []
+    check.run("bench kernels", _cli("bench", "kernels", "--device", device, "--repeats", "1", *shapes,
+                                    "--json", str(out / "bench-kernels.json")))
+    check.run("bench step", _cli("bench", "step", "--steps", str(s["bench_steps"]), "--warmup", "0",
+                                 "--json", str(out / "bench-step.json"), f"trainer.device={device}",
+                                 f"model.path={model}", f"model.dtype={dtype}", *s["batch"]))
+    report = {"device": device, "backend": facts, "size": size, "host": platform.node(),
+              "date": datetime.now(timezone.utc).isoformat(timespec="seconds"), "python": platform.python_version(),
+              "steps": check.steps, "passed": all(st["status"] != "failed" for st in check.steps)}
+    write_text_atomic(out / "report.json", json.dumps(report, indent=1) + "\n")
+    write_text_atomic(out / "report.md", render(report))
+    return report
+
+
+def _check_numerics(check: Check, device: str, out: Path, facts: dict, s: dict) -> None:
+    """The doctor, the parity suite, the device-marked tests, and a CPU recording replayed on the device."""
     check.run("doctor", _cli("doctor", "--json"))
-    (out / "doctor.json").write_text(check.last_output)
-    check.run(
-        "parity",
-        _cli(
-            "parity",
-            "--device",
-            device,
-            "--dtype",
-            "fp32,bf16",
-            "--kernels",
-            ",".join(facts["kernels"]),
-            "--json",
-            str(out / "parity.json"),
-        ),
-    )
+    write_text_atomic(out / "doctor.json", check.last_output)
+    check.run("parity", _cli("parity", "--device", device, "--dtype", "fp32,bf16", "--kernels",
+                             ",".join(facts["kernels"]), "--json", str(out / "parity.json")))
     check.run("device tests", [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-m", facts["name"],
                                "tests/parity", "--junitxml", str(out / "pytest-device.xml")],
               skip_codes={5: f"no test is marked {facts['name']}"})
@@ -154,7 +163,10 @@ def run_check(device: str, out: Path, size: str = "full", log=print) -> dict[str
     if rec["status"] == "passed":
         check.run("replay on device", _cli("replay", str(recorded), "--device", device, "--output-dir",
                                            str(out / "replay")))
-    model = write_model(out / "model", s["model"])
+
+
+def _check_training(check: Check, device: str, out: Path, facts: dict, s: dict, model: Path, dtype: str) -> None:
+    """Short training runs: one process, then two ranks under each parallel strategy; per engine."""
     ranks = 2 if facts["devices"] >= 2 or facts["name"] == "cpu" else 1
     engines = ["hf"] + (["vllm"] if facts["vllm"] else [])
     if not facts["vllm"]:
@@ -166,36 +178,11 @@ def run_check(device: str, out: Path, size: str = "full", log=print) -> dict[str
             if nproc < 2 and parallel != "auto":
                 check.skip(name, "this machine has one device")
                 continue
-            check.run(
-                name,
-                _cli(
-                    "train",
-                    "--device",
-                    device,
-                    "--output-dir",
-                    str(out / "runs" / f"{engine}-{parallel}"),
-                    *QUIET,
-                    f"model.path={model}",
-                    f"model.dtype={dtype}",
-                    f"rollout.engine={engine}",
-                    f"trainer.total_steps={s['steps']}",
-                    f"trainer.nproc_per_node={nproc}",
-                    f"trainer.parallel={parallel}",
-                    *s["batch"],
-                ),
-            )
-    shapes = ["--shapes", s["shapes"]] if s["shapes"] else []
-    check.run("bench kernels", _cli("bench", "kernels", "--device", device, "--repeats", "1", *shapes,
-                                    "--json", str(out / "bench-kernels.json")))
-    check.run("bench step", _cli("bench", "step", "--steps", str(s["bench_steps"]), "--warmup", "0",
-                                 "--json", str(out / "bench-step.json"), f"trainer.device={device}",
-                                 f"model.path={model}", f"model.dtype={dtype}", *s["batch"]))
-    report = {"device": device, "backend": facts, "size": size, "host": platform.node(),
-              "date": datetime.now(timezone.utc).isoformat(timespec="seconds"), "python": platform.python_version(),
-              "steps": check.steps, "passed": all(st["status"] != "failed" for st in check.steps)}
-    (out / "report.json").write_text(json.dumps(report, indent=1) + "\n")
-    (out / "report.md").write_text(render(report))
-    return report
+            run_dir = str(out / "runs" / f"{engine}-{parallel}")
+            check.run(name, _cli("train", "--device", device, "--output-dir", run_dir, *QUIET, f"model.path={model}",
+                                 f"model.dtype={dtype}", f"rollout.engine={engine}",
+                                 f"trainer.total_steps={s['steps']}", f"trainer.nproc_per_node={nproc}",
+                                 f"trainer.parallel={parallel}", *s["batch"]))
 
 
 def render(report: dict[str, Any]) -> str:

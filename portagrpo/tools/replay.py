@@ -7,7 +7,6 @@ No sampling happens, so every difference comes from the backend, dtype or kernel
 from __future__ import annotations
 
 import json
-import time
 from pathlib import Path
 from typing import Any
 
@@ -15,7 +14,10 @@ import torch
 
 from portagrpo.config import load_config
 from portagrpo.errors import UserError
+from portagrpo.fileio import check_output_path, write_text_atomic
 from portagrpo.tolerances import DTYPES, TOLERANCES, relative_error
+from portagrpo.train.record import StepRecord
+from portagrpo.train.run_dir import RunDir
 
 COMPARED = {"loss_policy": "loss", "loss_kl": "kl", "kl": "kl", "entropy": "entropy", "grad_norm": "grad_norm"}
 
@@ -37,14 +39,10 @@ def curve_error(replayed: list[float], recorded: list[float]) -> float:
     return relative_error(torch.tensor(replayed, dtype=torch.float64), torch.tensor(recorded, dtype=torch.float64))
 
 
-from portagrpo.fileio import check_output_path  # noqa: E402
-from portagrpo.train.run_dir import RunDir  # noqa: E402
 
 
 def replay(run_dir: str | Path, device: str, steps: int | None, output_dir: str | Path | None,
            overrides: list[str], log=print) -> dict[str, Any]:
-    from portagrpo.train import Trainer
-
     run_dir = Path(run_dir)
     if not (run_dir / "config.yaml").is_file():
         raise UserError(f"{run_dir} is not a portagrpo run directory (no config.yaml).")
@@ -54,54 +52,61 @@ def replay(run_dir: str | Path, device: str, steps: int | None, output_dir: str 
                         f"{len(files)}, or leave --steps out to replay them all.")
     files = files[:steps] if steps else files
     base = load_config(run_dir / "config.yaml", check_files=False)
-    model_path = base.model.path or str(run_dir / "init_model")
     out_dir = Path(output_dir) if output_dir else run_dir / f"replay-{device}"
     check_output_path(out_dir, "--output-dir")
     RunDir(out_dir).check_new_run()  # before any work: a replay never writes into an earlier one
     cfg = load_config(run_dir / "config.yaml", [
-        f"model.path={model_path}", f"trainer.device={device}", "trainer.record_rollouts=false",
-        "trainer.save_freq=0", "trainer.test_freq=0", "trainer.tensorboard=false", "trainer.plot=false",
-        "trainer.progress_bar=false", *overrides])
+        f"model.path={base.model.path or run_dir / 'init_model'}", f"trainer.device={device}",
+        "trainer.record_rollouts=false", "trainer.save_freq=0", "trainer.test_freq=0", "trainer.tensorboard=false",
+        "trainer.plot=false", "trainer.progress_bar=false", *overrides])
+    rows, recorded_setting, replayed_setting = replay_steps(cfg, files, out_dir, log)
+    loosest = max((DTYPES[base.model.dtype], DTYPES[cfg.model.dtype]), key=lambda d: TOLERANCES[d]["loss"])
+    verdict = judge(rows, TOLERANCES[loosest])
+    report = {"run": str(run_dir),
+              "recorded": recorded_setting or {"device": base.trainer.device, "dtype": base.model.dtype,
+                                               "kernel": base.kernels.logprob},
+              "replayed": replayed_setting, "steps": rows, "verdict": verdict,
+              "passed": all(v["passed"] for v in verdict.values())}
+    out_dir.mkdir(parents=True, exist_ok=True)
+    write_text_atomic(out_dir / "replay.json", json.dumps(report, indent=1))
+    plot_replay(rows, out_dir / "replay.png", report)
+    return report
+
+
+def replay_steps(cfg, files: list[Path], out_dir: Path, log) -> tuple[list[dict], dict | None, dict]:
+    """Train on each recorded step in turn; per step, the compared metrics the run logged and the drift."""
+    from portagrpo.train import Trainer
+
     trainer = Trainer(cfg, run_dir=out_dir, log=log).setup()
     rows, recorded_setting = [], None
     try:
         for path in files:
-            rec = torch.load(path, weights_only=False)
-            recorded_setting = recorded_setting or rec.get("setting")
-            t0 = time.perf_counter()
-            metrics = trainer.train_on(trainer.experience_from_record(rec), t0)
-            fp = _fingerprint_vector(trainer.param_fingerprint())
-            drift = relative_error(fp, _fingerprint_vector(rec["fingerprint"]))
+            record = StepRecord.load(path)
+            recorded_setting = recorded_setting or record.setting or None
+            metrics = trainer.replay(record).metrics
+            drift = relative_error(_fingerprint_vector(trainer.fingerprint()), _fingerprint_vector(record.fingerprint))
             row = {"step": metrics["step"], "param_drift": drift}
             for key in COMPARED:  # kl/loss_kl exist only in runs with a reference model / KL loss
-                if key in rec["metrics"]:
-                    row[key] = {"recorded": rec["metrics"][key], "replayed": metrics.get(key)}
+                if key in record.metrics:
+                    row[key] = {"recorded": record.metrics[key], "replayed": metrics.get(key)}
             rows.append(row)
+        replayed = {"device": trainer.runtime.backend.name, "dtype": cfg.model.dtype,
+                    "kernel": trainer.models.kernel_name}
     finally:
         trainer.close()
-    loosest = max((DTYPES[base.model.dtype], DTYPES[cfg.model.dtype]), key=lambda d: TOLERANCES[d]["loss"])
+    return rows, recorded_setting, replayed
+
+
+def judge(rows: list[dict[str, Any]], tolerance: dict[str, float]) -> dict[str, dict[str, Any]]:
+    """Per compared metric the run logged, and for the parameters: the error over the run against its tolerance."""
     verdict = {}
-    for key, quantity in COMPARED.items():
-        if key not in rows[0]:
-            continue
+    for key in logged_keys(rows):
+        quantity = COMPARED[key]
         err = curve_error([r[key]["replayed"] for r in rows], [r[key]["recorded"] for r in rows])
-        verdict[key] = {
-            "error": err,
-            "tolerance": TOLERANCES[loosest][quantity],
-            "passed": err <= TOLERANCES[loosest][quantity],
-        }
+        verdict[key] = {"error": err, "tolerance": tolerance[quantity], "passed": err <= tolerance[quantity]}
     drift = max(r["param_drift"] for r in rows)
-    verdict["params"] = {"error": drift, "tolerance": TOLERANCES[loosest]["params"],
-                         "passed": drift <= TOLERANCES[loosest]["params"]}
-    report = {"run": str(run_dir),
-              "recorded": recorded_setting or {"device": base.trainer.device, "dtype": base.model.dtype,
-                                               "kernel": base.kernels.logprob},
-              "replayed": {"device": trainer.backend.name, "dtype": cfg.model.dtype, "kernel": trainer.kernel_name},
-              "steps": rows, "verdict": verdict, "passed": all(v["passed"] for v in verdict.values())}
-    out_dir.mkdir(parents=True, exist_ok=True)
-    (out_dir / "replay.json").write_text(json.dumps(report, indent=1))
-    plot_replay(rows, out_dir / "replay.png", report)
-    return report
+    verdict["params"] = {"error": drift, "tolerance": tolerance["params"], "passed": drift <= tolerance["params"]}
+    return verdict
 
 
 def logged_keys(rows: list[dict[str, Any]]) -> list[str]:

@@ -1,146 +1,250 @@
-"""Building what a run needs from its config: data, reward, models, optimizer and the rollout engine."""
+"""What a run is made of, built from its config as typed parts: where it runs (`Runtime`), its data
+and reward (`Data`), its models (`Models`), optimizer and schedule (`Optimization`), the rollout
+engine and the objective. `build` makes them; nothing here trains. The experience maker, the
+updater and the checkpointer each take the parts they use from these, by name.
+"""
 from __future__ import annotations
 
 import functools
 import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable
 
 import torch
 
+from portagrpo.algo.objective import Objective, Shaping
 from portagrpo.algo.schedule import lr_multiplier
-from portagrpo.backends import Backend
-from portagrpo.config import Config
-from portagrpo.data.records import PromptLoader, filter_long_prompts, load_records, task_records
+from portagrpo.backends import Backend, get_backend
+from portagrpo.backends.dist import Collectives, init_collectives
+from portagrpo.config import Config, ConfigError, validate_world
+from portagrpo.data.records import PromptLoader, PromptRecord, filter_long_prompts, load_records, task_records
 from portagrpo.fileio import atomic_path
+from portagrpo.kernels import logprob_impl
 from portagrpo.model.loading import apply_lora, build_tiny_model, check_tiny_matches, load_model, load_tokenizer
+from portagrpo.model.parallel import make_strategy
 from portagrpo.model.scorer import AdaptersOff, ResponseScorer
 from portagrpo.rewards.functions import RewardResolver
 from portagrpo.rewards.pool import RewardPool
 from portagrpo.rollout.engines import ROLLOUT_ENGINES, EngineInputs
-from portagrpo.train.update import objective_from, shaping_from
+from portagrpo.tolerances import DTYPES
 
 
-class Builder:
-    """Setup helpers of the Trainer (see loop.py); each reads `self.cfg` and sets attributes."""
+@dataclass
+class Runtime:
+    """Where this process runs: the backend, its collectives, its device and the compute dtype."""
 
-    cfg: Config
     backend: Backend
-
-    def _setup_data(self) -> None:
-        cfg = self.cfg
-        self.tokenizer = load_tokenizer(cfg.model.tokenizer_path or cfg.model.path,
-                                        "model.tokenizer_path" if cfg.model.tokenizer_path else "model.path")
-        if cfg.data.task:
-            train = task_records(cfg.data.task, cfg.data.train_size, cfg.trainer.seed)
-            val = task_records(cfg.data.task, cfg.data.val_size, cfg.trainer.seed + 10_007)
-        else:
-            train = load_records(cfg.data.train_files)
-            val = load_records(cfg.data.val_files) if cfg.data.val_files else []
-        train, dropped = filter_long_prompts(self.tokenizer, train, cfg.data.max_prompt_length)
-        val, dropped_val = filter_long_prompts(self.tokenizer, val, cfg.data.max_prompt_length)
-        if dropped or dropped_val:
-            self.log(f"dropped {dropped} train and {dropped_val} val prompts longer than data.max_prompt_length="
-                     f"{cfg.data.max_prompt_length} tokens")
-        self.reward = RewardResolver(cfg.reward.function)
-        self.reward_pool = (RewardPool(cfg.reward.function, cfg.reward.num_workers, cfg.reward.timeout_s)
-                            if cfg.reward.num_workers > 0 else None)
-        self.reward.check_sources({r.data_source for r in train + val})
-        self.loader = PromptLoader(train, cfg.data.train_batch_size, cfg.trainer.seed, cfg.data.shuffle)
-        self.val_records = val
-
-    def _setup_models(self) -> None:
-        cfg = self.cfg
-        attn = self.backend.attention_implementation(cfg.model.attn_implementation, self.dtype)
-        init_dir = self.run_dir / "init_model"
-        if cfg.model.path:
-            self.policy = load_model(cfg.model.path, attn)
-            ref_path = cfg.model.ref_path or cfg.model.path
-        else:
-            if self.comm.is_main and not (init_dir / "config.json").is_file():
-                # written whole or not at all: a kill here must leave a run that can start again
-                model = build_tiny_model(cfg.model, self.tokenizer, cfg.trainer.seed)
-                with atomic_path(init_dir, directory=True, what="writing the initial model to") as tmp:
-                    model.save_pretrained(tmp, safe_serialization=True)
-                    self.tokenizer.save_pretrained(tmp)
-            self.comm.barrier()
-            check_tiny_matches(cfg.model.tiny, init_dir)
-            self.policy = load_model(init_dir, attn)
-            ref_path = cfg.model.ref_path or init_dir
-        self.policy.to(device=self.device, dtype=self.master_dtype)
-        self.is_lora = cfg.model.lora.rank > 0
-        if self.is_lora:
-            self.policy = apply_lora(self.policy, cfg.model.lora).to(device=self.device, dtype=self.master_dtype)
-        if cfg.model.gradient_checkpointing:
-            self.policy.gradient_checkpointing_enable()
-        self.policy.config.use_cache = True
-        self.scorer = self.strategy.wrap(
-            ResponseScorer(self.policy, self.kernel), trainable=True, compute_dtype=self.dtype
-        )
-        self.ref = self.ref_scorer = None
-        if (cfg.actor.use_kl_loss or cfg.algorithm.use_kl_in_reward) and self.is_lora:
-            self.ref_scorer = AdaptersOff(self.scorer)
-        elif cfg.actor.use_kl_loss or cfg.algorithm.use_kl_in_reward:
-            self.ref = (
-                load_model(ref_path, attn, "model.ref_path" if cfg.model.ref_path else "model.path")
-                .to(device=self.device, dtype=self.master_dtype)
-                .eval()
-            )
-            self.ref.requires_grad_(False)
-            self.ref_scorer = self.strategy.wrap(
-                ResponseScorer(self.ref, self.kernel), trainable=False, compute_dtype=self.dtype
-            )
-        self.kl_needs_vocab = cfg.actor.kl_loss_type.rstrip("+") == "full"
-        self.shaping, self.objective = shaping_from(cfg), objective_from(cfg)
-
-    def _setup_optimizer(self) -> None:
-        a = self.cfg.actor
-        self.params = [p for p in self.scorer.parameters() if p.requires_grad]
-        self.optimizer = torch.optim.AdamW(self.params, lr=a.lr, betas=tuple(a.betas), weight_decay=a.weight_decay)
-        schedule = functools.partial(lr_multiplier, warmup_steps=a.warmup_steps, total_steps=self.total_steps,
-                                     kind=a.lr_schedule)
-        self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, schedule)
-
-    def _make_engine(self):
-        name = self.backend.rollout_engine(self.cfg.rollout.engine)
-        return ROLLOUT_ENGINES.get(name, field="rollout.engine").from_run(EngineInputs(
-            cfg=self.cfg, scorer=self.scorer, policy=self.policy, tokenizer=self.tokenizer, autocast=self.autocast,
-            generate_kwargs=self.strategy.generate_kwargs, backend=self.backend, rank=self.comm.rank,
-            world_size=self.comm.world_size, init_model_dir=self.run_dir / "init_model"))
-
-    def push_weights_to_engine(self) -> None:
-        """Engines that keep their own copy of the weights (vLLM) get the updated policy, with any
-        LoRA adapter merged in; gathering a sharded policy is a collective on every rank."""
-        if not self.engine.holds_weights:
-            return
-        merge = self.is_lora
-        if merge:
-            self.policy.merge_adapter()
-        try:  # one parameter gathered at a time, loaded bucket by bucket and freed (never the whole model at once)
-            self.engine.update_weights(self.strategy.full_tensors(self.scorer))
-        finally:
-            if merge:
-                self.policy.unmerge_adapter()
-
-    def _set_threads(self) -> None:
-        threads = self.cfg.trainer.num_threads
-        if threads is None and self.comm.world_size > 1 and self.device_is_cpu:
-            # Processes sharing the cores must not each start a thread per core (many-fold slowdown).
-            threads = max(1, (os.cpu_count() or 1) // self.comm.env.local_world_size)
-        if threads:
-            torch.set_num_threads(threads)
-
-    @property
-    def device_is_cpu(self) -> bool:
-        return self.backend.device_type == "cpu"
-
-    def autocast(self):
-        return self.backend.autocast(self.dtype)
+    comm: Collectives
+    device: torch.device
+    dtype: torch.dtype  # model.dtype: what the forward computes in
 
     @property
     def master_dtype(self) -> torch.dtype:
         """Weights and optimizer state: fp64 for the fp64 reference, else fp32 (bf16 is compute only)."""
         return torch.float64 if self.dtype == torch.float64 else torch.float32
 
-    @property
-    def total_steps(self) -> int:
-        t = self.cfg.trainer
-        return t.total_steps if t.total_steps is not None else t.total_epochs * self.loader.batches_per_epoch
+    def autocast(self):
+        return self.backend.autocast(self.dtype)
+
+
+@dataclass
+class Data:
+    tokenizer: Any
+    loader: PromptLoader
+    val_records: list[PromptRecord]
+    reward: RewardResolver
+    reward_pool: RewardPool | None  # reward.num_workers > 0: scoring in worker processes
+
+
+@dataclass
+class Models:
+    policy: torch.nn.Module  # the Hugging Face model (with its LoRA adapter)
+    scorer: torch.nn.Module  # the policy's scorer, wrapped by the parallel strategy
+    ref: torch.nn.Module | None  # a separate reference model (KL without LoRA)
+    ref_scorer: torch.nn.Module | None  # None: no KL anywhere
+    strategy: Any  # portagrpo.model.parallel: how the scorers are parallelised
+    kernel_name: str  # the log-prob kernel
+    is_lora: bool
+
+
+@dataclass
+class Optimization:
+    params: list[torch.nn.Parameter]
+    optimizer: torch.optim.Optimizer
+    scheduler: torch.optim.lr_scheduler.LRScheduler
+
+
+@dataclass
+class Parts:
+    data: Data
+    models: Models
+    optim: Optimization
+    engine: Any  # a rollout engine (portagrpo.rollout.engines.RolloutEngine)
+    shaping: Shaping
+    objective: Objective
+    total_steps: int
+
+    def close(self) -> None:
+        if self.data.reward_pool is not None:
+            self.data.reward_pool.close()
+
+
+def make_runtime(cfg: Config) -> Runtime:
+    """The backend, the process group (one process: none) and this rank's device, checked against the config."""
+    backend = get_backend(cfg.trainer.device)
+    comm = init_collectives(backend, cfg.trainer.dist_timeout_s)
+    try:
+        problems = validate_world(cfg, comm.world_size)
+        if problems:
+            raise ConfigError(problems)
+        dtype = DTYPES[cfg.model.dtype]
+        if not backend.supports_dtype(dtype):
+            raise ConfigError(
+                [f"model.dtype={cfg.model.dtype} is not supported on --device {backend.name}; use fp32."]
+            )
+        set_threads(cfg.trainer.num_threads, comm, backend)
+        backend.set_deterministic(cfg.trainer.deterministic)
+        backend.seed(cfg.trainer.seed)
+        return Runtime(backend, comm, backend.device(comm.env.local_rank), dtype)
+    except BaseException:
+        comm.close()
+        raise
+
+
+def set_threads(threads: int | None, comm: Collectives, backend: Backend) -> None:
+    if threads is None and comm.world_size > 1 and backend.device_type == "cpu":
+        # Processes sharing the cores must not each start a thread per core (many-fold slowdown).
+        threads = max(1, (os.cpu_count() or 1) // comm.env.local_world_size)
+    if threads:
+        torch.set_num_threads(threads)
+
+
+def build(cfg: Config, runtime: Runtime, run_dir: Path, log: Callable[[str], None]) -> Parts:
+    """Every part of a run, in the order each needs the one before."""
+    strategy = make_strategy(runtime.backend.parallel_strategy(cfg.trainer.parallel), runtime.comm)
+    data = build_data(cfg, log)
+    try:
+        models = build_models(cfg, runtime, strategy, data.tokenizer, run_dir)
+        total = total_steps(cfg, data.loader)
+        optim = build_optimization(cfg, models, total)
+        engine = build_engine(cfg, runtime, models, data.tokenizer, run_dir)
+    except BaseException:
+        if data.reward_pool is not None:
+            data.reward_pool.close()
+        raise
+    return Parts(data, models, optim, engine, shaping_from(cfg), objective_from(cfg), total)
+
+
+def total_steps(cfg: Config, loader: PromptLoader) -> int:
+    t = cfg.trainer
+    return t.total_steps if t.total_steps is not None else t.total_epochs * loader.batches_per_epoch
+
+
+def build_data(cfg: Config, log: Callable[[str], None]) -> Data:
+    tokenizer = load_tokenizer(cfg.model.tokenizer_path or cfg.model.path,
+                               "model.tokenizer_path" if cfg.model.tokenizer_path else "model.path")
+    if cfg.data.task:
+        train = task_records(cfg.data.task, cfg.data.train_size, cfg.trainer.seed)
+        val = task_records(cfg.data.task, cfg.data.val_size, cfg.trainer.seed + 10_007)
+    else:
+        train = load_records(cfg.data.train_files)
+        val = load_records(cfg.data.val_files) if cfg.data.val_files else []
+    train, dropped = filter_long_prompts(tokenizer, train, cfg.data.max_prompt_length)
+    val, dropped_val = filter_long_prompts(tokenizer, val, cfg.data.max_prompt_length)
+    if dropped or dropped_val:
+        log(f"dropped {dropped} train and {dropped_val} val prompts longer than data.max_prompt_length="
+            f"{cfg.data.max_prompt_length} tokens")
+    reward = RewardResolver(cfg.reward.function)
+    reward.check_sources({r.data_source for r in train + val})
+    pool = (RewardPool(cfg.reward.function, cfg.reward.num_workers, cfg.reward.timeout_s)
+            if cfg.reward.num_workers > 0 else None)
+    return Data(tokenizer, PromptLoader(train, cfg.data.train_batch_size, cfg.trainer.seed, cfg.data.shuffle), val,
+                reward, pool)
+
+
+def build_models(cfg: Config, runtime: Runtime, strategy, tokenizer, run_dir: Path) -> Models:
+    kernel_name = runtime.backend.kernel_implementation(cfg.kernels.logprob)
+    kernel = logprob_impl(kernel_name)
+    attn = runtime.backend.attention_implementation(cfg.model.attn_implementation, runtime.dtype)
+    policy_path, ref_path = _model_paths(cfg, runtime, tokenizer, run_dir)
+    policy = load_model(policy_path, attn).to(device=runtime.device, dtype=runtime.master_dtype)
+    is_lora = cfg.model.lora.rank > 0
+    if is_lora:
+        policy = apply_lora(policy, cfg.model.lora).to(device=runtime.device, dtype=runtime.master_dtype)
+    if cfg.model.gradient_checkpointing:
+        policy.gradient_checkpointing_enable()
+    policy.config.use_cache = True
+    scorer = strategy.wrap(ResponseScorer(policy, kernel), trainable=True, compute_dtype=runtime.dtype)
+    ref = ref_scorer = None
+    if (cfg.actor.use_kl_loss or cfg.algorithm.use_kl_in_reward) and is_lora:
+        ref_scorer = AdaptersOff(scorer)  # the reference is the base model under the adapter
+    elif cfg.actor.use_kl_loss or cfg.algorithm.use_kl_in_reward:
+        ref = (load_model(ref_path, attn, "model.ref_path" if cfg.model.ref_path else "model.path")
+               .to(device=runtime.device, dtype=runtime.master_dtype).eval())
+        ref.requires_grad_(False)
+        ref_scorer = strategy.wrap(ResponseScorer(ref, kernel), trainable=False, compute_dtype=runtime.dtype)
+    return Models(policy, scorer, ref, ref_scorer, strategy, kernel_name, is_lora)
+
+
+def _model_paths(cfg: Config, runtime: Runtime, tokenizer, run_dir: Path) -> tuple[Path | str, Path | str]:
+    """(policy, reference) checkpoints: model.path, or the run's own tiny initial model, written once."""
+    if cfg.model.path:
+        return cfg.model.path, cfg.model.ref_path or cfg.model.path
+    init_dir = Path(run_dir) / "init_model"
+    if runtime.comm.is_main and not (init_dir / "config.json").is_file():
+        # written whole or not at all: a kill here must leave a run that can start again
+        model = build_tiny_model(cfg.model, tokenizer, cfg.trainer.seed)
+        with atomic_path(init_dir, directory=True, what="writing the initial model to") as tmp:
+            model.save_pretrained(tmp, safe_serialization=True)
+            tokenizer.save_pretrained(tmp)
+    runtime.comm.barrier()
+    check_tiny_matches(cfg.model.tiny, init_dir)
+    return init_dir, cfg.model.ref_path or init_dir
+
+
+def build_optimization(cfg: Config, models: Models, total: int) -> Optimization:
+    a = cfg.actor
+    params = [p for p in models.scorer.parameters() if p.requires_grad]
+    optimizer = torch.optim.AdamW(params, lr=a.lr, betas=tuple(a.betas), weight_decay=a.weight_decay)
+    schedule = functools.partial(lr_multiplier, warmup_steps=a.warmup_steps, total_steps=total, kind=a.lr_schedule)
+    return Optimization(params, optimizer, torch.optim.lr_scheduler.LambdaLR(optimizer, schedule))
+
+
+def build_engine(cfg: Config, runtime: Runtime, models: Models, tokenizer, run_dir: Path):
+    name = runtime.backend.rollout_engine(cfg.rollout.engine)
+    return ROLLOUT_ENGINES.get(name, field="rollout.engine").from_run(EngineInputs(
+        cfg=cfg, scorer=models.scorer, policy=models.policy, tokenizer=tokenizer, autocast=runtime.autocast,
+        generate_kwargs=models.strategy.generate_kwargs, backend=runtime.backend, rank=runtime.comm.rank,
+        world_size=runtime.comm.world_size, init_model_dir=Path(run_dir) / "init_model"))
+
+
+def push_weights(engine, models: Models) -> None:
+    """Engines that keep their own copy of the weights (vLLM) get the updated policy, with any
+    LoRA adapter merged in; gathering a sharded policy is a collective on every rank."""
+    if not engine.holds_weights:
+        return
+    if models.is_lora:
+        models.policy.merge_adapter()
+    try:  # one parameter gathered at a time, loaded bucket by bucket and freed (never the whole model at once)
+        engine.update_weights(models.strategy.full_tensors(models.scorer))
+    finally:
+        if models.is_lora:
+            models.policy.unmerge_adapter()
+
+
+def shaping_from(cfg: Config) -> Shaping:
+    alg = cfg.algorithm
+    return Shaping(adv_estimator=alg.adv_estimator, norm_by_std=alg.norm_adv_by_std_in_grpo,
+                   reward_clip=alg.reward_clip, shift=alg.reward_norm == "batch" or alg.reward_shift,
+                   scale=alg.reward_norm == "batch" or alg.reward_scale,
+                   kl_in_reward_coef=alg.kl_coef if alg.use_kl_in_reward else None,
+                   whiten=alg.whiten_advantages, advantage_clip=alg.advantage_clip)
+
+
+def objective_from(cfg: Config) -> Objective:
+    a = cfg.actor
+    return Objective(clip_low=cfg.clip_low, clip_high=cfg.clip_high, clip_c=a.clip_ratio_c,
+                     loss_agg_mode=a.loss_agg_mode, loss_scale_factor=cfg.loss_scale_factor,
+                     kl_loss_type=a.kl_loss_type if a.use_kl_loss else None, kl_loss_coef=a.kl_loss_coef,
+                     entropy_coeff=a.entropy_coeff)

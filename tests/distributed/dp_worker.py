@@ -52,10 +52,10 @@ def main() -> None:
     metrics = [trainer.step().metrics for _ in range(2)]
     if hccl:  # every reduction a step, validation and a rollout recording make
         metrics.append(trainer.validate())
-        metrics.append({"fingerprint": trainer.param_fingerprint()})
-    state = {k: v.cpu() for k, v in trainer.strategy.model_state(trainer.scorer).items()}
-    if trainer.comm.is_main:
-        torch.save({"metrics": metrics, "state": state, "world": trainer.comm.world_size}, out / "result.pt")
+        metrics.append({"fingerprint": trainer.fingerprint()})
+    state = {k: v.cpu() for k, v in trainer.models.strategy.model_state(trainer.models.scorer).items()}
+    if trainer.runtime.comm.is_main:
+        torch.save({"metrics": metrics, "state": state, "world": trainer.runtime.comm.world_size}, out / "result.pt")
     trainer.close()
 
 

@@ -28,13 +28,13 @@ def _base_state(run_dir):
 
 def test_only_adapters_train_and_no_reference_copy(tmp_path):
     t = _trainer(tmp_path)
-    assert t.ref is None  # the reference is the same weights with adapters off
-    trainable = {n for n, p in t.policy.named_parameters() if p.requires_grad}
+    assert t.models.ref is None  # the reference is the same weights with adapters off
+    trainable = {n for n, p in t.models.policy.named_parameters() if p.requires_grad}
     assert trainable and all("lora_" in n for n in trainable)
-    before = {n: p.detach().clone() for n, p in t.policy.named_parameters()}
+    before = {n: p.detach().clone() for n, p in t.models.policy.named_parameters()}
     for _ in range(2):
         t.step()
-    changed = {n for n, p in t.policy.named_parameters() if not torch.equal(p, before[n])}
+    changed = {n for n, p in t.models.policy.named_parameters() if not torch.equal(p, before[n])}
     assert changed and changed <= trainable
     assert any("lm_head" in n for n in changed)
 
@@ -46,9 +46,9 @@ def test_reference_logprobs_are_the_base_models(tmp_path):
 
     t = _trainer(tmp_path)
     t.step()  # adapters are now non-zero
-    batch = t.make_experience(2).batch
-    ref_logp, _ = t.logprobs(t.ref_scorer, batch.rollout, entropy=False)
-    pol_logp, _ = t.logprobs(t.scorer, batch.rollout, entropy=False)
+    batch = t.experience.make(2, t.parts.data.loader.next_batch()).batch
+    ref_logp, _ = t.experience.logprobs(t.models.ref_scorer, batch.rollout, entropy=False)
+    pol_logp, _ = t.experience.logprobs(t.models.scorer, batch.rollout, entropy=False)
     base = AutoModelForCausalLM.from_pretrained(tmp_path / "init_model", local_files_only=True)
     with torch.no_grad():
         direct = response_stats(ResponseScorer(base, token_logprobs_reference), batch.rollout, temperature=1.0,
@@ -70,10 +70,9 @@ def test_checkpoint_holds_the_adapter_and_merged_export_reproduces_logprobs(tmp_
     merged = AutoModelForCausalLM.from_pretrained(tmp_path / "merged", local_files_only=True)
     assert not any("lora" in n for n, _ in merged.named_parameters())
     t = _trainer(tmp_path / "resumed", "trainer.total_steps=3")
-    t.resume_from = run
-    t._maybe_resume()
-    batch = t.make_experience(4).batch
-    adapted, _ = t.logprobs(t.scorer, batch.rollout, entropy=False)
+    t.checkpoints.resume(run)
+    batch = t.experience.make(4, t.parts.data.loader.next_batch()).batch
+    adapted, _ = t.experience.logprobs(t.models.scorer, batch.rollout, entropy=False)
     with torch.no_grad():
         exported = response_stats(ResponseScorer(merged, token_logprobs_reference), batch.rollout, temperature=1.0,
                                   compute_entropy=False).logp

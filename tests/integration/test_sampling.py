@@ -109,38 +109,38 @@ def _trainer(tmp_path, qwen_dir, *overrides):
 def test_scoring_runs_without_dropout(tmp_path, qwen_dir, lora):
     extra = ["model.lora.rank=4", "model.lora.dropout=0.5"] if lora else []
     t = _trainer(tmp_path, qwen_dir, "actor.ppo_mini_batch_size=4", "actor.micro_batch_size=4", *extra)
-    batch = t.make_experience(1).batch
-    t.scorer.train()  # as during the update
-    a, _ = t.logprobs(t.scorer, batch.rollout, entropy=False)
-    b, _ = t.logprobs(t.scorer, batch.rollout, entropy=False)
-    assert torch.equal(a, b) and t.scorer.training  # deterministic, and the mode is restored
-    if t.ref_scorer is not None:
-        r1, _ = t.logprobs(t.ref_scorer, batch.rollout, entropy=False)
-        r2, _ = t.logprobs(t.ref_scorer, batch.rollout, entropy=False)
+    batch = t.experience.make(1, t.parts.data.loader.next_batch()).batch
+    t.models.scorer.train()  # as during the update
+    a, _ = t.experience.logprobs(t.models.scorer, batch.rollout, entropy=False)
+    b, _ = t.experience.logprobs(t.models.scorer, batch.rollout, entropy=False)
+    assert torch.equal(a, b) and t.models.scorer.training  # deterministic, and the mode is restored
+    if t.models.ref_scorer is not None:
+        r1, _ = t.experience.logprobs(t.models.ref_scorer, batch.rollout, entropy=False)
+        r2, _ = t.experience.logprobs(t.models.ref_scorer, batch.rollout, entropy=False)
         assert torch.equal(r1, r2)
 
 
 def test_on_policy_step_skips_the_old_logprob_pass(tmp_path, qwen_dir, monkeypatch):
     t = _trainer(tmp_path, qwen_dir, "actor.ppo_mini_batch_size=8", "actor.micro_batch_size=4",
                  "actor.use_kl_loss=false")
-    assert t.on_policy
+    assert t.experience.settings.on_policy
     calls = []
-    real = t.logprobs
-    monkeypatch.setattr(t, "logprobs", lambda scorer, *a, **k: calls.append(scorer) or real(scorer, *a, **k))
+    real = t.experience.logprobs
+    monkeypatch.setattr(t.experience, "logprobs", lambda scorer, *a, **k: calls.append(scorer) or real(scorer, *a, **k))
     m = t.step().metrics
-    assert t.scorer not in calls  # no separate scoring pass of the policy
+    assert t.models.scorer not in calls  # no separate scoring pass of the policy
     assert m["ppo_kl"] == 0.0 and m["ratio_mean"] == 1.0 and m["clipfrac"] == 0.0
     assert math.isfinite(m["entropy"]) and m["entropy"] > 0
     off = _trainer(tmp_path / "off", qwen_dir, "actor.ppo_mini_batch_size=4", "actor.micro_batch_size=4")
-    assert not off.on_policy
+    assert not off.experience.settings.on_policy
 
 
 def test_logged_lr_is_the_rate_used_and_warmup_starts_at_zero(tmp_path, qwen_dir):
     t = _trainer(tmp_path, qwen_dir, "actor.warmup_steps=2", "actor.lr=1e-3", "actor.ppo_mini_batch_size=8",
                  "actor.micro_batch_size=8", "actor.use_kl_loss=false")
-    before = [p.detach().clone() for p in t.params]
+    before = [p.detach().clone() for p in t.parts.optim.params]
     lrs = [t.step().metrics["lr"]]
-    assert all(torch.equal(a, b) for a, b in zip(before, t.params))  # lr 0: the first step changes nothing
+    assert all(torch.equal(a, b) for a, b in zip(before, t.parts.optim.params))  # lr 0: the first step changes nothing
     lrs += [t.step().metrics["lr"], t.step().metrics["lr"]]
     assert lrs == pytest.approx([0.0, 5e-4, 1e-3])
 
@@ -148,7 +148,7 @@ def test_logged_lr_is_the_rate_used_and_warmup_starts_at_zero(tmp_path, qwen_dir
 def test_kl_in_reward_with_a_full_kl_type_and_no_kl_loss_trains(tmp_path, qwen_dir):
     t = _trainer(tmp_path, qwen_dir, "algorithm.use_kl_in_reward=true", "actor.use_kl_loss=false",
                  "actor.kl_loss_type=full", "actor.ppo_mini_batch_size=8", "actor.micro_batch_size=4")
-    assert not t.on_policy  # the reward needs old log-probs before the update
+    assert not t.experience.settings.on_policy  # the reward needs old log-probs before the update
     m = t.step().metrics
     assert math.isfinite(m["kl"]) and "loss_kl" not in m
     assert 0.0 <= m["response_clip_ratio"] <= 1.0 and m["tokens_per_s_per_device"] > m["response_tokens_per_s"] > 0

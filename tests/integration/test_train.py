@@ -105,13 +105,13 @@ def test_micro_batching_does_not_change_the_update(tmp_path, mode, dtype, tol):
     one = _trainer(tmp_path / "one", "actor.micro_batch_size=8", f"actor.loss_agg_mode={mode}")
     four = _trainer(tmp_path / "four", "actor.micro_batch_size=2", f"actor.loss_agg_mode={mode}")
     for t in (one, four):
-        t.policy.to(dtype)
-        t.ref.to(dtype)
+        t.models.policy.to(dtype)
+        t.models.ref.to(dtype)
     m1, m4 = one.step().metrics, four.step().metrics
     for key in ("loss_policy", "loss_kl", "grad_norm", "reward_mean", "kl"):
         assert m1[key] == pytest.approx(m4[key], rel=tol, abs=tol), key
     with torch.no_grad():
-        for (name, p1), p4 in zip(one.policy.named_parameters(), four.policy.parameters()):
+        for (name, p1), p4 in zip(one.models.policy.named_parameters(), four.models.policy.parameters()):
             rel = float((p1 - p4).norm() / p4.norm())  # docs/design.md relative error
             assert rel < tol, (name, rel)
 
@@ -123,7 +123,7 @@ def test_update_moves_loss_in_expected_direction(tmp_path):
     batch = out.experience.batch
     n_tok, n_seq = __import__("portagrpo.algo", fromlist=["x"]).loss_normalizers(batch.rollout.response_mask)
     with torch.no_grad():
-        after, _ = t.micro_loss(batch, n_tok, n_seq)
+        after, _ = t.updater.micro_loss(batch, n_tok, n_seq)
     assert float(after) < out.metrics["loss_policy"]
 
 
@@ -223,7 +223,7 @@ def test_chunked_kernel_trains_like_the_reference(tmp_path, dtype):
         bound = TOLERANCES[tdtype][quantity]
         assert m_fused[key] == pytest.approx(m_ref[key], rel=bound, abs=bound), key
     with torch.no_grad():
-        for (name, a), b in zip(ref.policy.named_parameters(), fused.policy.parameters()):
+        for (name, a), b in zip(ref.models.policy.named_parameters(), fused.models.policy.parameters()):
             rel = float((a - b).norm() / b.norm())
             assert rel < TOLERANCES[tdtype]["params"], (name, rel)
 

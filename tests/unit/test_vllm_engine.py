@@ -184,7 +184,7 @@ def test_trainer_drives_the_engine(tmp_path, fake_vllm, monkeypatch):
     loads = [e[1] for e in llm.log if e[0] == "load"]
     assert all(len(b) == 1 for b in loads)  # 0 MiB buckets: one tensor each
     pushed = dict(pair for b in loads for pair in b)
-    state = t.policy.state_dict()
+    state = t.models.policy.state_dict()
     assert "lm_head.weight" not in pushed  # tied embeddings
     for name, tensor in pushed.items():
         assert torch.equal(tensor, state[name]), name  # the weights after the update
@@ -198,7 +198,7 @@ def test_samples_of_a_group_differ(tmp_path, fake_vllm):
     """The trainer repeats each prompt n times; with one seed for all requests vLLM returns n identical
     samples and GRPO sees zero advantage. Each request now carries its own seed."""
     t = _trainer(tmp_path)
-    rb = t.rollout(t.loader.next_batch(), 4, SamplingParams(8, 0.8), uid_base=0)
+    rb = t.experience.rollout(t.parts.data.loader.next_batch(), 4, SamplingParams(8, 0.8), uid_base=0)
     groups = rb.responses.view(4, 4, -1)
     for g in groups:
         assert len({tuple(r.tolist()) for r in g}) > 1

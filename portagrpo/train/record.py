@@ -1,0 +1,85 @@
+"""A step's record for `portagrpo replay` (`trainer.record_rollouts=true`): its rollout tokens, rewards,
+logged metrics and parameter fingerprint, written by the loop and read back by replay.
+
+On disk a record is one `torch.save` dict (`rollouts/step_00000001.pt`): the rollout's tensors at its
+top level beside `scores`, `correct`, `metrics`, `fingerprint` and `setting`.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from portagrpo.backends.dist import Collectives
+from portagrpo.batch import RolloutBatch
+from portagrpo.errors import UserError
+from portagrpo.fileio import atomic_path
+
+ROLLOUT_TENSORS = ("prompt_ids", "prompt_mask", "responses", "response_mask", "uid", "prompt_index")
+
+
+@dataclass
+class StepRecord:
+    rollout: dict[str, torch.Tensor]  # ROLLOUT_TENSORS of the global batch, on the host
+    scores: torch.Tensor  # [B] the reward function's scores
+    correct: torch.Tensor  # [B] 0/1
+    metrics: dict[str, Any]  # exactly what the step logged
+    fingerprint: dict[str, list[float]]  # per parameter (sum, sum of squares) after the step
+    setting: dict[str, str]  # device, dtype and kernel that produced it
+
+    @property
+    def step(self) -> int:
+        return int(self.metrics["step"])
+
+    def save(self, folder: Path) -> Path:
+        folder.mkdir(exist_ok=True)
+        path = folder / f"step_{self.step:08d}.pt"
+        payload = {**self.rollout, "scores": self.scores, "correct": self.correct, "metrics": self.metrics,
+                   "fingerprint": self.fingerprint, "setting": self.setting}
+        with atomic_path(path, what="recording the rollout to") as tmp:
+            torch.save(payload, tmp)
+        return path
+
+    @classmethod
+    def load(cls, path: Path) -> "StepRecord":
+        try:
+            raw = torch.load(path, weights_only=False)
+            return cls(rollout={k: raw[k] for k in ROLLOUT_TENSORS}, scores=raw["scores"], correct=raw["correct"],
+                       metrics=raw["metrics"], fingerprint=raw["fingerprint"], setting=raw.get("setting", {}))
+        except (KeyError, TypeError, RuntimeError, EOFError) as err:
+            raise UserError(f"{path} is not a whole rollout record ({type(err).__name__}: {err}); record the run "
+                            f"again with trainer.record_rollouts=true.") from None
+
+    def rollout_batch(self, device: torch.device) -> RolloutBatch:
+        """The recorded global batch on `device` (token tensors only: no text is kept)."""
+        r = self.rollout
+        lengths = torch.stack([r["prompt_mask"].sum(1), r["response_mask"].sum(1).round().long()], dim=1)
+        return RolloutBatch(**{k: r[k].to(device) for k in ROLLOUT_TENSORS}, response_text=[], ground_truth=[],
+                            data_source=[], extra_info=[], lengths=[(int(p), int(n)) for p, n in lengths.tolist()])
+
+
+def record_of(rollout: RolloutBatch, scores: torch.Tensor, correct: torch.Tensor, metrics: dict[str, Any],
+              fingerprint: dict[str, list[float]], setting: dict[str, str]) -> StepRecord:
+    return StepRecord({k: getattr(rollout, k).detach().cpu() for k in ROLLOUT_TENSORS}, scores.detach().cpu(),
+                      correct.detach().cpu(), metrics, fingerprint, setting)
+
+
+def param_fingerprint(scorer: torch.nn.Module, comm: Collectives) -> dict[str, list[float]]:
+    """Per parameter tensor: (sum, sum of squares) in fp64. Both add up over shards, so the
+    fingerprint is exact under FSDP2 too; replay compares it to measure parameter drift."""
+    names, values = [], []
+    for name, p in scorer.named_parameters():
+        local = p.to_local() if hasattr(p, "to_local") else p
+        x = local.detach().double()
+        names.append(name.removeprefix("lm."))
+        values.append(torch.stack([x.sum(), (x * x).sum()]))
+    sharded = any(hasattr(p, "to_local") for p in scorer.parameters())
+    if not values:
+        total = torch.zeros(0, 2, dtype=torch.float64)
+    elif sharded:  # FSDP2 shards add up to the whole tensor
+        total = comm.sum_on_host(torch.stack(values))
+    else:  # every rank holds the whole model: summing over ranks would count it world_size times
+        total = torch.stack(values).cpu()
+    return {n: v.tolist() for n, v in zip(names, total)}

@@ -1,0 +1,109 @@
+"""The package's shape, as docs/design.md promises it: no import circle (function-level and
+TYPE_CHECKING imports count), no class over 300 lines and no function over 60, and the experience
+maker and the updater reading nothing but what they were handed."""
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+# where each top-level folder is installed (pyproject's package-dir)
+PACKAGES = {"portagrpo": "portagrpo", "backends": "portagrpo.backends", "kernels": "portagrpo.kernels"}
+
+
+def modules() -> dict[str, Path]:
+    out = {}
+    for folder, package in PACKAGES.items():
+        for f in (ROOT / folder).rglob("*.py"):
+            parts = f.relative_to(ROOT / folder).with_suffix("").parts
+            name = ".".join((package, *parts)).removesuffix(".__init__")
+            out[name] = f
+    return out
+
+
+def imports_of(name: str, path: Path, known: set[str]) -> set[str]:
+    """Every portagrpo module `name` imports, wherever the import statement is."""
+    package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        targets = []
+        if isinstance(node, ast.Import):
+            targets = [a.name for a in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                up = package.split(".")[: len(package.split(".")) - node.level + 1]
+                base = ".".join(up + ([base] if base else []))
+            targets = [f"{base}.{a.name}" for a in node.names] + [base]
+        for t in targets:
+            while t and t not in known:
+                t = t.rpartition(".")[0]
+            if t and t != name:
+                found.add(t)
+    return found
+
+
+def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """Strongly connected components of more than one module (Tarjan)."""
+    index, low, stack, on_stack, out = {}, {}, [], set(), []
+
+    def visit(v: str) -> None:
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on_stack.add(v)
+        for w in graph[v]:
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on_stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            component = []
+            while True:
+                w = stack.pop()
+                on_stack.discard(w)
+                component.append(w)
+                if w == v:
+                    break
+            if len(component) > 1:
+                out.append(sorted(component))
+
+    for v in graph:
+        if v not in index:
+            visit(v)
+    return out
+
+
+def test_no_import_circle_in_the_package():
+    mods = modules()
+    graph = {name: imports_of(name, path, set(mods)) for name, path in mods.items()}
+    assert "portagrpo.train.build" in graph["portagrpo.train.loop"]  # the graph sees the package's own imports
+    assert cycles(graph) == []
+
+
+def test_the_cycle_finder_finds_a_circle():
+    assert cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
+
+
+def test_no_class_over_300_lines_and_no_function_over_60():
+    too_long = []
+    for name, path in modules().items():
+        for node in ast.walk(ast.parse(path.read_text())):
+            limit = 300 if isinstance(node, ast.ClassDef) else 60
+            if isinstance(node, (ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)):
+                lines = node.end_lineno - node.lineno + 1
+                if lines > limit:
+                    too_long.append(f"{name}.{node.name}: {lines} lines")
+    assert too_long == []
+
+
+def test_experience_maker_and_updater_read_no_config():
+    """Every input of `ExperienceMaker.make` and `Updater.update` comes through their constructors'
+    and their own signatures: outside the settings' `from_config`, neither module touches a Config."""
+    for rel in ("portagrpo/train/experience.py", "portagrpo/train/update.py"):
+        tree = ast.parse((ROOT / rel).read_text())
+        for cls in [n for n in tree.body if isinstance(n, ast.ClassDef)]:
+            for fn in [n for n in cls.body if isinstance(n, ast.FunctionDef) and n.name != "from_config"]:
+                names = {n.id for n in ast.walk(fn) if isinstance(n, ast.Name)}
+                attrs = {n.attr for n in ast.walk(fn) if isinstance(n, ast.Attribute)}
+                assert "cfg" not in names | attrs, f"{rel}: {cls.name}.{fn.name} reads the config"
