@@ -166,7 +166,7 @@ def run_portagrpo(spec: dict) -> dict:
             "reference_model": trainer.models.ref_scorer is not None,
             "loss": a.loss_agg_mode,
             "updates_per_step": a.ppo_epochs * (cfg.rollout_batch_size // a.ppo_mini_batch_size),
-            "micro_batches_per_update": a.ppo_mini_batch_size // a.micro_batch_size,
+            "micro_batches_per_update": -(-a.ppo_mini_batch_size // cfg.micro_batch(1)),
             "lr": a.lr,
             "adam_betas": list(a.betas),
             "weight_decay": a.weight_decay,

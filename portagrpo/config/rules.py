@@ -126,9 +126,13 @@ def _names_and_sizes(cfg: Config) -> list[str]:
         parse_kl_type(a.kl_loss_type)
     except UnknownNameError as err:
         p.append(str(err))
+    unset_is_fine = {None: 1}
     for name, value in (("data.train_batch_size", d.train_batch_size), ("rollout.n", r.n),
                         ("actor.ppo_mini_batch_size", a.ppo_mini_batch_size),
-                        ("actor.micro_batch_size", a.micro_batch_size), ("actor.ppo_epochs", a.ppo_epochs),
+                        ("actor.micro_batch_size", unset_is_fine.get(a.micro_batch_size, a.micro_batch_size)),
+                        ("actor.logprob_micro_batch_size",
+                         unset_is_fine.get(a.logprob_micro_batch_size, a.logprob_micro_batch_size)),
+                        ("actor.ppo_epochs", a.ppo_epochs),
                         ("data.max_response_length", d.max_response_length),
                         ("data.max_prompt_length", d.max_prompt_length)):
         if value < 1:
@@ -141,17 +145,12 @@ def _batch_and_loss(cfg: Config) -> list[str]:
     a, d, r = cfg.actor, cfg.data, cfg.rollout
     total = cfg.rollout_batch_size
     sizes = (
-        min(d.train_batch_size, r.n, a.ppo_mini_batch_size, a.micro_batch_size) >= 1
+        min(d.train_batch_size, r.n, a.ppo_mini_batch_size) >= 1
     )  # else _names_and_sizes says so
     if sizes and total % a.ppo_mini_batch_size:
         p.append(
             f"actor.ppo_mini_batch_size={a.ppo_mini_batch_size} does not divide data.train_batch_size * rollout.n = "
             f"{d.train_batch_size} * {r.n} = {total} responses; pick a divisor of {total}."
-        )
-    if sizes and a.ppo_mini_batch_size % a.micro_batch_size:
-        p.append(
-            f"actor.micro_batch_size={a.micro_batch_size} does not divide actor.ppo_mini_batch_size="
-            f"{a.ppo_mini_batch_size}; pick a divisor of {a.ppo_mini_batch_size}."
         )
     if a.clip_ratio_c <= 1.0:
         p.append(
@@ -229,11 +228,6 @@ def validate_world(cfg: Config, world_size: int) -> list[str]:
     if a.ppo_mini_batch_size % world_size:
         p.append(f"actor.ppo_mini_batch_size={a.ppo_mini_batch_size} cannot be split over {world_size} ranks; "
                  f"use a multiple of {world_size}.")
-    elif (a.ppo_mini_batch_size // world_size) % a.micro_batch_size:
-        p.append(
-            f"actor.micro_batch_size={a.micro_batch_size} does not divide the per-rank mini-batch "
-            f"{a.ppo_mini_batch_size} / {world_size} = {a.ppo_mini_batch_size // world_size}; pick a divisor of it."
-        )
     return p
 
 

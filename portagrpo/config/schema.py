@@ -114,7 +114,13 @@ class ActorConfig:
     grad_clip: float = 1.0
     ppo_epochs: int = 1
     ppo_mini_batch_size: int = 64
-    micro_batch_size: int = 32
+    # Responses per forward/backward on one rank (verl's ppo_micro_batch_size_per_gpu). It never changes
+    # the update: the loss is normalised over the whole mini-batch. None: the largest divisor of the
+    # per-rank mini-batch up to 32; a size that does not divide it leaves a shorter last micro-batch.
+    micro_batch_size: Optional[int] = None
+    # Responses per scoring forward (old and reference log-probs; verl's log_prob_micro_batch_size_per_gpu).
+    # None: actor.micro_batch_size.
+    logprob_micro_batch_size: Optional[int] = None
     clip_ratio: float = 0.2
     clip_ratio_low: Optional[float] = None
     clip_ratio_high: Optional[float] = None
@@ -185,6 +191,19 @@ class Config:
     def rollout_batch_size(self) -> int:
         return self.data.train_batch_size * self.rollout.n
 
+    def micro_batch(self, world_size: int) -> int:
+        """Responses per forward/backward on one rank (see ActorConfig.micro_batch_size)."""
+        per_rank = max(self.actor.ppo_mini_batch_size // world_size, 1)
+        if self.actor.micro_batch_size is not None:
+            return min(self.actor.micro_batch_size, per_rank)
+        return max(d for d in range(1, min(per_rank, DEFAULT_MICRO_BATCH) + 1) if per_rank % d == 0)
+
+    def logprob_micro_batch(self, world_size: int) -> int:
+        """Responses per scoring forward on one rank."""
+        return self.actor.logprob_micro_batch_size or self.micro_batch(world_size)
+
+
+DEFAULT_MICRO_BATCH = 32  # the largest micro-batch chosen when none is set
 
 # Values the `algorithm.name` preset sets unless the user set them explicitly.
 PRESETS: dict[str, dict[str, dict[str, Any]]] = {

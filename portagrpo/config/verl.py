@@ -35,6 +35,8 @@ DIRECT = {
     AR + "actor.optim.weight_decay": "actor.weight_decay",
     AR + "actor.optim.betas": "actor.betas",
     AR + "actor.ppo_micro_batch_size_per_gpu": "actor.micro_batch_size",
+    AR + "rollout.log_prob_micro_batch_size_per_gpu": "actor.logprob_micro_batch_size",
+    AR + "ref.log_prob_micro_batch_size_per_gpu": "actor.logprob_micro_batch_size",
     AR + "actor.ppo_epochs": "actor.ppo_epochs",
     AR + "actor.clip_ratio": "actor.clip_ratio",
     AR + "actor.clip_ratio_low": "actor.clip_ratio_low",

@@ -83,14 +83,14 @@ class ExperienceSettings:
     on_policy: bool
 
     @classmethod
-    def from_config(cls, cfg: Config) -> "ExperienceSettings":
+    def from_config(cls, cfg: Config, world_size: int) -> "ExperienceSettings":
         r = cfg.rollout
 
         def sampling(temperature: float) -> SamplingParams:
             return SamplingParams(cfg.data.max_response_length, temperature, r.top_p, r.top_k, r.min_p,
                                   r.repetition_penalty)
 
-        return cls(seed=cfg.trainer.seed, n=r.n, micro_batch_size=cfg.actor.micro_batch_size,
+        return cls(seed=cfg.trainer.seed, n=r.n, micro_batch_size=cfg.logprob_micro_batch(world_size),
                    temperature=r.temperature, sampling=sampling(r.temperature),
                    val_sampling=sampling(r.val_temperature), val_n=r.val_n, val_batch_size=cfg.data.train_batch_size,
                    max_error_frac=cfg.reward.max_error_frac, on_policy=is_on_policy(cfg))

@@ -95,9 +95,10 @@ class Trainer:
     def _setup_parts(self) -> None:
         cfg, rt = self.cfg, self.runtime
         self.parts = p = build(cfg, rt, self.run_dir, self.log)
-        self.experience = ExperienceMaker(ExperienceSettings.from_config(cfg), rt, p.data, p.models, p.engine,
+        world = rt.comm.world_size
+        self.experience = ExperienceMaker(ExperienceSettings.from_config(cfg, world), rt, p.data, p.models, p.engine,
                                           p.shaping, self.log)
-        self.updater = Updater(UpdateSettings.from_config(cfg), rt, p.models, p.optim, p.objective, self.log)
+        self.updater = Updater(UpdateSettings.from_config(cfg, world), rt, p.models, p.optim, p.objective, self.log)
         self.checkpoints = Checkpointer(self.run_dir, rt, p.models, p.optim, p.data.loader, p.data.tokenizer,
                                         keep=cfg.trainer.max_ckpt_to_keep, lora_rank=cfg.model.lora.rank, log=self.log)
         if self.resume_from is not None:

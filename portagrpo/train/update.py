@@ -29,10 +29,11 @@ class UpdateSettings:
     full_vocab_kl: bool  # the KL loss needs both models' full-vocabulary log-probs
 
     @classmethod
-    def from_config(cls, cfg: Config) -> "UpdateSettings":
+    def from_config(cls, cfg: Config, world_size: int) -> "UpdateSettings":
         a = cfg.actor
         return cls(seed=cfg.trainer.seed, ppo_epochs=a.ppo_epochs, mini_batch_size=a.ppo_mini_batch_size,
-                   micro_batch_size=a.micro_batch_size, grad_clip=a.grad_clip, temperature=cfg.rollout.temperature,
+                   micro_batch_size=cfg.micro_batch(world_size), grad_clip=a.grad_clip,
+                   temperature=cfg.rollout.temperature,
                    entropy_coeff=a.entropy_coeff,
                    full_vocab_kl=a.use_kl_loss and a.kl_loss_type.rstrip("+") == "full")
 

@@ -118,8 +118,10 @@ def test_world_size_divisions_are_checked():
     problems = validate_world(cfg, 2)
     assert any("data.train_batch_size=3 prompts cannot be split over 2 ranks" in p for p in problems)
     cfg = load_config(None, ["actor.ppo_mini_batch_size=64", "actor.micro_batch_size=32"])
-    (msg,) = validate_world(cfg, 4)
-    assert "per-rank mini-batch 64 / 4 = 16" in msg
+    assert validate_world(cfg, 4) == [] and cfg.micro_batch(4) == 16  # a micro-batch is never a rank's whole share
+    (msg,) = validate_world(load_config(None, ["actor.ppo_mini_batch_size=6", "data.train_batch_size=12",
+                                               "rollout.n=2"]), 4)
+    assert "actor.ppo_mini_batch_size=6 cannot be split over 4 ranks" in msg
 
 
 def test_cli_trains_with_two_local_ranks(tmp_path):

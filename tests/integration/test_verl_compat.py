@@ -63,3 +63,25 @@ def test_gpus_per_node_and_epochs():
     cfg = load_config(None, ["trainer.n_gpus_per_node=2", "trainer.total_epochs=3"])
     assert cfg.trainer.nproc_per_node == 2 and cfg.trainer.devices_per_node == 2
     assert cfg.trainer.total_steps is None and cfg.trainer.total_epochs == 3
+
+
+def test_verl_two_gpu_quick_start_without_a_micro_batch_trains(tmp_path, tiny_model_dir, capsys):
+    """verl's quick start sets no micro-batch size; on two ranks it used to stop with "actor.micro_batch_size=32
+    does not divide the per-rank mini-batch", a size the user never wrote."""
+    train = write_jsonl(gsm8k_style_rows(8, seed=2), tmp_path / "train.jsonl")
+    val = write_jsonl(gsm8k_style_rows(4, seed=3), tmp_path / "val.jsonl")
+    command = [  # verl's quick start, with local paths and small sizes
+        "algorithm.adv_estimator=grpo", f"data.train_files={train}", f"data.val_files={val}",
+        "data.train_batch_size=4", "data.max_prompt_length=200", "data.max_response_length=8",
+        f"actor_rollout_ref.model.path={tiny_model_dir}", "actor_rollout_ref.actor.optim.lr=1e-6",
+        "actor_rollout_ref.actor.ppo_mini_batch_size=2", "actor_rollout_ref.actor.use_kl_loss=True",
+        "actor_rollout_ref.actor.kl_loss_coef=0.001", "actor_rollout_ref.rollout.n=4",
+        "trainer.n_gpus_per_node=2", "trainer.total_epochs=1",
+    ]
+    cfg = load_config(None, command)
+    assert cfg.actor.micro_batch_size is None and cfg.micro_batch(2) == 4  # 2 prompts x 4 responses / 2 ranks
+    run = tmp_path / "run"
+    assert main(["train", "--device", "cpu", "--output-dir", str(run), "trainer.progress_bar=false",
+                 "reward.function=gsm8k", *command]) == 0
+    rows = read_metrics(run / "metrics.jsonl")
+    assert [r["step"] for r in rows] == [1, 2] and all(r["world_size"] == 2 for r in rows)

@@ -59,9 +59,20 @@ def test_mini_batch_must_divide_rollout_batch():
     assert "actor.ppo_mini_batch_size=48 does not divide" in msg and "128" in msg
 
 
-def test_micro_batch_must_divide_mini_batch():
-    (msg,) = errors_of(["actor.micro_batch_size=24"])
-    assert "actor.micro_batch_size=24 does not divide actor.ppo_mini_batch_size=64" in msg
+def test_micro_batch_defaults_from_the_mini_batch_and_any_size_is_accepted():
+    """verl's quick start sets no micro-batch: the default comes from the per-rank mini-batch (its
+    largest divisor up to 32); a size that does not divide it is accepted (a shorter last micro-batch)."""
+    cfg = load_config(None, [])
+    assert cfg.actor.micro_batch_size is None
+    assert [load_config(None, [f"actor.ppo_mini_batch_size={m}"]).micro_batch(w)
+            for m, w in ((64, 1), (64, 4), (32, 2), (128, 2), (16, 2), (8, 1))] == [32, 16, 16, 32, 8, 8]
+    odd = load_config(None, ["data.train_batch_size=18", "rollout.n=4", "actor.ppo_mini_batch_size=72"])
+    assert odd.micro_batch(1) == 24
+    assert load_config(None, ["actor.micro_batch_size=24"]).micro_batch(1) == 24  # no "does not divide" any more
+    assert load_config(None, ["actor.micro_batch_size=48"]).micro_batch(2) == 32  # never more than a rank's share
+    assert load_config(None, ["actor.logprob_micro_batch_size=5"]).logprob_micro_batch(1) == 5
+    (msg,) = errors_of(["actor.micro_batch_size=0"])
+    assert "actor.micro_batch_size=0 must be at least 1" in msg
 
 
 def test_several_problems_reported_together():
