@@ -23,6 +23,10 @@ class RolloutBatch:
     # shape they need from these, so their micro-batch loops never wait for the device; empty when
     # not known yet (`host_lengths` then reads them once).
     lengths: list[tuple[int, int]] = field(default_factory=list)
+    # [B, T] float32: the log-prob each response token was sampled with, over the distribution the
+    # engine sampled from (after temperature, penalties and top-k/top-p/min-p truncation,
+    # renormalised over the kept tokens); 0 after the response. None: the engine does not say.
+    rollout_logp: torch.Tensor | None = None
 
     @property
     def size(self) -> int:
@@ -53,6 +57,8 @@ class RolloutBatch:
                 if value.device not in on_device:  # one asynchronous copy of the indices per device
                     on_device[value.device] = torch.tensor(idx_l, dtype=torch.long).to(value.device, non_blocking=True)
                 out[f.name] = value.index_select(0, on_device[value.device])
+            elif value is None:
+                out[f.name] = None
             else:  # per-sample lists; a gathered global batch carries tensors and lengths only
                 out[f.name] = [value[i] for i in idx_l] if value else []
         return RolloutBatch(**out)
@@ -80,14 +86,21 @@ class TrainBatch:
     advantages: torch.Tensor  # [B, T] float32
     old_logp: torch.Tensor | None  # [B, T] float32; None on a fully on-policy step (the update's own, detached)
     ref_logp: torch.Tensor | None  # [B, T] float32
+    # Rollout correction (algo/rollout_correction.py): importance weights on the policy loss, and the
+    # loss mask with rejected tokens removed (None: the response mask).
+    is_weights: torch.Tensor | None = None
+    loss_mask: torch.Tensor | None = None
+
+    @property
+    def mask(self) -> torch.Tensor:
+        """The tokens the loss counts: the response mask less what rejection sampling removed."""
+        return self.rollout.response_mask if self.loss_mask is None else self.loss_mask
 
     def select(self, idx: torch.Tensor | list[int]) -> "TrainBatch":
         # Indices come from the host (randperm with a CPU generator, arange): copied to the data without waiting.
         idx_l = idx.tolist() if torch.is_tensor(idx) else list(idx)
         idx_t = torch.tensor(idx_l, dtype=torch.long).to(self.advantages.device, non_blocking=True)
-        return TrainBatch(
-            rollout=self.rollout.select(idx_l),
-            advantages=self.advantages.index_select(0, idx_t),
-            old_logp=None if self.old_logp is None else self.old_logp.index_select(0, idx_t),
-            ref_logp=None if self.ref_logp is None else self.ref_logp.index_select(0, idx_t),
-        )
+        take = lambda t: None if t is None else t.index_select(0, idx_t)  # noqa: E731
+        return TrainBatch(rollout=self.rollout.select(idx_l), advantages=take(self.advantages),
+                          old_logp=take(self.old_logp), ref_logp=take(self.ref_logp),
+                          is_weights=take(self.is_weights), loss_mask=take(self.loss_mask))

@@ -53,9 +53,14 @@ class StepMetrics:
     tokens_per_s_per_device: float = _measured("verl's perf/throughput: all tokens / (step time x devices)")
     mem_peak_gb: float = _measured()
     world_size: int
+    # `rollout_corr/*`: the sampler against the trainer (algo/rollout_correction.py), when the engine
+    # reports the log-probs it sampled with; logged flat beside the rest
+    rollout_corr: dict[str, float] | None = None
 
     def as_dict(self) -> dict[str, Any]:
-        return {f.name: getattr(self, f.name) for f in fields(self) if getattr(self, f.name) is not None}
+        out = {f.name: getattr(self, f.name) for f in fields(self)
+               if getattr(self, f.name) is not None and f.name != "rollout_corr"}
+        return {**out, **(self.rollout_corr or {})}
 
 
 # Keys every step's row has (derived: the fields that are never None).

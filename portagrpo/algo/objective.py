@@ -75,14 +75,19 @@ class Objective:
 def total_loss(logp: torch.Tensor, old_logp: torch.Tensor, advantages: torch.Tensor, mask: torch.Tensor,
                spec: Objective, *, num_tokens, num_seqs, ref_logp: torch.Tensor | None = None,
                entropy: torch.Tensor | None = None, logp_vocab: torch.Tensor | None = None,
-               ref_logp_vocab: torch.Tensor | None = None) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+               ref_logp_vocab: torch.Tensor | None = None,
+               is_weights: torch.Tensor | None = None) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """loss = policy - (KL loss: + coef x KL) - entropy_coeff x entropy, each aggregated with the
     mini-batch normalisers `num_tokens`/`num_seqs` (so micro-batches add up to the mini-batch).
+    `mask` is the loss mask (rejection sampling may have removed tokens); `is_weights` (rollout
+    correction, detached) multiply the clipped per-token policy loss, as in verl.
     Returns the loss and detached metrics (`kl` whenever a reference is given: the KL-loss
     estimator, or k1 without a KL loss)."""
     agg = dict(num_tokens=num_tokens, num_seqs=num_seqs, loss_scale_factor=spec.loss_scale_factor)
     pg_mat, metrics = clipped_policy_loss(logp, old_logp, advantages, mask, clip_low=spec.clip_low,
                                           clip_high=spec.clip_high, clip_c=spec.clip_c)
+    if is_weights is not None:
+        pg_mat = pg_mat * is_weights
     loss = aggregate_loss(pg_mat, mask, spec.loss_agg_mode, **agg)
     metrics["loss_policy"] = loss.detach()
     if ref_logp is not None:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import re
 import types
 import typing
 from pathlib import Path
@@ -156,6 +157,9 @@ def _unknown_key(where: str, key: str, names: list[str], prefix: str) -> str:
 # ---------------------------------------------------------------- merging
 
 
+BOUNDS = re.compile(r"[0-9.eE+-]+_[0-9.eE+-]+")
+
+
 def parse_override(item: str) -> tuple[list[str], Any]:
     if "=" not in item:
         raise ConfigError([f"override {item!r} must look like key=value (for example actor.lr=1e-3)."])
@@ -163,6 +167,8 @@ def parse_override(item: str) -> tuple[list[str], Any]:
     key = key.strip().lstrip("+")
     if not key:
         raise ConfigError([f"override {item!r} has an empty key; write key=value."])
+    if BOUNDS.fullmatch(text.strip()):  # "L_U" bounds (rollout correction): YAML would read 1_2 as 12
+        return key.split("."), text.strip()
     try:
         value = yaml.safe_load(text) if text.strip() else ""
     except (yaml.YAMLError, ValueError):  # ValueError: an integer longer than Python converts

@@ -102,7 +102,8 @@ def tiny_problems(tiny) -> list[str]:
 
 def validate(cfg: Config, *, check_files: bool = True) -> list[str]:
     """Cross-field rules. Returns one sentence per problem (empty when valid)."""
-    p = _names_and_sizes(cfg) + _batch_and_loss(cfg) + _run_settings(cfg) + value_problems(cfg)
+    p = (_names_and_sizes(cfg) + _batch_and_loss(cfg) + _run_settings(cfg) + rollout_correction_problems(cfg)
+         + rollout_precision_problems(cfg) + value_problems(cfg))
     if check_files:
         p.extend(missing_files(cfg))
     return p
@@ -213,6 +214,35 @@ def _run_settings(cfg: Config) -> list[str]:
                  "such as data.task=repeat.")
     if d.train_files and d.task:
         p.append(f"data.train_files and data.task={d.task!r} are both set; set data.task=null to train on the files.")
+    return p
+
+
+def rollout_precision_problems(cfg: Config) -> list[str]:
+    r = cfg.rollout
+    if r.precision == "fp8":
+        return ["rollout.precision=fp8 (vLLM's fp8 weight path) is not built yet; use bf16, or int8 on the CPU."]
+    if r.precision != "auto" and r.engine != "hf":
+        return [f"rollout.precision={r.precision} is built for rollout.engine=hf; with rollout.engine={r.engine} "
+                f"leave it at auto (vLLM samples in model.dtype)."]
+    return []
+
+
+def rollout_correction_problems(cfg: Config) -> list[str]:
+    from portagrpo.algo.rollout_correction import parse_is_threshold, parse_rs, parse_rs_thresholds
+
+    rc, key = cfg.algorithm.rollout_correction, "algorithm.rollout_correction"
+    p: list[str] = []
+    try:
+        if rc.rollout_is is not None and rc.rollout_is_threshold is not None:
+            parse_is_threshold(rc.rollout_is_threshold)
+        if rc.rollout_rs is not None:
+            parse_rs_thresholds(parse_rs(rc.rollout_rs), rc.rollout_rs_threshold)
+    except (TypeError, ValueError) as err:
+        p.append(f"{err} (in {key})" if key not in str(err) else str(err))
+    if rc.bypass_mode and (rc.rollout_is is not None or rc.rollout_rs is not None):
+        p.append(f"{key}.bypass_mode=true makes the sampler's log-probs the old ones, so the PPO ratio is already "
+                 f"pi_train/pi_sampler and rollout_is/rollout_rs have nothing to correct (verl 0.9.1's trainer "
+                 f"ignores them too); set bypass_mode=false to weight or reject, or drop rollout_is/rollout_rs.")
     return p
 
 

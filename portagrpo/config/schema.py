@@ -79,6 +79,10 @@ class RolloutConfig:
     vllm_gpu_memory_utilization: float = 0.5
     vllm_weight_bucket_mb: int = 512
     vllm_max_model_len: Optional[int] = None
+    # The sampler's copy of the weights: auto samples with the training model itself (its dtype under
+    # autocast); fp32/bf16/int8 keep a separate copy in that precision, refreshed after every update
+    # (int8: PyTorch's dynamic int8 linear layers, CPU only). The training weights are never touched.
+    precision: Literal["auto", "fp32", "bf16", "int8", "fp8"] = "auto"
 
 
 @dataclass(frozen=True)
@@ -87,6 +91,19 @@ class RewardConfig:
     max_error_frac: float = 0.0
     num_workers: int = 1
     timeout_s: float = 10.0
+
+
+@dataclass(frozen=True)
+class RolloutCorrectionConfig:
+    """verl's `algorithm.rollout_correction` (see portagrpo/algo/rollout_correction.py)."""
+
+    rollout_is: Optional[Literal["token", "sequence"]] = None  # importance weights on the policy loss
+    rollout_is_threshold: Optional[str] = "2.0"  # a number: truncate above (TIS); "L_U": zero outside (IcePop)
+    rollout_is_batch_normalize: bool = False  # weights divided by their batch mean
+    rollout_rs: Optional[str] = None  # rejection: comma-separated token_k1..seq_max_k3
+    rollout_rs_threshold: Optional[str] = None  # one bound for all options, or one per option
+    bypass_mode: bool = False  # the sampler's log-probs are the old ones (no scoring pass before the update)
+    loss_type: Literal["ppo_clip"] = "ppo_clip"
 
 
 @dataclass(frozen=True)
@@ -102,6 +119,7 @@ class AlgorithmConfig:
     kl_coef: float = 0.001
     whiten_advantages: bool = False
     advantage_clip: Optional[float] = None
+    rollout_correction: RolloutCorrectionConfig = field(default_factory=RolloutCorrectionConfig)
 
 
 @dataclass(frozen=True)

@@ -1,9 +1,10 @@
 """Rollout engines (by name): turn left-padded prompts into right-padded responses."""
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, ClassVar, Protocol
+from typing import Any, Callable, ClassVar, Iterable, Iterator, NamedTuple, Protocol
 
 import torch
 
@@ -45,20 +46,68 @@ def explicit_generation_config(params: SamplingParams, eos_ids: list[int], pad_i
     """A GenerationConfig with every sampling field set, to be used with the model's own
     generation_config swapped for a blank one: transformers fills unset (None) fields from the
     model's config first (top_k=20, repetition_penalty=1.1 on Qwen2.5-Instruct), then from its
-    global defaults (top_k=50)."""
+    global defaults (top_k=50). Its warpers are off: `SampledLogprobs` applies them (same
+    classes, same order) so that it sees the very scores each token is drawn from."""
     from transformers import GenerationConfig
 
     greedy = params.temperature <= 0
     return GenerationConfig(
         do_sample=not greedy, num_beams=1, max_new_tokens=params.max_tokens, min_new_tokens=0, min_length=0,
-        temperature=1.0 if greedy else params.temperature,
-        top_k=0 if greedy or params.top_k <= 0 else params.top_k,  # 0 is "off" to transformers
-        top_p=1.0 if greedy else params.top_p,
-        min_p=None if greedy or params.min_p <= 0 else params.min_p,
+        temperature=1.0, top_k=0, top_p=1.0, min_p=None,
         typical_p=1.0, epsilon_cutoff=0.0, eta_cutoff=0.0, no_repeat_ngram_size=0,
         repetition_penalty=params.repetition_penalty, encoder_repetition_penalty=1.0,
         eos_token_id=list(eos_ids), pad_token_id=pad_id,
     )
+
+
+class SampledLogprobs:
+    """The last of `generate`'s logits processors: applies the sampling warpers itself (temperature,
+    top-k, top-p, min-p: transformers' classes, in transformers' order, after its repetition
+    penalty) and records, for each drawn token, its log-prob under the distribution it was drawn
+    from, i.e. renormalised over the tokens truncation kept. Greedy decoding applies no warper."""
+
+    def __init__(self, params: SamplingParams) -> None:
+        from transformers.generation.logits_process import (
+            MinPLogitsWarper,
+            TemperatureLogitsWarper,
+            TopKLogitsWarper,
+            TopPLogitsWarper,
+        )
+
+        self.warpers = []
+        if params.temperature > 0:
+            if params.temperature != 1.0:
+                self.warpers.append(TemperatureLogitsWarper(params.temperature))
+            if params.top_k > 0:
+                self.warpers.append(TopKLogitsWarper(top_k=params.top_k))
+            if params.top_p < 1.0:
+                self.warpers.append(TopPLogitsWarper(top_p=params.top_p))
+            if params.min_p > 0:
+                self.warpers.append(MinPLogitsWarper(min_p=params.min_p))
+        self.reset()
+
+    def reset(self) -> None:
+        self.pending: torch.Tensor | None = None  # [B, V] log-probs of the step whose token is not yet known
+        self.taken: list[torch.Tensor] = []
+
+    def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
+        self._take(input_ids[:, -1])  # the previous step's token is the last one now
+        for warp in self.warpers:
+            scores = warp(input_ids, scores)
+        self.pending = torch.log_softmax(scores.float(), dim=-1)
+        return scores
+
+    def _take(self, tokens: torch.Tensor) -> None:
+        if self.pending is not None:
+            self.taken.append(self.pending.gather(1, tokens[:, None].to(self.pending.device)).squeeze(1))
+            self.pending = None
+
+    def result(self, sequences: torch.Tensor) -> torch.Tensor:
+        """[B, generated tokens]: one log-prob per token `generate` appended."""
+        self._take(sequences[:, -1])
+        if not self.taken:
+            return torch.zeros(sequences.shape[0], 0, device=sequences.device)
+        return torch.stack(self.taken, dim=1)
 
 
 class blank_generation_config:
@@ -96,6 +145,14 @@ class EngineInputs:
     init_model_dir: Path  # the run's saved initial model (what an engine with its own weights loads)
 
 
+class Sampled(NamedTuple):
+    """What an engine's `generate` returns, all [B, max_tokens]."""
+
+    responses: torch.Tensor  # long, right-padded
+    mask: torch.Tensor  # float, 1 up to and including EOS
+    logp: torch.Tensor | None  # float32: each token's log-prob under the distribution it was sampled from
+
+
 class RolloutEngine(Protocol):
     # True when the engine keeps its own copy of the weights (vLLM): the trainer pushes them after each
     # update; False when it samples with the training model itself (a sharded one is gathered for it).
@@ -107,8 +164,9 @@ class RolloutEngine(Protocol):
 
     def generate(
         self, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, params: SamplingParams
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """prompt_ids, prompt_mask: [B, P] -> (responses [B, T], response_mask [B, T]) with T = max_tokens."""
+    ) -> Sampled:
+        """prompt_ids, prompt_mask: [B, P] -> responses, response mask and sampler log-probs, [B, T] with
+        T = max_tokens."""
 
 
 ROLLOUT_ENGINES: Registry[type] = Registry("rollout engine")
@@ -133,6 +191,8 @@ class HFRollout:
 
     @classmethod
     def from_run(cls, inputs: EngineInputs) -> "HFRollout":
+        if inputs.cfg.rollout.precision != "auto":
+            return SamplerCopy.from_run(inputs)
         # a static KV cache where the backend has one, but not under sharded (lockstep) generation
         extra = {} if inputs.generate_kwargs else {"cache": inputs.backend.spec.decode_cache}
         return cls(inputs.scorer, inputs.tokenizer, inputs.autocast, inputs.generate_kwargs, **extra)
@@ -156,38 +216,46 @@ class HFRollout:
         self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else self.eos_ids[0]
 
     @torch.no_grad()
-    def generate(self, prompt_ids, prompt_mask, params: SamplingParams):
+    def generate(self, prompt_ids, prompt_mask, params: SamplingParams) -> Sampled:
         gen = explicit_generation_config(params, self.eos_ids, self.pad_id)
+        record = SampledLogprobs(params)
         was_training = self.model.training
         self.model.eval()
         try:
             with self.autocast(), blank_generation_config(self.model):
-                out = self._generate(prompt_ids, prompt_mask, gen)
+                out = self._generate(prompt_ids, prompt_mask, gen, record)
         finally:
             self.model.train(was_training)
+        logp = record.result(out)
         responses = out[:, prompt_ids.shape[1]:]
         pad = params.max_tokens - responses.shape[1]
         if pad > 0:
             responses = torch.nn.functional.pad(responses, (0, pad), value=self.pad_id)
+            logp = torch.nn.functional.pad(logp, (0, pad))
         mask = response_mask_from_tokens(responses, self.eos_ids)
         responses = torch.where(mask.bool(), responses, torch.full_like(responses, self.pad_id))
-        return responses, mask
+        # after EOS a finished row draws padding, which truncation may have ruled out (-inf): keep 0 there
+        return Sampled(responses, mask, torch.where(mask.bool(), logp, torch.zeros_like(logp)).to(torch.float32))
 
-    def _generate(self, prompt_ids, prompt_mask, gen):
+    def _generate(self, prompt_ids, prompt_mask, gen, record: SampledLogprobs):
+        from transformers import LogitsProcessorList
+
+        processors = LogitsProcessorList([record])
         if self.cache == "static":
             gen.cache_implementation = "static"
             try:
                 return self.model.generate(input_ids=prompt_ids, attention_mask=prompt_mask, generation_config=gen,
-                                           **self.generate_kwargs)
+                                           logits_processor=processors, **self.generate_kwargs)
             except Exception as err:  # noqa: BLE001 - any compile/cache failure: decode eagerly instead
                 self.cache = "dynamic"
                 self.notice(f"a static KV cache with a compiled decode step failed here ({type(err).__name__}: "
                             f"{str(err).splitlines()[0][:200]}); generating with the dynamic cache from now on.")
                 gen.cache_implementation = None
+                record.reset()
         cache = self._shared_prefill(prompt_ids, prompt_mask) if self.share_prefill else None
         extra = {} if cache is None else {"past_key_values": cache}
         return self.model.generate(input_ids=prompt_ids, attention_mask=prompt_mask, generation_config=gen,
-                                   **extra, **self.generate_kwargs)
+                                   logits_processor=processors, **extra, **self.generate_kwargs)
 
     def _shared_prefill(self, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor):
         """A KV cache of every row's prompt but its last token, computed once per distinct prompt and
@@ -213,6 +281,83 @@ class HFRollout:
         return cache
 
 
+PEFT_PREFIX = "base_model.model."
+
+
+def hf_weight_names(state: dict[str, torch.Tensor] | Iterable[tuple[str, torch.Tensor]], *,
+                      tied_embeddings: bool) -> Iterator[tuple[str, torch.Tensor]]:
+    """Hugging Face parameter names as vLLM's `load_weights` expects them.
+
+    vLLM loads checkpoints by their Hugging Face names (it fuses q/k/v and gate/up itself), so
+    names pass through, except: peft's wrapper prefix is removed (adapters are merged before
+    this), LoRA factors are never sent, and a tied LM head is skipped (vLLM ties it itself).
+    """
+    for name, tensor in (state.items() if isinstance(state, dict) else state):
+        if "lora_" in name:
+            continue
+        name = name.removeprefix("lm.").removeprefix(PEFT_PREFIX).replace(".base_layer.", ".")
+        if tied_embeddings and name == "lm_head.weight":
+            continue
+        yield name, tensor
+
+
+class SamplerCopy(HFRollout):
+    """`rollout.precision` fp32 | bf16 | int8: the `hf` engine sampling from its own copy of the policy in
+    that precision, loaded from the run's initial model and refreshed from the pushed weights after every
+    update (as vLLM is). int8 is PyTorch's dynamic quantization of the linear layers (int8 weights, per
+    token activation scales; CPU kernels only). The training weights are never touched; what the lower
+    precision costs shows in the `rollout_corr/*` metrics, and `algorithm.rollout_correction` pays it."""
+
+    holds_weights = True
+    PRECISIONS = {"fp32": torch.float32, "bf16": torch.bfloat16, "int8": torch.float32}
+
+    @classmethod
+    def from_run(cls, inputs: EngineInputs) -> "SamplerCopy":
+        from portagrpo.model.loading import load_model
+        from portagrpo.paths import resolve_model_path
+
+        cfg = inputs.cfg
+        path = resolve_model_path(cfg.model.path) if cfg.model.path else inputs.init_model_dir
+        attn = inputs.backend.attention_implementation(cfg.model.attn_implementation, torch.float32)
+        device = next(inputs.policy.parameters()).device  # this rank's device
+        return cls(load_model(path, attn).to(device), inputs.tokenizer, cfg.rollout.precision,
+                   inputs.backend.device_type,
+                   tied_embeddings=bool(getattr(inputs.policy.config, "tie_word_embeddings", False)))
+
+    def __init__(self, model, tokenizer, precision: str, device_type: str, *, tied_embeddings: bool = False) -> None:
+        if precision == "int8" and device_type != "cpu":
+            from portagrpo.errors import UserError
+
+            raise UserError(f"rollout.precision=int8 is PyTorch's dynamic int8 quantization, which runs on the CPU "
+                            f"only; on --device {device_type} use rollout.precision=bf16.")
+        self.precision, self.tied = precision, tied_embeddings
+        self.master = model.to(self.PRECISIONS[precision]).eval().requires_grad_(False)
+        super().__init__(self._sampler(), tokenizer, contextlib.nullcontext)  # the copy has its own dtype
+
+    def _sampler(self):
+        if self.precision != "int8":
+            return self.master
+        import copy
+        import warnings
+
+        from torch.ao.quantization import quantize_dynamic
+
+        with warnings.catch_warnings():  # PyTorch announces the move of this API to torchao
+            warnings.simplefilter("ignore")
+            return quantize_dynamic(copy.deepcopy(self.master), {torch.nn.Linear}, dtype=torch.qint8)
+
+    @torch.no_grad()
+    def update_weights(self, named) -> int:
+        """Copy the pushed (full, merged) weights into the copy, then requantize. Returns the tensor count."""
+        params = dict(self.master.named_parameters())
+        count = 0
+        for name, tensor in hf_weight_names(named, tied_embeddings=self.tied):
+            params[name].copy_(tensor.to(device=params[name].device, dtype=params[name].dtype))
+            count += 1
+        self.model = self._sampler()
+        return count
+
+
 @ROLLOUT_ENGINES.register("fixed")
 class FixedRollout:
     """Deterministic pseudo-responses that depend only on the prompt's tokens and the sample's
@@ -235,7 +380,7 @@ class FixedRollout:
         self.vocab = len(tokenizer)
         self.n = n
 
-    def generate(self, prompt_ids, prompt_mask, params: SamplingParams):
+    def generate(self, prompt_ids, prompt_mask, params: SamplingParams) -> Sampled:
         import zlib
 
         rows, masks = [], []
@@ -250,7 +395,8 @@ class FixedRollout:
             mask = (torch.arange(params.max_tokens) < length).float()
             rows.append(torch.where(mask.bool(), tokens, torch.full_like(tokens, self.pad_id)))
             masks.append(mask)
-        return torch.stack(rows).to(prompt_ids.device), torch.stack(masks).to(prompt_ids.device)
+        # not sampled from any distribution: no sampler log-probs
+        return Sampled(torch.stack(rows).to(prompt_ids.device), torch.stack(masks).to(prompt_ids.device), None)
 
 
 def rollout_groups(engine, tokenizer, records: list, n: int, params: SamplingParams, device, *, uid_base: int = 0,
@@ -263,7 +409,7 @@ def rollout_groups(engine, tokenizer, records: list, n: int, params: SamplingPar
     ids = [x for x in tokenize_prompts(tokenizer, records) for _ in range(n)]
     prompt_ids, prompt_mask = left_pad(ids, engine.pad_id, width=prompt_width)
     prompt_ids, prompt_mask = prompt_ids.to(device), prompt_mask.to(device)
-    responses, mask = engine.generate(prompt_ids, prompt_mask, params)
+    responses, mask, sampled_logp = engine.generate(prompt_ids, prompt_mask, params)
     rep = lambda xs: [x for x in xs for _ in range(n)]  # noqa: E731
     rows, keeps = responses.tolist(), mask.tolist()  # the step's one read of the responses (rewards need text)
     return RolloutBatch(
@@ -273,7 +419,7 @@ def rollout_groups(engine, tokenizer, records: list, n: int, params: SamplingPar
         response_text=decode_responses(tokenizer, rows, keeps),
         ground_truth=rep([r.ground_truth for r in records]), data_source=rep([r.data_source for r in records]),
         extra_info=rep([r.extra_info for r in records]),
-        lengths=[(len(p), round(sum(k))) for p, k in zip(ids, keeps)],
+        lengths=[(len(p), round(sum(k))) for p, k in zip(ids, keeps)], rollout_logp=sampled_logp,
     )
 
 

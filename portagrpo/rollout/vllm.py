@@ -21,10 +21,15 @@ from typing import Any, Iterable, Iterator
 import torch
 
 from portagrpo.errors import UserError
-from portagrpo.rollout.engines import ROLLOUT_ENGINES, SamplingParams, response_mask_from_tokens
+from portagrpo.rollout.engines import (
+    ROLLOUT_ENGINES,
+    Sampled,
+    SamplingParams,
+    hf_weight_names,
+    response_mask_from_tokens,
+)
 
-PEFT_PREFIX = "base_model.model."
-
+vllm_weight_names = hf_weight_names  # vLLM loads checkpoints by their Hugging Face names
 
 def sampling_kwargs(
     params: SamplingParams, *, seed: int | None, stop_token_ids: list[int], n: int = 1
@@ -42,24 +47,22 @@ def sampling_kwargs(
         "seed": seed,
         "stop_token_ids": list(stop_token_ids),
         "detokenize": False,
+        "logprobs": 0,  # the sampled token's own log-prob (0 alternatives); its distribution: LOGPROBS_MODE
     }
 
 
-def vllm_weight_names(state: dict[str, torch.Tensor] | Iterable[tuple[str, torch.Tensor]], *,
-                      tied_embeddings: bool) -> Iterator[tuple[str, torch.Tensor]]:
-    """Hugging Face parameter names as vLLM's `load_weights` expects them.
+# vLLM's sampler reports log-probs "raw" (the model's full softmax, its default) or "processed" (after
+# penalties, temperature, min-p and top-k/top-p: the distribution it draws from). The sampler's log-prob
+# is the processed one, so the importance ratio against the trainer accounts for truncation (TRL asks
+# the same of vLLM). The engine argument exists in every supported version (vllm/config/model.py).
+LOGPROBS_MODE = "processed_logprobs"
 
-    vLLM loads checkpoints by their Hugging Face names (it fuses q/k/v and gate/up itself), so
-    names pass through, except: peft's wrapper prefix is removed (adapters are merged before
-    this), LoRA factors are never sent, and a tied LM head is skipped (vLLM ties it itself).
-    """
-    for name, tensor in (state.items() if isinstance(state, dict) else state):
-        if "lora_" in name:
-            continue
-        name = name.removeprefix("lm.").removeprefix(PEFT_PREFIX).replace(".base_layer.", ".")
-        if tied_embeddings and name == "lm_head.weight":
-            continue
-        yield name, tensor
+
+def sampled_logprobs(output, count: int) -> list[float]:
+    """The sampled tokens' log-probs of one vLLM completion (`CompletionOutput.logprobs`: per token, a
+    dict from token id to Logprob that always holds the sampled token)."""
+    steps = output.logprobs or []
+    return [float(step[token].logprob) for token, step in zip(list(output.token_ids)[:count], steps)]
 
 
 def bucket_tensors(
@@ -205,7 +208,8 @@ class VLLMRollout:
         self.llm = vllm.LLM(model=model_path, tokenizer=model_path, dtype=dtype, seed=seed,
                             gpu_memory_utilization=gpu_memory_utilization, enable_sleep_mode=True,
                             max_model_len=max_model_len, tensor_parallel_size=1,
-                            generation_config="vllm", **extra,  # no sampling defaults from the model's file
+                            generation_config="vllm", logprobs_mode=LOGPROBS_MODE,
+                            **extra,  # generation_config="vllm": no sampling defaults from the model's file
                             **({"additional_config": additional} if additional else {}))
         self.state = SleepState()
         self._sleep()  # hand the memory to training until the first rollout
@@ -249,7 +253,7 @@ class VLLMRollout:
         return [(base + i) % 2**31 for i in range(count)]
 
     @torch.no_grad()
-    def generate(self, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, params: SamplingParams):
+    def generate(self, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, params: SamplingParams) -> Sampled:
         self._wake(SleepState.POOLS)
         try:
             prompts = [self._tokens_prompt(prompt_token_ids=[t for t, m in zip(ids, mask) if m])
@@ -259,12 +263,15 @@ class VLLMRollout:
             outputs = self.llm.generate(prompts, sampling, use_tqdm=False)
         finally:
             self._sleep()
-        rows = []
+        rows, logps = [], []
         for out in outputs:
             tokens = list(out.outputs[0].token_ids)[: params.max_tokens]
             rows.append(tokens + [self.pad_id] * (params.max_tokens - len(tokens)))
+            lp = sampled_logprobs(out.outputs[0], params.max_tokens)
+            logps.append(lp + [0.0] * (params.max_tokens - len(lp)))
         responses = torch.tensor(rows, dtype=torch.long, device=prompt_ids.device)
         mask = response_mask_from_tokens(responses, self.eos_ids)
         lengths = torch.tensor([len(o.outputs[0].token_ids) for o in outputs], device=prompt_ids.device)
         mask = mask * (torch.arange(params.max_tokens, device=mask.device).unsqueeze(0) < lengths.unsqueeze(1)).float()
-        return torch.where(mask.bool(), responses, torch.full_like(responses, self.pad_id)), mask
+        logp = torch.tensor(logps, dtype=torch.float32, device=prompt_ids.device) * mask
+        return Sampled(torch.where(mask.bool(), responses, torch.full_like(responses, self.pad_id)), mask, logp)

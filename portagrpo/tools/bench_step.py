@@ -81,7 +81,7 @@ def run_variant(config: str | None, overrides: list[str], steps: int, warmup: in
         try:
             rows = [trainer.step().metrics for _ in range(steps + warmup)][warmup:]
             models, rt = trainer.models, trainer.runtime
-            scoring_passes = (0 if trainer.experience.settings.on_policy else 1) + (models.ref_scorer is not None)
+            scoring_passes = int(trainer.experience.settings.scoring_pass) + (models.ref_scorer is not None)
             params = sum(p.numel() for p in models.policy.parameters())
             rate = matmul_flops_per_s(rt.device, rt.dtype if rt.dtype != torch.float64 else torch.float32)
             bandwidth = copy_bytes_per_s(trainer.runtime.device)

@@ -16,6 +16,7 @@ import torch
 
 from portagrpo import algo
 from portagrpo.algo.objective import Objective, Shaping, shape_and_advantage, total_loss
+from portagrpo.algo.rollout_correction import is_weights
 from portagrpo.kernels import logprob_impl
 from portagrpo.model.scorer import ResponseScorer
 from portagrpo.tolerances import DTYPES, relative_error, tolerance
@@ -30,6 +31,7 @@ AGG_MODES = ["token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mea
 KL_TYPES = ["k1", "abs", "k2", "k3", "full"]
 CLIP = dict(clip_low=0.2, clip_high=0.28, clip_c=3.0)
 TEMPERATURE = 0.9
+ROLLOUT_IS_THRESHOLD = 2.0
 LOSS_SCALE = 7.0
 OPT_STEPS = 3
 
@@ -37,6 +39,7 @@ OPT_STEPS = 3
 def _quantity(stage: str) -> str:
     head = stage.split("/")[0]
     return {"adv": "advantage", "logprob": "logprob", "entropy": "entropy", "loss_policy": "loss", "kl": "kl",
+            "rollout_is": "logprob",  # exp(log-ratio): its relative error is the log-probs' absolute one
             "total_loss": "loss", "grad_norm": "grad_norm", "params_after_3_steps": "params"}[head]
 
 
@@ -164,6 +167,12 @@ def compute_stages(scn: dict[str, torch.Tensor], s: Setting) -> dict[str, torch.
         for name in KL_TYPES:
             kl = algo.kl_penalty(name, logp, ref, logp_vocab=logp_vocab, ref_logp_vocab=ref_vocab)
             out[f"kl/{name}"] = kl * mask  # per token: a mean of k1 cancels and would inflate relative errors
+        # rollout correction (verl 0.9.1's semantics): the fixture's old log-probs play the sampler, this
+        # backend's policy the trainer; truncated (TIS) weights, token and sequence level, and the loss they weight
+        for level in ("token", "sequence"):
+            weights, _ = is_weights(logp - old, mask, level, ROLLOUT_IS_THRESHOLD)
+            out[f"rollout_is/{level}"] = weights
+            out[f"loss_policy/rollout_is_{level}"] = algo.aggregate_loss(pg * weights, mask, "token-mean")
     loss = _total_loss(policy, scn, s, adv)
     loss.backward()
     out["total_loss"] = loss.detach()

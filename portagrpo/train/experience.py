@@ -9,9 +9,11 @@ from typing import Callable
 import torch
 
 from portagrpo.algo.objective import Shaping, shape_and_advantage
+from portagrpo.algo.rollout_correction import RolloutCorrection, correct_rollout, gap_report
 from portagrpo.batch import RolloutBatch, TrainBatch
 from portagrpo.config import Config
 from portagrpo.data.records import PromptRecord, tokenize_prompts
+from portagrpo.errors import UserError
 from portagrpo.metrics import pass_at_k
 from portagrpo.model.scorer import eval_mode, response_stats
 from portagrpo.rewards.functions import ScoredBatch, score_responses
@@ -35,6 +37,7 @@ class Experience:
     correct: torch.Tensor  # [B] 0/1
     entropy: torch.Tensor | None  # [B, T] from the scoring pass; None on on-policy steps (taken from the update)
     reward_errors: float
+    rollout_corr: dict[str, float]  # `rollout_corr/*` metrics when the old log-probs came before the update
     t_gen: float  # perf_counter when generation ended
     t_scored: float  # perf_counter when the rewards were in (log-probs and advantages follow)
 
@@ -60,13 +63,21 @@ def solved_of(correct: torch.Tensor) -> torch.Tensor:
     return torch.tensor([pass_at_k(k, int(c), k) for c in correct.sum(dim=1).tolist()], dtype=torch.float64)
 
 
+def correction_from(cfg: Config) -> RolloutCorrection:
+    rc = cfg.algorithm.rollout_correction
+    return RolloutCorrection(rollout_is=rc.rollout_is, rollout_is_threshold=rc.rollout_is_threshold,
+                             rollout_is_batch_normalize=rc.rollout_is_batch_normalize, rollout_rs=rc.rollout_rs,
+                             rollout_rs_threshold=rc.rollout_rs_threshold, bypass_mode=rc.bypass_mode)
+
+
 def is_on_policy(cfg: Config) -> bool:
     """One update on the whole batch: the policy that sampled is the one being updated, so the
     old log-probs are the update's own (detached) and their separate pass is skipped, as in
-    verl. A KL-in-reward needs old log-probs before the update, so it keeps the pass."""
-    a = cfg.actor
+    verl. A KL-in-reward and a rollout correction need old log-probs before the update, so they keep
+    the pass; in bypass mode the sampler's log-probs are the old ones, so no pass runs either way."""
+    a, rc = cfg.actor, cfg.algorithm.rollout_correction
     return (a.ppo_epochs == 1 and a.ppo_mini_batch_size == cfg.rollout_batch_size
-            and not cfg.algorithm.use_kl_in_reward)
+            and not cfg.algorithm.use_kl_in_reward and not (rc.rollout_is or rc.rollout_rs))
 
 
 @dataclass(frozen=True)
@@ -81,6 +92,7 @@ class ExperienceSettings:
     val_batch_size: int  # prompts per validation rollout, over all ranks
     max_error_frac: float
     on_policy: bool
+    correction: RolloutCorrection
 
     @classmethod
     def from_config(cls, cfg: Config, world_size: int) -> "ExperienceSettings":
@@ -93,7 +105,13 @@ class ExperienceSettings:
         return cls(seed=cfg.trainer.seed, n=r.n, micro_batch_size=cfg.logprob_micro_batch(world_size),
                    temperature=r.temperature, sampling=sampling(r.temperature),
                    val_sampling=sampling(r.val_temperature), val_n=r.val_n, val_batch_size=cfg.data.train_batch_size,
-                   max_error_frac=cfg.reward.max_error_frac, on_policy=is_on_policy(cfg))
+                   max_error_frac=cfg.reward.max_error_frac, on_policy=is_on_policy(cfg),
+                   correction=correction_from(cfg))
+
+    @property
+    def scoring_pass(self) -> bool:
+        """Whether the policy scores the batch before the update (the old log-probs)."""
+        return not (self.on_policy or self.correction.bypass_mode)
 
 
 class ExperienceMaker:
@@ -105,6 +123,7 @@ class ExperienceMaker:
         self.tokenizer, self.reward, self.reward_pool = data.tokenizer, data.reward, data.reward_pool
         self.scorer, self.ref_scorer, self.strategy = models.scorer, models.ref_scorer, models.strategy
         self.engine = engine
+        self.corr_metrics: dict[str, float] = {}
 
     def make(self, step: int, prompts: list[PromptRecord]) -> Experience:
         """Rollout, reward, log-probs and advantages for `step` of the global prompt batch `prompts`."""
@@ -120,30 +139,58 @@ class ExperienceMaker:
         for failure in scored.failures[:3]:
             self.log(f"step {step}: reward failed on sample {failure.sample} (prompt id {failure.prompt_id}): "
                      f"{failure.message}")
-        old_logp, entropy = self.logprobs(self.scorer, rb, entropy=True) if not s.on_policy else (None, None)
+        old_logp, entropy = self.logprobs(self.scorer, rb, entropy=True) if s.scoring_pass else (None, None)
         ref_logp = self.logprobs(self.ref_scorer, rb, entropy=False)[0] if self.ref_scorer is not None else None
         local = Scored(torch.tensor(scored.scores, dtype=torch.float32, device=device),
                        torch.tensor(scored.correct, dtype=torch.float32, device=device),
                        torch.tensor([float(len(scored.failures))], device=device), old_logp, ref_logp, entropy)
         full_rb, g = self.gather(rb, local)
-        scores, adv = self.advantages(full_rb, g.scores, g.old_logp, g.ref_logp)
-        return Experience(TrainBatch(full_rb, adv, g.old_logp, g.ref_logp), raw_scores=g.scores, scores=scores,
-                          correct=g.correct, entropy=g.entropy, reward_errors=float(g.errors.sum()),
-                          t_gen=t_gen, t_scored=t_scored)
+        batch, scores = self.train_batch(full_rb, g.scores, g.old_logp, g.ref_logp)
+        return Experience(batch, raw_scores=g.scores, scores=scores, correct=g.correct, entropy=g.entropy,
+                          reward_errors=float(g.errors.sum()), rollout_corr=self.corr_metrics, t_gen=t_gen,
+                          t_scored=t_scored)
 
     def from_record(self, record: StepRecord) -> Experience:
         """Rebuild a recorded step's global batch on this backend: log-probs and advantages are
         recomputed here; rollout tokens and rewards are exactly the recorded ones."""
         d, t_start = self.runtime.device, time.perf_counter()
         rb = record.rollout_batch(d)
-        on_policy = self.settings.on_policy
-        old_logp, entropy = self.logprobs(self.scorer, rb, entropy=True) if not on_policy else (None, None)
+        scoring = self.settings.scoring_pass
+        old_logp, entropy = self.logprobs(self.scorer, rb, entropy=True) if scoring else (None, None)
         ref_logp = self.logprobs(self.ref_scorer, rb, entropy=False)[0] if self.ref_scorer is not None else None
         raw = record.scores.to(d)
-        scores, adv = self.advantages(rb, raw, old_logp, ref_logp)
-        return Experience(TrainBatch(rb, adv, old_logp, ref_logp), raw_scores=raw, scores=scores,
-                          correct=record.correct.to(d), entropy=entropy, reward_errors=0.0,
+        batch, scores = self.train_batch(rb, raw, old_logp, ref_logp)
+        return Experience(batch, raw_scores=raw, scores=scores, correct=record.correct.to(d), entropy=entropy,
+                          reward_errors=0.0, rollout_corr=self.corr_metrics,
                           t_gen=t_start, t_scored=t_start)  # nothing generated or scored: both times are 0
+
+    def train_batch(self, rb: RolloutBatch, raw_scores: torch.Tensor, old_logp: torch.Tensor | None,
+                    ref_logp: torch.Tensor | None) -> tuple[TrainBatch, torch.Tensor]:
+        """The global batch with its rollout correction and advantages; also the shaped scores.
+        Sets `corr_metrics` (the `rollout_corr/*` metrics of a batch scored before its update)."""
+        spec, sampled = self.settings.correction, rb.rollout_logp
+        if spec.bypass_mode:
+            if sampled is None:
+                raise UserError("algorithm.rollout_correction.bypass_mode=true needs the sampler's log-probs, and "
+                                "this rollout engine reports none; use rollout.engine=hf or vllm, or "
+                                "bypass_mode=false.")
+            old_logp = sampled
+        weights, loss_mask, self.corr_metrics = None, None, {}
+        if sampled is not None and old_logp is not None and not spec.bypass_mode:
+            if spec.active:
+                try:
+                    weights, loss_mask, self.corr_metrics = correct_rollout(old_logp, sampled, rb.response_mask, spec)
+                except ValueError as err:
+                    raise UserError(str(err)) from None
+            else:
+                self.corr_metrics = gap_report(old_logp, sampled, rb.response_mask)
+        elif spec.active:
+            raise UserError("algorithm.rollout_correction.rollout_is/rollout_rs need the sampler's log-probs, and "
+                            "this rollout engine reports none; use rollout.engine=hf or vllm.")
+        mask = rb.response_mask if loss_mask is None else loss_mask
+        scores, adv = shape_and_advantage(raw_scores, rb.uid, mask, self.shaping, old_logp=old_logp,
+                                          ref_logp=ref_logp)
+        return TrainBatch(rb, adv, old_logp, ref_logp, is_weights=weights, loss_mask=loss_mask), scores
 
     def local_records(self, records: list[PromptRecord]) -> list[PromptRecord]:
         """This rank's share of the global prompt batch (whole prompts, so whole groups)."""
@@ -199,15 +246,9 @@ class ExperienceMaker:
             response_text=[], ground_truth=[], data_source=[], extra_info=[],
             # the step's one read of the global lengths, so every rank's update plans on the host
             lengths=[(p, r) for p, r in g(torch.tensor(rb.host_lengths(), device=self.runtime.device)).tolist()],
+            rollout_logp=None if rb.rollout_logp is None else g(rb.rollout_logp),
         )
         return full, Scored(*(None if v is None else g(v) for v in local.tensors()))
-
-    def advantages(
-        self, batch: RolloutBatch, scores: torch.Tensor, old_logp, ref_logp
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Reward shaping then the group advantage (algo.objective). Returns (scores', advantages [B, T])."""
-        return shape_and_advantage(scores, batch.uid, batch.response_mask, self.shaping, old_logp=old_logp,
-                                   ref_logp=ref_logp)
 
     def validate(self, step: int, val_records: list[PromptRecord]) -> dict[str, float]:
         """Held-out mean reward and accuracy after `step`; the split is shared across ranks and reduced."""

@@ -18,6 +18,7 @@ from portagrpo.errors import UserError
 from portagrpo.fileio import atomic_path
 
 ROLLOUT_TENSORS = ("prompt_ids", "prompt_mask", "responses", "response_mask", "uid", "prompt_index")
+OPTIONAL_TENSORS = ("rollout_logp",)  # the sampler's log-probs, when the engine reported them
 
 
 @dataclass
@@ -46,7 +47,8 @@ class StepRecord:
     def load(cls, path: Path) -> "StepRecord":
         try:
             raw = torch.load(path, weights_only=False)
-            return cls(rollout={k: raw[k] for k in ROLLOUT_TENSORS}, scores=raw["scores"], correct=raw["correct"],
+            rollout = {k: raw[k] for k in ROLLOUT_TENSORS} | {k: raw[k] for k in OPTIONAL_TENSORS if k in raw}
+            return cls(rollout=rollout, scores=raw["scores"], correct=raw["correct"],
                        metrics=raw["metrics"], fingerprint=raw["fingerprint"], setting=raw.get("setting", {}))
         except (KeyError, TypeError, RuntimeError, EOFError) as err:
             raise UserError(f"{path} is not a whole rollout record ({type(err).__name__}: {err}); record the run "
@@ -57,12 +59,14 @@ class StepRecord:
         r = self.rollout
         lengths = torch.stack([r["prompt_mask"].sum(1), r["response_mask"].sum(1).round().long()], dim=1)
         return RolloutBatch(**{k: r[k].to(device) for k in ROLLOUT_TENSORS}, response_text=[], ground_truth=[],
-                            data_source=[], extra_info=[], lengths=[(int(p), int(n)) for p, n in lengths.tolist()])
+                            data_source=[], extra_info=[], lengths=[(int(p), int(n)) for p, n in lengths.tolist()],
+                            rollout_logp=r["rollout_logp"].to(device) if "rollout_logp" in r else None)
 
 
 def record_of(rollout: RolloutBatch, scores: torch.Tensor, correct: torch.Tensor, metrics: dict[str, Any],
               fingerprint: dict[str, list[float]], setting: dict[str, str]) -> StepRecord:
-    return StepRecord({k: getattr(rollout, k).detach().cpu() for k in ROLLOUT_TENSORS}, scores.detach().cpu(),
+    tensors = {k: getattr(rollout, k) for k in ROLLOUT_TENSORS + OPTIONAL_TENSORS if getattr(rollout, k) is not None}
+    return StepRecord({k: v.detach().cpu() for k, v in tensors.items()}, scores.detach().cpu(),
                       correct.detach().cpu(), metrics, fingerprint, setting)
 
 

@@ -8,6 +8,7 @@ import torch
 
 from portagrpo.algo.advantages import zero_std_group_fraction
 from portagrpo.algo.losses import masked_mean
+from portagrpo.algo.rollout_correction import gap_report
 from portagrpo.metrics import StepMetrics
 from portagrpo.train.build import Runtime
 from portagrpo.train.experience import Experience
@@ -66,4 +67,13 @@ def step_metrics(step: int, exp: Experience, stats: UpdateStats, times: StepTime
         tokens_per_s_per_device=(resp_tokens + prompt_tokens) / (took * runtime.comm.world_size),
         mem_peak_gb=float(runtime.comm.all_reduce_max(peak)),
         world_size=runtime.comm.world_size,
+        rollout_corr=exp.rollout_corr or _measured_in_update(exp, stats),
     )
+
+
+def _measured_in_update(exp: Experience, stats: UpdateStats) -> dict[str, float] | None:
+    """Without a scoring pass the trainer's log-probs come from the update's own forwards."""
+    rb = exp.batch.rollout
+    if stats.trainer_logp is None or rb.rollout_logp is None:
+        return None
+    return gap_report(stats.trainer_logp, rb.rollout_logp, rb.response_mask)

@@ -14,7 +14,7 @@ from portagrpo.batch import RolloutBatch, TrainBatch
 from portagrpo.config import Config
 from portagrpo.model.scorer import eval_mode, response_stats
 from portagrpo.train.build import Models, Optimization, Runtime
-from portagrpo.train.experience import seed_for
+from portagrpo.train.experience import ExperienceSettings, seed_for
 
 
 @dataclass(frozen=True)
@@ -27,6 +27,9 @@ class UpdateSettings:
     temperature: float  # the sampling temperature, which scoring divides the logits by
     entropy_coeff: float
     full_vocab_kl: bool  # the KL loss needs both models' full-vocabulary log-probs
+    # No scoring pass ran before the update (on-policy or bypass): the entropy metric and the
+    # trainer's log-probs for the rollout_corr metrics come from the update's own first-epoch forwards.
+    measure_in_update: bool
 
     @classmethod
     def from_config(cls, cfg: Config, world_size: int) -> "UpdateSettings":
@@ -35,7 +38,8 @@ class UpdateSettings:
                    micro_batch_size=cfg.micro_batch(world_size), grad_clip=a.grad_clip,
                    temperature=cfg.rollout.temperature,
                    entropy_coeff=a.entropy_coeff,
-                   full_vocab_kl=a.use_kl_loss and a.kl_loss_type.rstrip("+") == "full")
+                   full_vocab_kl=a.use_kl_loss and a.kl_loss_type.rstrip("+") == "full",
+                   measure_in_update=not ExperienceSettings.from_config(cfg, world_size).scoring_pass)
 
 
 @dataclass(frozen=True)
@@ -52,6 +56,9 @@ class UpdateStats:
     entropy: float | None  # from the update's own forward: on-policy steps only
     kl: float | None  # with a reference model
     loss_kl: float | None  # with a KL loss
+    # [B, T] the trainer's log-probs of the global batch from the first epoch's forwards, when no scoring
+    # pass ran and the engine reported its own (for the rollout_corr metrics); else None
+    trainer_logp: torch.Tensor | None = None
 
 
 class MetricSums:
@@ -100,52 +107,64 @@ class Updater:
         g = torch.Generator().manual_seed(seed_for(s.seed, step, 2))
         per_rank = s.mini_batch_size // comm.world_size
         sums, grad_norms, lr = MetricSums(), [], self.scheduler.get_last_lr()[0]
+        seen = None  # the first epoch's log-probs, each rank its rows
+        if s.measure_in_update and batch.rollout.rollout_logp is not None:
+            seen = torch.zeros_like(batch.rollout.rollout_logp)
         self.scorer.train()
         with self.runtime.backend.region("update"):
-            for _ in range(s.ppo_epochs):
+            for epoch in range(s.ppo_epochs):
                 order = torch.randperm(batch.rollout.size, generator=g)
                 for mini_idx in order.split(s.mini_batch_size):
-                    mine = batch.select(mini_idx[comm.rank * per_rank:(comm.rank + 1) * per_rank])
-                    self._accumulate_gradients(mine, sums)
+                    rows = mini_idx[comm.rank * per_rank:(comm.rank + 1) * per_rank]
+                    self._accumulate_gradients(batch.select(rows), sums, rows, seen if epoch == 0 else None)
                     grad_norms.append(self._clip_and_step(step))
             n_updates = s.ppo_epochs * (batch.rollout.size // s.mini_batch_size)
             m = sums.reduce(comm, self.runtime.device, n_updates)
+            if seen is not None and comm.world_size > 1:  # every row was written by exactly one rank
+                seen = comm.all_reduce_sum(seen)
         self.scheduler.step()
         return UpdateStats(loss_policy=m.get("loss_policy", 0.0), clipfrac=m["clipfrac"],
                            clipfrac_lower=m["clipfrac_lower"], ppo_kl=m["ppo_kl"], ratio_mean=m["ratio_mean"],
                            grad_norm=sum(grad_norms) / len(grad_norms), lr=lr, entropy=m.get("entropy"),
-                           kl=m.get("kl"), loss_kl=m.get("loss_kl"))
+                           kl=m.get("kl"), loss_kl=m.get("loss_kl"), trainer_logp=seen)
 
-    def _accumulate_gradients(self, mine: TrainBatch, sums: MetricSums) -> None:
-        """This rank's slice of one mini-batch, micro-batch by micro-batch, normalised over all ranks."""
+    def _accumulate_gradients(self, mine: TrainBatch, sums: MetricSums, rows: torch.Tensor,
+                              seen: torch.Tensor | None) -> None:
+        """This rank's slice `rows` of one mini-batch, micro-batch by micro-batch, normalised over all
+        ranks; each micro-batch's log-probs go to `seen` when it is given."""
         # Counts are whole numbers: reduced exactly as int64 (no vendor reduces float64 everywhere).
-        counts = torch.stack(algo.loss_normalizers(mine.rollout.response_mask)).round().long()
+        counts = torch.stack(algo.loss_normalizers(mine.mask)).round().long()
         n_tok, n_seq = self.runtime.comm.all_reduce_sum(counts).to(torch.float64).unbind()
         self.optimizer.zero_grad(set_to_none=True)
         micros = torch.arange(mine.rollout.size).split(self.settings.micro_batch_size)
         for i, micro_idx in enumerate(micros):
             micro = mine.select(micro_idx)
-            loss, m = self.micro_loss(micro, n_tok, n_seq)
+            loss, m, logp = self.micro_loss(micro, n_tok, n_seq)
+            if seen is not None:
+                seen.index_copy_(0, rows[micro_idx].to(seen.device), logp.to(seen.dtype))
             self.strategy.gradient_sync(self.scorer, enabled=i == len(micros) - 1)
             loss.backward()
             sums.add(m, sum(r for _, r in micro.rollout.host_lengths()))
         self.strategy.sync_grads(self.params)
 
-    def micro_loss(self, micro: TrainBatch, num_tokens, num_seqs) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    def micro_loss(self, micro: TrainBatch, num_tokens,
+                   num_seqs) -> tuple[torch.Tensor, dict[str, torch.Tensor], torch.Tensor]:
+        """The micro-batch's loss, its metrics, and its log-probs (detached)."""
         s = self.settings
-        rb, mask = micro.rollout, micro.rollout.response_mask
+        rb, mask = micro.rollout, micro.mask
         full_kl = s.full_vocab_kl
         on_policy = micro.old_logp is None
         stats = response_stats(self.scorer, rb, temperature=s.temperature, compute_entropy=s.entropy_coeff != 0
-                               or on_policy, vocab=full_kl, autocast=self.runtime.autocast)
+                               or s.measure_in_update, vocab=full_kl, autocast=self.runtime.autocast)
         logp = stats.logp  # fp32 (fp64 for an fp64 model): kernels never return bf16
         old = logp.detach() if on_policy else micro.old_logp  # on-policy: the policy that sampled is this one
         loss, m = total_loss(logp, old, micro.advantages, mask, self.objective, num_tokens=num_tokens,
                              num_seqs=num_seqs, ref_logp=micro.ref_logp, entropy=stats.entropy,
-                             logp_vocab=stats.logp_vocab, ref_logp_vocab=self._ref_vocab(rb) if full_kl else None)
-        if on_policy:  # the entropy metric comes from this forward (no separate scoring pass ran)
+                             logp_vocab=stats.logp_vocab, ref_logp_vocab=self._ref_vocab(rb) if full_kl else None,
+                             is_weights=micro.is_weights)
+        if s.measure_in_update:  # the entropy metric comes from this forward (no separate scoring pass ran)
             m["entropy"] = masked_mean(stats.entropy.detach(), mask)
-        return loss, m
+        return loss, m, logp.detach()
 
     @torch.no_grad()
     def _ref_vocab(self, batch: RolloutBatch) -> torch.Tensor:

@@ -62,7 +62,7 @@ def test_off_means_off_sampling_follows_the_softmax(qwen_dir, tokenizer):
     prompt = torch.tensor([tokenizer.encode("copy 7:")])
     n = 600
     torch.manual_seed(0)
-    responses, _ = engine.generate(prompt.repeat(n, 1), torch.ones(n, prompt.shape[1], dtype=torch.long),
+    responses, _, _ = engine.generate(prompt.repeat(n, 1), torch.ones(n, prompt.shape[1], dtype=torch.long),
                                    SamplingParams(max_tokens=1, temperature=1.0))
     with torch.no_grad():
         probs = torch.softmax(model(input_ids=prompt).logits[0, -1].double(), -1)
@@ -84,7 +84,7 @@ def test_greedy_has_no_repetition_penalty_and_stops_at_every_eos(qwen_dir, token
     from portagrpo.data.records import left_pad
 
     ids, mask = left_pad(prompts, engine.pad_id, width=width)
-    responses, rmask = engine.generate(ids, mask, SamplingParams(max_tokens=6, temperature=0.0))
+    responses, rmask, _ = engine.generate(ids, mask, SamplingParams(max_tokens=6, temperature=0.0))
     for row, prompt in enumerate(prompts):
         want = manual_greedy(model, torch.tensor([prompt]), 6)[0].tolist()
         stop = next((i + 1 for i, t in enumerate(want) if t in engine.eos_ids), len(want))
@@ -173,3 +173,91 @@ def test_greedy_validation_with_several_samples_is_refused():
     with pytest.raises(ConfigError, match="pass@4 would equal accuracy"):
         load_config(None, ["rollout.val_n=4", "rollout.val_temperature=0"])
     assert load_config(None, ["rollout.val_n=4", "rollout.val_temperature=0.7"]).rollout.val_n == 4
+
+
+# ---------------------------------------------------------------- the sampler's log-probs
+
+
+def test_sampler_logprobs_equal_the_trainers_in_fp32(tmp_path, qwen_dir):
+    """Identical fp32 weights, no truncation: the log-prob each token was drawn with is the trainer's
+    old log-prob (to the fp32 tolerance), and the step reports the gap as verl names it."""
+    from portagrpo.tolerances import TOLERANCES
+
+    t = _trainer(tmp_path, qwen_dir, "actor.ppo_mini_batch_size=4", "actor.micro_batch_size=4",
+                 "rollout.temperature=0.8", "rollout.top_p=1.0", "rollout.top_k=-1")
+    exp = t.experience.make(1, t.parts.data.loader.next_batch())
+    rb, mask = exp.batch.rollout, exp.batch.rollout.response_mask.bool()
+    assert rb.rollout_logp is not None and exp.batch.old_logp is not None
+    gap = (rb.rollout_logp - exp.batch.old_logp)[mask].abs().max()
+    assert gap <= TOLERANCES[torch.float32]["logprob"], gap
+    assert torch.all(rb.rollout_logp[~mask] == 0)
+    metrics = t.step().metrics
+    for key in ("rollout_corr/kl", "rollout_corr/k3_kl", "rollout_corr/log_ppl_diff", "rollout_corr/chi2_token",
+                "rollout_corr/abs_logp_diff_mean", "rollout_corr/abs_logp_diff_max", "rollout_corr/eff_sample_size"):
+        assert key in metrics, key
+    assert metrics["rollout_corr/abs_logp_diff_max"] <= TOLERANCES[torch.float32]["logprob"]
+
+
+@pytest.mark.parametrize("truncation", [["rollout.top_k=3"], ["rollout.top_p=0.5"], ["rollout.min_p=0.2"]])
+def test_under_truncation_the_sampler_logprob_is_over_the_kept_tokens(tmp_path, qwen_dir, truncation):
+    """The sampler's distribution is renormalised over the tokens top-k/top-p/min-p keep; the trainer's is the
+    whole vocabulary at the temperature. Each sampled token's recorded log-prob is the former, checked here
+    against transformers' own warpers applied to the model's logits; the ratio pi_train/pi_sampler <= 1 is the
+    importance weight of the kept support."""
+    from transformers.generation.logits_process import MinPLogitsWarper, TopKLogitsWarper, TopPLogitsWarper
+
+    t = _trainer(tmp_path, qwen_dir, "actor.ppo_mini_batch_size=4", "actor.micro_batch_size=4",
+                 "rollout.temperature=0.7", *truncation)
+    r = t.cfg.rollout
+    warp = (TopKLogitsWarper(r.top_k) if r.top_k > 0 else TopPLogitsWarper(r.top_p) if r.top_p < 1
+            else MinPLogitsWarper(r.min_p))
+    exp = t.experience.make(1, t.parts.data.loader.next_batch())
+    rb = exp.batch.rollout
+    from portagrpo.model.loading import position_ids_from_mask
+
+    t.models.policy.eval()  # the test's own forward: no dropout, positions as generate counts them
+    with torch.no_grad():
+        logits = t.models.policy(input_ids=rb.input_ids, attention_mask=rb.attention_mask,
+                                 position_ids=position_ids_from_mask(rb.attention_mask)).logits.float()
+    width = rb.prompt_len
+    for row in range(rb.size):
+        for pos in range(int(rb.response_mask[row].sum())):
+            scores = logits[row, width + pos - 1: width + pos] / r.temperature
+            kept = torch.log_softmax(warp(rb.input_ids[row: row + 1, : width + pos], scores), dim=-1)
+            token = rb.responses[row, pos]
+            assert rb.rollout_logp[row, pos] == pytest.approx(float(kept[0, token]), abs=1e-4)
+    mask = rb.response_mask.bool()
+    assert torch.all(exp.batch.old_logp[mask] <= rb.rollout_logp[mask] + 1e-5)
+
+
+def test_rollout_correction_trains_and_reweights_the_loss(tmp_path, qwen_dir):
+    """With top-k truncation the sampler differs from the trainer: token IS weights (truncated at 2) and
+    rejection change the loss, and the metrics report them."""
+    reward = tmp_path / "by_length.py"  # varied rewards, so the advantages (and the loss) are not 0
+    reward.write_text("def score(data_source, solution_str, ground_truth, extra_info=None):\n"
+                      "    return len(solution_str) / 10\n")
+    common = ["actor.ppo_mini_batch_size=4", "actor.micro_batch_size=4", "rollout.top_k=4", "trainer.seed=3",
+              f"reward.function={reward}:score", "reward.num_workers=0"]
+    plain = _trainer(tmp_path / "plain", qwen_dir, *common).step().metrics
+    corrected = _trainer(tmp_path / "is", qwen_dir, *common, "algorithm.rollout_correction.rollout_is=token",
+                         "algorithm.rollout_correction.rollout_rs=seq_mean_k3",
+                         "algorithm.rollout_correction.rollout_rs_threshold=100").step().metrics
+    assert corrected["reward_mean"] == plain["reward_mean"]  # the same samples
+    assert corrected["rollout_corr/rollout_is_mean"] < 1.0  # pi_train < pi_sampler on the kept support
+    assert corrected["rollout_corr/rollout_rs_masked_fraction"] == 0.0
+    assert corrected["loss_policy"] != pytest.approx(plain["loss_policy"], rel=1e-3)
+    assert "rollout_corr/rollout_is_mean" not in plain and "rollout_corr/kl" in plain
+
+
+def test_bypass_mode_uses_the_samplers_logprobs_as_the_old_ones(tmp_path, qwen_dir, monkeypatch):
+    t = _trainer(tmp_path, qwen_dir, "actor.ppo_mini_batch_size=4", "actor.micro_batch_size=4",
+                 "algorithm.rollout_correction.bypass_mode=true", "rollout.top_k=4")
+    calls = []
+    real = t.experience.logprobs
+    monkeypatch.setattr(t.experience, "logprobs", lambda scorer, *a, **k: calls.append(scorer) or real(scorer, *a, **k))
+    out = t.step()
+    assert t.models.scorer not in calls  # no scoring pass before the update
+    assert torch.equal(out.experience.batch.old_logp, out.experience.batch.rollout.rollout_logp)
+    m = out.metrics
+    assert m["ratio_mean"] < 1.0 and math.isfinite(m["entropy"])  # pi_train / pi_sampler with truncation
+    assert m["rollout_corr/abs_logp_diff_mean"] > 0  # measured from the update's own first forward

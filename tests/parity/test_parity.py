@@ -63,6 +63,8 @@ def test_golden_covers_every_stage():
     golden = parity.load_fixture(parity.GOLDEN_FILE)
     expected = {"adv/grpo", "adv/drgrpo", "logprob", "entropy", "total_loss", "grad_norm", "params_after_3_steps"}
     expected |= {f"loss_policy/{m}" for m in parity.AGG_MODES} | {f"kl/{k}" for k in parity.KL_TYPES}
+    expected |= {f"rollout_is/{level}" for level in ("token", "sequence")}
+    expected |= {f"loss_policy/rollout_is_{level}" for level in ("token", "sequence")}
     assert set(golden) == expected
     scenario = parity.load_fixture(parity.SCENARIO_FILE)
     scores = scenario["scores"].view(3, 4)

@@ -1,6 +1,7 @@
 """The vLLM engine's own logic, with vLLM replaced by a recording stand-in (vLLM cannot be
 installed on these CPU machines): parameter mapping, weight names, bucketing, the
 sleep/wake cycle and the weight push after every optimizer step."""
+import math
 import re
 import sys
 import types
@@ -17,7 +18,8 @@ def test_sampling_parameter_mapping():
     kw = sampling_kwargs(SamplingParams(max_tokens=12, temperature=0.7, top_p=0.9, top_k=50, min_p=0.05,
                                         repetition_penalty=1.2), seed=3, stop_token_ids=[2])
     assert kw == {"n": 1, "temperature": 0.7, "top_p": 0.9, "top_k": 50, "min_p": 0.05, "repetition_penalty": 1.2,
-                  "max_tokens": 12, "seed": 3, "stop_token_ids": [2], "detokenize": False}
+                  "max_tokens": 12, "seed": 3, "stop_token_ids": [2], "detokenize": False,
+                  "logprobs": 0}
     # off means off: every knob is explicit, so vLLM takes nothing from the model's generation_config
     off = sampling_kwargs(SamplingParams(max_tokens=4), seed=0, stop_token_ids=[2])
     assert off["top_k"] == 0 and off["min_p"] == 0.0 and off["repetition_penalty"] == 1.0 and off["top_p"] == 1.0
@@ -132,8 +134,19 @@ class _FakeLLM:
             g = self.rng if seed is None else torch.Generator().manual_seed(seed + sum(p["prompt_token_ids"]))
             n = int(torch.randint(1, 6, (1,), generator=g))
             ids = torch.randint(5, 15, (n,), generator=g).tolist() + [2]
-            out.append(types.SimpleNamespace(outputs=[types.SimpleNamespace(token_ids=ids)]))
+            logprobs = None
+            if sp.kwargs.get("logprobs") is not None:  # the sampled token is always among the returned ones
+                lp = self._logprob(sp.kwargs)
+                logprobs = [{t: types.SimpleNamespace(logprob=lp, rank=1)} for t in ids]
+            out.append(types.SimpleNamespace(outputs=[types.SimpleNamespace(token_ids=ids, logprobs=logprobs)]))
         return out
+
+    def _logprob(self, sampling) -> float:
+        """Tokens are drawn uniformly from 11 kept ids (5..14 and EOS) of a 22-token model distribution
+        (uniform over 22 before truncation): vLLM's default logprobs_mode reports the raw distribution's
+        log-prob, "processed_logprobs" the one the token was drawn from (vllm/v1/sample/sampler.py)."""
+        processed = self.kwargs.get("logprobs_mode", "raw_logprobs") == "processed_logprobs"
+        return -math.log(11) if processed else -math.log(22)
 
 
 @pytest.fixture()
@@ -202,6 +215,21 @@ def test_samples_of_a_group_differ(tmp_path, fake_vllm):
     groups = rb.responses.view(4, 4, -1)
     for g in groups:
         assert len({tuple(r.tolist()) for r in g}) > 1
+
+
+def test_sampler_logprobs_are_the_processed_ones_vllm_drew_with(tmp_path, fake_vllm):
+    """The engine asks each request for the sampled token's log-prob and the engine for
+    logprobs_mode=processed_logprobs (the distribution after truncation); the stand-in returns the raw
+    one otherwise, so a missing mode would show here as log(1/22) instead of log(1/11)."""
+    t = _trainer(tmp_path)
+    llm = fake_vllm.instances[-1]
+    assert llm.kwargs["logprobs_mode"] == "processed_logprobs"
+    rb = t.experience.rollout(t.parts.data.loader.next_batch(), 4, SamplingParams(8, 0.8), uid_base=0)
+    mask = rb.response_mask.bool()
+    assert torch.allclose(rb.rollout_logp[mask], torch.full_like(rb.rollout_logp[mask], -math.log(11)))
+    assert torch.all(rb.rollout_logp[~mask] == 0)
+    metrics = t.step().metrics  # and the step measures the sampler against the trainer
+    assert metrics["rollout_corr/abs_logp_diff_mean"] > 0
 
 
 def test_engine_lands_on_the_ranks_device(tmp_path, fake_vllm, monkeypatch):

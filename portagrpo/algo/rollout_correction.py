@@ -1,0 +1,370 @@
+"""Rollout correction: the sampler's policy is not exactly the trainer's (another program, another
+dtype, truncated sampling), so its samples are reweighted (importance sampling, `rollout_is`),
+filtered (rejection sampling, `rollout_rs`) and the gap is measured (`rollout_corr/*` metrics).
+
+Semantics are verl 0.9.1's `compute_rollout_correction_and_rejection_mask`
+(`verl/trainer/ppo/rollout_corr_helper.py`), the parity suite holds its outputs, and
+`tests/unit/test_rollout_correction.py` compares them on random and adversarial inputs:
+
+- `log_ratio = old_logp - rollout_logp` (log pi_train / pi_rollout); every log-ratio that is
+  exponentiated is clamped to +-20 first.
+- IS weights, token level: exp(clamped per-token log-ratio); sequence level: exp(clamped *sum*
+  over the sequence's tokens), the same for every token of it. A number as the threshold truncates
+  from above (TIS); "L_U" zeroes weights outside [L, U] (IcePop). Weights are detached; batch
+  normalisation divides by their mean over valid tokens (token level) or sequences (sequence level).
+- Rejection options (comma-separated, all must pass): token_k1/k2/k3, seq_sum_k1/k2/k3,
+  seq_mean_k1/k2/k3, seq_max_k2/k3, with k1 = -log_ratio, k2 = log_ratio^2 / 2,
+  k3 = exp(log_ratio) - 1 - log_ratio. A rejected sequence option removes the whole sequence from
+  the loss mask; the response mask (attention) is never touched.
+
+Everything is a pure function of tensors; the trainer composes it in `algo/objective.py`.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+SAFETY_BOUND = 20.0
+RS_OPTIONS = ("token_k1", "token_k2", "token_k3", "seq_sum_k1", "seq_sum_k2", "seq_sum_k3", "seq_mean_k1",
+              "seq_mean_k2", "seq_mean_k3", "seq_max_k2", "seq_max_k3")
+PREFIX = "rollout_corr/"
+
+
+@dataclass(frozen=True)
+class RolloutCorrection:
+    """`algorithm.rollout_correction` (verl's keys and meanings)."""
+
+    rollout_is: str | None = None  # None | "token" | "sequence"
+    rollout_is_threshold: float | str | None = 2.0  # TIS upper bound, or "L_U" for IcePop
+    rollout_is_batch_normalize: bool = False
+    rollout_rs: str | None = None  # comma-separated RS_OPTIONS
+    rollout_rs_threshold: float | str | None = None  # one spec, or one per option (comma-separated)
+    bypass_mode: bool = False  # old log-probs := the sampler's (no separate scoring pass)
+
+    @property
+    def reweights(self) -> bool:
+        return self.rollout_is is not None and self.rollout_is_threshold is not None
+
+    @property
+    def active(self) -> bool:
+        return self.reweights or self.rollout_rs is not None
+
+
+def _sum(x: torch.Tensor, mask: torch.Tensor, dim=None) -> torch.Tensor:
+    """Sum over valid entries; whatever sits at masked positions (NaN, inf) is dropped."""
+    m = mask.to(x.dtype) if mask.dtype == torch.bool else mask
+    kept = torch.where(mask.bool(), x, torch.zeros_like(x)) * m
+    return kept.sum() if dim is None else kept.sum(dim)
+
+
+def _mean(x: torch.Tensor, mask: torch.Tensor, dim=None) -> torch.Tensor:
+    """Mean over valid entries (an empty row gives 0)."""
+    m = mask.to(x.dtype) if mask.dtype == torch.bool else mask
+    return _sum(x, mask, dim) / ((m.sum() if dim is None else m.sum(dim)) + 1e-8)
+
+
+def _spread(values: torch.Tensor, mask: torch.Tensor, low: float, high: float) -> float:
+    """Population standard deviation of `values` clamped to [low, high] over valid entries (0 for <= 1 entry)."""
+    if mask.sum() <= 1:
+        return 0.0
+    c = values.clamp(min=low, max=high)
+    return float(torch.sqrt(torch.clamp(_mean(c.square(), mask) - _mean(c, mask).square(), min=0.0)))
+
+
+def _fraction(flags: torch.Tensor) -> float:
+    """The share of True entries, averaged in fp32 as verl's `.float().mean()` does."""
+    return float(flags.float().mean()) if flags.numel() else 0.0
+
+
+def parse_is_threshold(spec) -> tuple[float, float | None]:
+    """(upper, lower): a number is TIS (no lower bound), "L_U" is IcePop."""
+    if isinstance(spec, bool):
+        raise TypeError("algorithm.rollout_correction.rollout_is_threshold must be a number or 'L_U', not a bool.")
+    if isinstance(spec, (int, float)):
+        upper, lower = float(spec), None
+    elif isinstance(spec, str):
+        text = spec.strip()
+        if not text:
+            raise ValueError("algorithm.rollout_correction.rollout_is_threshold is empty; give a number or 'L_U'.")
+        if "_" in text:
+            low_text, high_text = text.split("_", 1)
+            upper, lower = float(high_text), float(low_text)
+        else:
+            upper, lower = float(text), None
+    else:
+        raise TypeError(f"algorithm.rollout_correction.rollout_is_threshold={spec!r} must be a number or 'L_U'.")
+    if upper <= 0 or (lower is not None and not 0 < lower <= upper):
+        raise ValueError(f"algorithm.rollout_correction.rollout_is_threshold={spec!r}: need 0 < L <= U.")
+    return upper, lower
+
+
+def parse_rs(options: str) -> list[str]:
+    if not isinstance(options, str):
+        raise ValueError(f"algorithm.rollout_correction.rollout_rs={options!r} must be a comma-separated string.")
+    out = []
+    for name in (o.strip() for o in options.split(",")):
+        if name and name not in out:
+            if name not in RS_OPTIONS:
+                raise ValueError(f"algorithm.rollout_correction.rollout_rs option {name!r} is unknown; use "
+                                 f"{', '.join(RS_OPTIONS)}.")
+            out.append(name)
+    return out
+
+
+def parse_rs_thresholds(options: list[str], spec) -> dict[str, tuple[float | None, float]]:
+    """Per option (lower, upper). k1 takes "L_U" or U (then L = 1/U); k2/k3 take an upper bound only."""
+    if spec is None:
+        raise ValueError("algorithm.rollout_correction.rollout_rs needs rollout_rs_threshold.")
+    if isinstance(spec, (int, float)) and not isinstance(spec, bool):
+        specs = [str(spec)]
+    elif isinstance(spec, str):
+        specs = [p.strip() for p in spec.split(",") if p.strip()]
+    else:
+        raise TypeError(f"algorithm.rollout_correction.rollout_rs_threshold={spec!r} must be a number or a string.")
+    if len(specs) not in (1, len(options)):
+        raise ValueError(f"algorithm.rollout_correction.rollout_rs_threshold has {len(specs)} values for "
+                         f"{len(options)} options; give one, or one per option.")
+    specs = specs * len(options) if len(specs) == 1 else specs
+    out = {}
+    for option, text in zip(options, specs):
+        if option.endswith("k1"):
+            if "_" in text:
+                low_text, high_text = text.split("_", 1)
+                lower, upper = float(low_text), float(high_text)
+            else:
+                upper = float(text)
+                lower = 1.0 / upper if upper > 0 else 0.0
+            if not (lower > 0 and upper > 0 and lower <= upper):
+                raise ValueError(f"rollout_rs_threshold {text!r} for {option}: need 0 < L <= U.")
+        else:
+            if "_" in text:
+                raise ValueError(f"rollout_rs_threshold {text!r} for {option}: k2/k3 take an upper bound only.")
+            lower, upper = None, float(text)
+            if upper <= 0:
+                raise ValueError(f"rollout_rs_threshold {text!r} for {option} must be positive.")
+        out[option] = (lower, upper)
+    return out
+
+
+def is_weights(log_ratio: torch.Tensor, mask: torch.Tensor, level: str, threshold,
+               batch_normalize: bool = False) -> tuple[torch.Tensor, dict[str, float]]:
+    """Truncated importance weights [B, T] (detached) and their metrics."""
+    if level not in ("token", "sequence"):
+        raise ValueError(f"algorithm.rollout_correction.rollout_is={level!r} must be 'token' or 'sequence'.")
+    upper, lower = parse_is_threshold(threshold)
+    m = mask.to(log_ratio.dtype)
+    if level == "token":
+        stat = log_ratio
+        raw = torch.exp(log_ratio.clamp(-SAFETY_BOUND, SAFETY_BOUND))
+    else:
+        stat = _sum(log_ratio, mask, -1).unsqueeze(-1)
+        raw = torch.exp(stat.clamp(-SAFETY_BOUND, SAFETY_BOUND)).expand_as(log_ratio)
+    raw = raw * m
+    if lower is None:
+        weights = raw.clamp(max=upper)
+    else:
+        weights = torch.where((raw >= lower) & (raw <= upper), raw, torch.zeros_like(raw))
+    metrics = _is_metrics(weights, raw, stat, mask, level, upper, lower)
+    if lower is not None:
+        metrics["rollout_is_oob_ratio"] = float(_mean(((raw < lower) | (raw > upper)).to(raw.dtype), mask))
+    weights = weights.detach()
+    if batch_normalize:
+        if level == "token":
+            mean = _mean(weights, mask)
+        else:
+            per_seq = _mean(weights, mask, -1)
+            valid = (m.sum(-1) > 0).to(weights.dtype)
+            mean = (per_seq * valid).sum() / valid.sum().clamp(min=1e-8)
+        if mean > 1e-8:  # NaN is not: then the weights stay as they are
+            weights = weights / mean
+            metrics["rollout_is_batch_norm_factor"] = float(mean)
+        else:
+            metrics["rollout_is_batch_norm_factor"] = 1.0
+    return weights, metrics
+
+
+def _is_metrics(w: torch.Tensor, raw: torch.Tensor, stat: torch.Tensor, mask: torch.Tensor, level: str,
+                upper: float, lower: float | None) -> dict[str, float]:
+    low = lower if lower is not None else 1.0 / upper
+    valid = mask.bool()
+    out = {"rollout_is_mean": float(_mean(w, mask))}
+    if level == "token":
+        out["rollout_is_max"] = float(w[valid].max())
+        out["rollout_is_min"] = float(w[valid].min())
+        out["rollout_is_ratio_fraction_high"] = float(_mean((raw > upper).to(w.dtype), mask))
+        out["rollout_is_ratio_fraction_low"] = float(_mean((raw < low).to(w.dtype), mask))
+    else:
+        s = stat.squeeze(-1)
+        out["rollout_is_max"] = float(torch.exp(s.max().clamp(max=SAFETY_BOUND)))
+        out["rollout_is_min"] = float(torch.exp(s.min()))
+        out["rollout_is_ratio_fraction_high"] = _fraction(s > math.log(upper))
+        out["rollout_is_ratio_fraction_low"] = _fraction(s < math.log(low))
+    out["rollout_is_std"] = _spread(w, mask, 0.0, upper)
+    c = w.clamp(min=0.0, max=upper)
+    normalized = c / (_mean(c, mask) + 1e-8)
+    spread = float(_mean(normalized.square(), mask))
+    if spread == 0.0:  # verl divides by it regardless (ZeroDivisionError); say why instead
+        raise ValueError(f"algorithm.rollout_correction.rollout_is_threshold: every importance weight of the batch "
+                         f"is outside [{lower}, {upper}] (IcePop set them all to 0); widen the bounds.")
+    out["rollout_is_eff_sample_size"] = 1.0 / spread
+    seq = _mean(w, mask, -1)
+    out["rollout_is_seq_mean"] = float(seq.mean())
+    out["rollout_is_seq_std"] = float(seq.std()) if seq.numel() > 1 else 0.0
+    out["rollout_is_seq_max"] = float(seq.max())
+    out["rollout_is_seq_min"] = float(seq.min())
+    out["rollout_is_seq_max_deviation"] = float((seq - 1.0).abs().max())
+    raw_seq = _mean(raw, mask, -1)
+    out["rollout_is_seq_fraction_high"] = _fraction(raw_seq > upper)
+    out["rollout_is_seq_fraction_low"] = _fraction(raw_seq < low)
+    return out
+
+
+def _divergence(name: str, lr: torch.Tensor) -> torch.Tensor:
+    if name.endswith("k1"):
+        return -lr
+    if name.endswith("k2"):
+        return 0.5 * lr.square()
+    return torch.exp(lr) - 1.0 - lr
+
+
+def rejection_mask(log_ratio: torch.Tensor, mask: torch.Tensor, options: str,
+                   threshold) -> tuple[torch.Tensor, dict[str, float]]:
+    """The loss mask with rejected tokens (or whole sequences) set to 0, and per-option metrics."""
+    names = parse_rs(options)
+    bounds = parse_rs_thresholds(names, threshold)
+    lr = log_ratio.clamp(-SAFETY_BOUND, SAFETY_BOUND)
+    valid = mask.bool()
+    valid_rows = valid.any(-1)
+    keep_all = torch.ones_like(lr)
+    metrics: dict[str, float] = {}
+    for name in names:
+        lower, upper = bounds[name]
+        k1 = name.endswith("k1")
+        lo, hi = (math.log(lower), math.log(upper)) if k1 else (0.0, upper)
+        div = _divergence(name, lr)
+        if name.startswith("token_"):
+            stat, per_seq = div, None
+        elif name.startswith("seq_sum_"):
+            per_seq = _sum(div, mask, -1)
+        elif name.startswith("seq_mean_"):
+            per_seq = _mean(div, mask, -1)
+        else:
+            per_seq = torch.where(valid, div, torch.full_like(div, -float("inf"))).max(-1).values
+            per_seq = torch.where(valid_rows, per_seq, torch.zeros_like(per_seq))
+        if per_seq is not None:
+            stat = per_seq.unsqueeze(-1).expand_as(div)
+        keep = (stat >= lo) & (stat <= hi) if k1 else stat <= hi
+        keep_all = keep_all * keep.to(lr.dtype)
+        metrics.update(_rs_metrics(f"rollout_rs_{name}", stat, per_seq, keep, mask, lo, hi, k1))
+    metrics["rollout_rs_masked_fraction"] = float(_mean(1.0 - keep_all, mask))
+    rejected_row = ((keep_all == 0) & valid).any(-1)
+    metrics["rollout_rs_seq_masked_fraction"] = _fraction(rejected_row)
+    return (mask * keep_all).to(mask.dtype), metrics
+
+
+def _rs_metrics(p: str, stat: torch.Tensor, per_seq: torch.Tensor | None, keep: torch.Tensor, mask: torch.Tensor,
+                lo: float, hi: float, k1: bool) -> dict[str, float]:
+    valid = mask.bool()
+    valid_rows = valid.any(-1)
+    seqv = (_mean(stat, mask, -1) if per_seq is None else per_seq)[valid_rows]
+    level = stat[valid] if per_seq is None else seqv
+    if per_seq is None:  # token level: means over valid tokens
+        high, low = float(_mean((stat > hi).float(), mask)), float(_mean((stat < lo).float(), mask)) if k1 else 0.0
+    else:
+        high, low = _fraction(seqv > hi), _fraction(seqv < lo) if k1 else 0.0
+    out = {f"{p}_mean": float(_mean(stat, mask)),
+           f"{p}_max": float(level.max()) if level.numel() else 0.0,
+           f"{p}_min": float(level.min()) if level.numel() else 0.0,
+           f"{p}_fraction_high": high, f"{p}_fraction_low": low,
+           f"{p}_std": _spread(stat, mask, lo if k1 else 0.0, hi)}
+    if seqv.numel():
+        out.update({f"{p}_seq_mean": float(seqv.mean()), f"{p}_seq_std": float(seqv.std()) if seqv.numel() > 1 else 0.0,
+                    f"{p}_seq_max": float(seqv.max()), f"{p}_seq_min": float(seqv.min()),
+                    f"{p}_seq_max_deviation": float(seqv.abs().max()),
+                    f"{p}_seq_fraction_high": _fraction(seqv > hi)})
+        if k1:
+            out[f"{p}_seq_fraction_low"] = _fraction(seqv < lo)
+    else:
+        out.update({f"{p}_seq_{k}": 0.0 for k in ("mean", "std", "max", "min", "max_deviation", "fraction_high")})
+        if k1:
+            out[f"{p}_seq_fraction_low"] = 0.0
+    rejected = (~keep).to(stat.dtype)
+    out[f"{p}_masked_fraction"] = float(_mean(rejected, mask))
+    rows_hit = ((~keep) & valid).any(-1)
+    out[f"{p}_seq_masked_fraction"] = float(rows_hit[valid_rows].to(stat.dtype).mean()) if valid_rows.any() else 0.0
+    return out
+
+
+def mismatch_metrics(old_logp: torch.Tensor, rollout_logp: torch.Tensor | None,
+                     mask: torch.Tensor) -> dict[str, float]:
+    """How far the sampler's policy is from the trainer's (verl's off-policy metrics, unprefixed)."""
+    lp_t = old_logp
+    mlp_t = _mean(lp_t, mask, -1)
+    out = {"training_ppl": float(torch.exp(-mlp_t).mean()), "training_log_ppl": float((-mlp_t).mean())}
+    if rollout_logp is None:
+        return out
+    lp_r = rollout_logp
+    mlp_r = _mean(lp_r, mask, -1)
+    lr = lp_t - lp_r
+    diff = mlp_r - mlp_t
+    lrc = lr.clamp(-SAFETY_BOUND, SAFETY_BOUND)
+    out.update({
+        "kl": float(_mean(lp_r - lp_t, mask)),
+        "k3_kl": float(_mean(torch.exp(lr) - lr - 1.0, mask)),
+        "rollout_ppl": float(torch.exp(-mlp_r).mean()),
+        "rollout_log_ppl": float((-mlp_r).mean()),
+        "log_ppl_diff": float(diff.mean()),
+        "log_ppl_abs_diff": float(diff.abs().mean()),
+        "log_ppl_diff_max": float(diff.max()),
+        "log_ppl_diff_min": float(diff.min()),
+        "ppl_ratio": float(torch.exp(diff).mean()),
+        "chi2_token": float(_mean(torch.exp(lrc).square(), mask)) - 1.0,
+        "chi2_seq": float(torch.exp(2.0 * _sum(lr, mask, -1).clamp(-SAFETY_BOUND, SAFETY_BOUND)).mean()) - 1.0,
+    })
+    return out
+
+
+# portagrpo's own, beside verl's: the plain per-token gap and an effective sample size that exists
+# whether or not importance weights are on (verl reports its ESS only with rollout_is).
+GAP_KEYS = ("abs_logp_diff_mean", "abs_logp_diff_max", "eff_sample_size")
+
+
+def gap_metrics(old_logp: torch.Tensor, rollout_logp: torch.Tensor, mask: torch.Tensor) -> dict[str, float]:
+    """|old - rollout| log-prob per token (mean, max) and the normalised ESS of the token ratios, in (0, 1]."""
+    gap = torch.where(mask.bool(), (old_logp - rollout_logp).abs(), torch.zeros_like(old_logp))
+    ratio = torch.exp((old_logp - rollout_logp).clamp(-SAFETY_BOUND, SAFETY_BOUND))
+    normalized = ratio / (_mean(ratio, mask) + 1e-8)
+    return {"abs_logp_diff_mean": float(_mean(gap, mask)), "abs_logp_diff_max": float(gap.max()),
+            "eff_sample_size": 1.0 / float(_mean(normalized.square(), mask))}
+
+
+def gap_report(old_logp: torch.Tensor, rollout_logp: torch.Tensor, mask: torch.Tensor) -> dict[str, float]:
+    """The `rollout_corr/*` metrics of a batch without correction: verl's off-policy set and the gap."""
+    out = {**mismatch_metrics(old_logp, rollout_logp, mask), **gap_metrics(old_logp, rollout_logp, mask)}
+    return {PREFIX + k: v for k, v in out.items()}
+
+
+def correct_rollout(old_logp: torch.Tensor, rollout_logp: torch.Tensor, mask: torch.Tensor,
+                    spec: RolloutCorrection) -> tuple[torch.Tensor | None, torch.Tensor, dict[str, float]]:
+    """(IS weights [B, T] or None, loss mask [B, T], `rollout_corr/*` metrics) for one batch."""
+    if not mask.bool().any():
+        raise ValueError("rollout correction needs at least one valid token.")
+    if old_logp.shape != rollout_logp.shape or old_logp.shape != mask.shape:
+        raise ValueError(f"rollout correction: shapes differ ({tuple(old_logp.shape)}, {tuple(rollout_logp.shape)}, "
+                         f"{tuple(mask.shape)}).")
+    log_ratio = old_logp - rollout_logp
+    metrics: dict[str, float] = {}
+    weights = None
+    if spec.reweights:
+        weights, m = is_weights(log_ratio, mask, spec.rollout_is, spec.rollout_is_threshold,
+                                spec.rollout_is_batch_normalize)
+        metrics.update(m)
+    loss_mask = mask.clone()
+    if spec.rollout_rs is not None:
+        loss_mask, m = rejection_mask(log_ratio, mask, spec.rollout_rs, spec.rollout_rs_threshold)
+        metrics.update(m)
+    metrics.update(mismatch_metrics(old_logp, rollout_logp, mask))
+    metrics.update(gap_metrics(old_logp, rollout_logp, mask))
+    return weights, loss_mask, {PREFIX + k: v for k, v in metrics.items()}
