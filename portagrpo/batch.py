@@ -104,3 +104,36 @@ class TrainBatch:
         return TrainBatch(rollout=self.rollout.select(idx_l), advantages=take(self.advantages),
                           old_logp=take(self.old_logp), ref_logp=take(self.ref_logp),
                           is_weights=take(self.is_weights), loss_mask=take(self.loss_mask))
+
+
+def token_budget_groups(lengths: list[int], budget: int) -> list[list[int]]:
+    """Indices into `lengths` grouped into micro-batches of at most `budget` tokens, balanced: k groups,
+    from ceil(total / budget) up until every group fits, filled longest first into the lightest group
+    (ties to the lowest index). A length over the budget gets a group of its own. Deterministic; each
+    group's indices ascending, groups ordered by their first index."""
+    alone = [[i] for i, n in enumerate(lengths) if n > budget]
+    rest = [i for i, n in enumerate(lengths) if n <= budget]
+    groups: list[list[int]] = []
+    if rest:
+        order = sorted(rest, key=lambda i: (-lengths[i], i))
+        k = max(1, -(-sum(lengths[i] for i in rest) // budget))
+        while True:
+            groups = [[] for _ in range(k)]
+            loads = [0] * k
+            for i in order:
+                g = min(range(k), key=lambda j: (loads[j], j))
+                groups[g].append(i)
+                loads[g] += lengths[i]
+            if max(loads) <= budget:
+                break
+            k += 1
+    return sorted((sorted(g) for g in groups + alone if g), key=lambda g: g[0])
+
+
+def micro_batches(batch: RolloutBatch, size: int, token_budget: int | None = None) -> list[torch.Tensor]:
+    """Host row indices of each micro-batch: fixed `size` in row order, or, with a `token_budget`,
+    balanced groups of prompt + response tokens (`token_budget_groups`), planned from host lengths."""
+    if token_budget is None:
+        return list(torch.arange(batch.size).split(size))
+    lengths = [p + r for p, r in batch.host_lengths()]
+    return [torch.tensor(g, dtype=torch.long) for g in token_budget_groups(lengths, token_budget)]

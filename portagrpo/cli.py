@@ -85,6 +85,24 @@ def _launch_ranks(cfg, argv: list[str]) -> int:
     return launch_local(cfg.trainer.nproc_per_node, [sys.executable, "-m", "portagrpo", *argv])
 
 
+def _resume_from_config(cfg, output_dir):
+    """trainer.resume_mode (verl's): auto continues the output directory's latest whole checkpoint if it
+    has one (else a new run); resume_path continues trainer.resume_from_path."""
+    from portagrpo.errors import UserError
+    from portagrpo.train.run_dir import resolve_run
+
+    t = cfg.trainer
+    out = output_dir or t.output_dir
+    if t.resume_mode == "resume_path":
+        if not t.resume_from_path:
+            raise UserError("trainer.resume_mode=resume_path needs trainer.resume_from_path (a run directory or "
+                            "a checkpoint); set it, or use trainer.resume_mode=auto.")
+        return resolve_run(out, t.resume_from_path)
+    if not out:
+        return None, None  # auto with a new default directory: nothing to continue
+    return resolve_run(out, "auto")
+
+
 def cmd_train(args) -> int:
     from portagrpo.config import load_config, to_yaml
 
@@ -101,6 +119,8 @@ def cmd_train(args) -> int:
     if args.dry_run:
         return _dry_run(config_path, overrides)
     cfg = load_config(config_path, overrides, notices=notices)
+    if args.resume is None and cfg.trainer.resume_mode != "disable":
+        run_dir, resume = _resume_from_config(cfg, args.output_dir)
     if os.environ.get("RANK", "0") == "0":
         for line in notices:
             print(f"portagrpo: {line}")
@@ -113,7 +133,9 @@ def cmd_train(args) -> int:
         from portagrpo.ray_launcher import train_with_ray
         from portagrpo.train import default_run_dir
 
-        history = train_with_ray(cfg, run_dir or Path(cfg.trainer.output_dir or default_run_dir()),
+        t = cfg.trainer
+        history = train_with_ray(cfg, run_dir or Path(t.output_dir or default_run_dir(t.project_name,
+                                                                                      t.experiment_name)),
                                  str(resume) if resume else None, args.ray_address)
         _summary(history, run_dir)
         return 0

@@ -226,10 +226,10 @@ def train_with_ray(cfg: Config, run_dir: Path, resume: str | None = None, addres
         run.start()
         # only once the workers accepted the config (a refused resume leaves the run's config.yaml as it was)
         write_text_atomic(run_files.config, to_yaml(cfg), what="writing")
-        logger = MetricsLogger(run_dir, tensorboard=t.tensorboard, resume_step=run.step_done, warn=log)
+        logger = MetricsLogger(run_dir, tensorboard=cfg.tensorboard, resume_step=run.step_done, warn=log)
         try:
-            return drive(run, Cadence(run.info["total_steps"], t.test_freq, t.save_freq), logger,
-                         progress=t.progress_bar, log=log, desc="grpo (ray)",
+            return drive(run, Cadence(run.info["total_steps"], t.test_freq, t.save_freq, t.val_before_train), logger,
+                         progress=cfg.progress_bar, log=log, desc="grpo (ray)",
                          on_step=None if on_step is None else (lambda metrics: on_step(run, metrics)))
         finally:
             if t.plot:

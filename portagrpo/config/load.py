@@ -140,12 +140,12 @@ def all_keys(cls: type = None, prefix: str = "") -> list[str]:
 
 
 def _unknown_key(where: str, key: str, names: list[str], prefix: str) -> str:
+    # the exact name in another section beats a near name in this one (trainer.lr -> actor.lr)
+    leaf_matches = [k for k in all_keys() if k.rsplit(".", 1)[-1] == key]
+    if leaf_matches:
+        return f"{where} is not a config key; did you mean {leaf_matches[0]}?"
     close = difflib.get_close_matches(key, names, n=1, cutoff=0.5)
     if not close:  # maybe it belongs to another section
-        leaf_matches = [k for k in all_keys() if k.rsplit(".", 1)[-1] == key]
-        close = leaf_matches[:1]
-        if close:
-            return f"{where} is not a config key; did you mean {close[0]}?"
         close = difflib.get_close_matches(where, all_keys(), n=1, cutoff=0.6)
         if close:
             return f"{where} is not a config key; did you mean {close[0]}?"

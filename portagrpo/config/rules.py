@@ -103,7 +103,7 @@ def tiny_problems(tiny) -> list[str]:
 def validate(cfg: Config, *, check_files: bool = True) -> list[str]:
     """Cross-field rules. Returns one sentence per problem (empty when valid)."""
     p = (_names_and_sizes(cfg) + _batch_and_loss(cfg) + _run_settings(cfg) + rollout_correction_problems(cfg)
-         + rollout_precision_problems(cfg) + value_problems(cfg))
+         + rollout_precision_problems(cfg) + logger_problems(cfg) + value_problems(cfg))
     if check_files:
         p.extend(missing_files(cfg))
     return p
@@ -153,6 +153,12 @@ def _batch_and_loss(cfg: Config) -> list[str]:
             f"actor.ppo_mini_batch_size={a.ppo_mini_batch_size} does not divide data.train_batch_size * rollout.n = "
             f"{d.train_batch_size} * {r.n} = {total} responses; pick a divisor of {total}."
         )
+    longest = d.max_prompt_length + d.max_response_length
+    for name, budget in (("actor.ppo_max_token_len_per_gpu", a.ppo_max_token_len_per_gpu),
+                         ("actor.log_prob_max_token_len_per_gpu", a.log_prob_max_token_len_per_gpu)):
+        if a.use_dynamic_bsz and budget is not None and budget < longest:
+            p.append(f"{name}={budget} is below the longest possible sequence, data.max_prompt_length + "
+                     f"data.max_response_length = {longest} tokens; raise it to at least {longest}.")
     if a.clip_ratio_c <= 1.0:
         p.append(
             f"actor.clip_ratio_c={a.clip_ratio_c} must be greater than 1 (dual clip bound); the usual value is 3.0."
@@ -214,6 +220,21 @@ def _run_settings(cfg: Config) -> list[str]:
                  "such as data.task=repeat.")
     if d.train_files and d.task:
         p.append(f"data.train_files and data.task={d.task!r} are both set; set data.task=null to train on the files.")
+    return p
+
+
+LOGGERS = ("console", "tensorboard")
+NOT_BUILT_LOGGERS = ("wandb", "mlflow")
+
+
+def logger_problems(cfg: Config) -> list[str]:
+    p = []
+    for name in cfg.trainer.logger:
+        if name in NOT_BUILT_LOGGERS:
+            p.append(f"trainer.logger names {name}, which portagrpo does not have yet (it writes metrics.jsonl and "
+                     f"TensorBoard); drop {name} from trainer.logger, e.g. trainer.logger=[console,tensorboard].")
+        elif name not in LOGGERS:
+            p.append(f"trainer.logger names {name!r}, which is unknown; use {', '.join(LOGGERS)}.")
     return p
 
 

@@ -63,6 +63,12 @@ class DataConfig:
     max_prompt_length: int = 32
     max_response_length: int = 10
     shuffle: bool = True
+    # A prompt longer than max_prompt_length is dropped (true), or else kept under `truncation`:
+    # error (stop, naming it), left (keep its last tokens) or right (keep its first ones), as verl.
+    filter_overlong_prompts: bool = True
+    truncation: Literal["error", "left", "right"] = "error"
+    prompt_key: str = "prompt"  # the data files' column holding the prompt
+    reward_fn_key: str = "data_source"  # the column that picks the reward function
 
 
 @dataclass(frozen=True)
@@ -139,6 +145,12 @@ class ActorConfig:
     # Responses per scoring forward (old and reference log-probs; verl's log_prob_micro_batch_size_per_gpu).
     # None: actor.micro_batch_size.
     logprob_micro_batch_size: Optional[int] = None
+    # Token-budget micro-batches (verl's use_dynamic_bsz): responses grouped, balanced, so each group's
+    # prompt + response tokens stay under the budget per rank; the gradient is the same (the loss is
+    # normalised over the mini-batch), only the memory and the number of forwards change.
+    use_dynamic_bsz: bool = False
+    ppo_max_token_len_per_gpu: int = 16384
+    log_prob_max_token_len_per_gpu: Optional[int] = None  # scoring; None: ppo_max_token_len_per_gpu
     clip_ratio: float = 0.2
     clip_ratio_low: Optional[float] = None
     clip_ratio_high: Optional[float] = None
@@ -177,6 +189,16 @@ class TrainerConfig:
     devices_per_node: int = 1
     parallel: Literal["auto", "fsdp2", "ddp"] = "auto"
     dist_timeout_s: float = 600.0
+    val_before_train: bool = True  # validate before the first step (with test_freq > 0)
+    # console (the progress bar and lines), tensorboard (with trainer.tensorboard), wandb, mlflow
+    logger: list[str] = field(default_factory=lambda: ["console", "tensorboard"])
+    # runs/<project_name>/<experiment_name> when no output_dir is given (verl's names)
+    project_name: Optional[str] = None
+    experiment_name: Optional[str] = None
+    # disable: a new run unless --resume; auto: continue the output directory's latest whole checkpoint if
+    # there is one; resume_path: continue trainer.resume_from_path (verl's trainer.resume_mode)
+    resume_mode: Literal["disable", "auto", "resume_path"] = "disable"
+    resume_from_path: Optional[str] = None
 
 
 @dataclass(frozen=True)
@@ -204,6 +226,16 @@ class Config:
     def loss_scale_factor(self) -> float:
         a = self.actor
         return float(self.data.max_response_length if a.loss_scale_factor is None else a.loss_scale_factor)
+
+    @property
+    def tensorboard(self) -> bool:
+        """TensorBoard scalars: trainer.tensorboard, and "tensorboard" among trainer.logger."""
+        return self.trainer.tensorboard and "tensorboard" in self.trainer.logger
+
+    @property
+    def progress_bar(self) -> bool:
+        """The progress bar: trainer.progress_bar, and "console" among trainer.logger."""
+        return self.trainer.progress_bar and "console" in self.trainer.logger
 
     @property
     def rollout_batch_size(self) -> int:

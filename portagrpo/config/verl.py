@@ -37,6 +37,12 @@ DIRECT = {
     AR + "actor.ppo_micro_batch_size_per_gpu": "actor.micro_batch_size",
     AR + "rollout.log_prob_micro_batch_size_per_gpu": "actor.logprob_micro_batch_size",
     AR + "ref.log_prob_micro_batch_size_per_gpu": "actor.logprob_micro_batch_size",
+    AR + "actor.use_dynamic_bsz": "actor.use_dynamic_bsz",
+    AR + "actor.ppo_max_token_len_per_gpu": "actor.ppo_max_token_len_per_gpu",
+    AR + "rollout.log_prob_use_dynamic_bsz": "actor.use_dynamic_bsz",
+    AR + "ref.log_prob_use_dynamic_bsz": "actor.use_dynamic_bsz",
+    AR + "rollout.log_prob_max_token_len_per_gpu": "actor.log_prob_max_token_len_per_gpu",
+    AR + "ref.log_prob_max_token_len_per_gpu": "actor.log_prob_max_token_len_per_gpu",
     AR + "actor.ppo_epochs": "actor.ppo_epochs",
     AR + "actor.clip_ratio": "actor.clip_ratio",
     AR + "actor.clip_ratio_low": "actor.clip_ratio_low",
@@ -58,7 +64,12 @@ DIRECT = {
     "trainer.save_freq": "trainer.save_freq",
     "trainer.test_freq": "trainer.test_freq",
     "trainer.nnodes": "trainer.nnodes",
+    "trainer.default_local_dir": "trainer.output_dir",
+    AR + "actor.lora.r": "model.lora.rank",
 }
+LORA_ENABLE = AR + "actor.lora.enable"
+REWARD_PATH, REWARD_NAME = "custom_reward_function.path", "custom_reward_function.name"
+LOGGER = "trainer.logger"
 # verl counts the mini-batch in prompts; portagrpo counts responses (prompts x rollout.n)
 MINI_BATCH = AR + "actor.ppo_mini_batch_size"
 GPUS_PER_NODE = "trainer.n_gpus_per_node"
@@ -67,19 +78,10 @@ WARMUP_RATIO = AR + "actor.optim.lr_warmup_steps_ratio"  # only 0 maps: a ratio 
 SCHEDULE = AR + "actor.optim.warmup_style"  # verl's name for the schedule after warmup
 VERL_ONLY_PREFIXES = (AR, "critic.", "reward_model.", "custom_reward_function.", "ray_init.", "ray_kwargs.")
 VERL_ONLY_KEYS = {
-    "trainer.logger",
-    "trainer.project_name",
-    "trainer.experiment_name",
-    "trainer.val_before_train",
     "trainer.critic_warmup",
-    "trainer.default_local_dir",
-    "trainer.resume_mode",
-    "data.filter_overlong_prompts",
-    "data.truncation",
     "data.shuffle_seed",
-    "data.prompt_key",
-    "data.reward_fn_key",
     GPUS_PER_NODE,
+    LOGGER,
 }
 
 
@@ -90,7 +92,7 @@ def is_verl_key(key: str) -> bool:
 def translate(pairs: list[tuple[str, Any]]) -> tuple[list[tuple[str, Any]], list[str], list[str]]:
     """verl (key, value) pairs -> portagrpo pairs, notices, and rejected keys. Non-verl pairs pass through."""
     out, notices, rejected = [], [], []
-    mini_prompts = None
+    mini_prompts, reward_path, reward_name, lora_enable = None, None, "compute_score", None
     for key, value in pairs:
         if not is_verl_key(key) or (key in DIRECT and DIRECT[key] == key):
             out.append((key, value))
@@ -109,12 +111,30 @@ def translate(pairs: list[tuple[str, Any]]) -> tuple[list[tuple[str, Any]], list
         elif key == SCHEDULE and value in ("constant", "cosine"):
             out.append(("actor.lr_schedule", value))
             notices.append(f"verl key {key} -> portagrpo actor.lr_schedule")
+        elif key == REWARD_PATH:
+            reward_path = value
+        elif key == REWARD_NAME:
+            reward_name = value or "compute_score"
+        elif key == LORA_ENABLE:
+            lora_enable = str(value).lower() == "true"
+        elif key == LOGGER:
+            out.append(("trainer.logger", value))
+            notices.append(f"verl key {key} -> portagrpo trainer.logger")
         elif key == GPUS_PER_NODE:
             out += [("trainer.nproc_per_node", value), ("trainer.devices_per_node", value)]
             notices.append(f"verl key {key} -> portagrpo trainer.nproc_per_node (one machine) and "
                            f"trainer.devices_per_node (with --ray)")
         else:
             rejected.append(key)
+    if reward_path:
+        out.append(("reward.function", f"{reward_path}:{reward_name}"))
+        notices.append(f"verl keys {REWARD_PATH}/{REWARD_NAME} -> portagrpo "
+                       f"reward.function={reward_path}:{reward_name}")
+    if lora_enable is False:
+        out.append(("model.lora.rank", 0))
+        notices.append(f"verl key {LORA_ENABLE}=false -> portagrpo model.lora.rank=0")
+    elif lora_enable:
+        notices.append(f"verl key {LORA_ENABLE}=true: LoRA is on when model.lora.rank > 0 (verl's actor.lora.r)")
     if mini_prompts is not None:
         out.append(("__verl_mini_batch_prompts", mini_prompts))
         notices.append(f"verl key {MINI_BATCH} -> portagrpo actor.ppo_mini_batch_size (x rollout.n: verl counts "

@@ -53,7 +53,7 @@ def _gsm8k_row(item: dict, index: int, split: str) -> dict:
     truth = normalize_number(answer.split("####")[-1].strip())
     if truth is None:
         raise ValueError(f"the final answer {answer.split('####')[-1].strip()!r} is not a number")
-    return {"prompt": [{"role": "user", "content": f"{question} {GSM8K_INSTRUCTION}"}],
+    return {"prompt": [{"role": "user", "content": f"{question} {GSM8K_INSTRUCTION}"}], "ability": "math",
             "reward_model": {"style": "rule", "ground_truth": truth}, "data_source": "openai/gsm8k",
             "extra_info": {"split": split, "index": index, "question": question, "answer": answer}}
 
@@ -69,7 +69,7 @@ def _math_row(item: dict, index: int, split: str) -> dict:
     for key in ("level", "type", "subject", "unique_id"):
         if key in item:
             extra[key] = item[key]
-    return {"prompt": [{"role": "user", "content": f"{problem} {MATH_INSTRUCTION}"}],
+    return {"prompt": [{"role": "user", "content": f"{problem} {MATH_INSTRUCTION}"}], "ability": "math",
             "reward_model": {"style": "rule", "ground_truth": truth}, "data_source": "hendrycks/math",
             "extra_info": extra}
 

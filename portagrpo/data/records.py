@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -24,14 +24,17 @@ class PromptRecord:
     ground_truth: str
     data_source: str
     extra_info: dict = field(default_factory=dict)
+    token_ids: list[int] | None = None  # the prompt's tokens when they were truncated (data.truncation)
 
 
-def _record_from_row(row: dict, index: int, where: str) -> PromptRecord:
+def _record_from_row(row: dict, index: int, where: str, prompt_key: str = "prompt",
+                     source_key: str = "data_source") -> PromptRecord:
     if not isinstance(row, dict):
         raise DataError(f"{where}: a row must be a JSON object, got {type(row).__name__}.")
-    if "prompt" not in row:
-        raise DataError(f"{where}: the row has no 'prompt' field (a string or a list of chat messages).")
-    prompt = row["prompt"]
+    if prompt_key not in row:
+        hint = "" if prompt_key != "prompt" else " (a string or a list of chat messages; data.prompt_key names it)"
+        raise DataError(f"{where}: the row has no {prompt_key!r} field{hint}.")
+    prompt = row[prompt_key]
     if hasattr(prompt, "tolist"):
         prompt = prompt.tolist()
     if isinstance(prompt, list):
@@ -48,7 +51,7 @@ def _record_from_row(row: dict, index: int, where: str) -> PromptRecord:
     if rm["ground_truth"] is None:
         raise DataError(f"{where}: 'reward_model.ground_truth' is null; give the expected answer (a string or number).")
     extra = row.get("extra_info") or {}
-    return PromptRecord(index, prompt, str(rm["ground_truth"]), str(row.get("data_source", "unknown")),
+    return PromptRecord(index, prompt, str(rm["ground_truth"]), str(row.get(source_key, "unknown")),
                         dict(extra) if isinstance(extra, dict) else {})
 
 
@@ -86,11 +89,11 @@ def read_rows(path: str | Path) -> list[dict]:
     return rows
 
 
-def load_records(paths: list[str]) -> list[PromptRecord]:
+def load_records(paths: list[str], prompt_key: str = "prompt", source_key: str = "data_source") -> list[PromptRecord]:
     records: list[PromptRecord] = []
     for path in paths:
         for i, row in enumerate(read_rows(path)):
-            records.append(_record_from_row(row, len(records), f"{path} row {i + 1}"))
+            records.append(_record_from_row(row, len(records), f"{path} row {i + 1}", prompt_key, source_key))
     return records
 
 
@@ -116,7 +119,8 @@ def render_prompt(tokenizer, prompt: Any) -> str:
 
 
 def tokenize_prompts(tokenizer, records: list[PromptRecord]) -> list[list[int]]:
-    return [tokenizer(render_prompt(tokenizer, r.prompt), add_special_tokens=False)["input_ids"] for r in records]
+    return [list(r.token_ids) if r.token_ids is not None
+            else tokenizer(render_prompt(tokenizer, r.prompt), add_special_tokens=False)["input_ids"] for r in records]
 
 
 def filter_long_prompts(tokenizer, records: list[PromptRecord], max_len: int) -> tuple[list[PromptRecord], int]:
@@ -124,6 +128,23 @@ def filter_long_prompts(tokenizer, records: list[PromptRecord], max_len: int) ->
     ids = tokenize_prompts(tokenizer, records)
     kept = [r for r, x in zip(records, ids) if len(x) <= max_len]
     return kept, len(records) - len(kept)
+
+
+def truncate_long_prompts(tokenizer, records: list[PromptRecord], max_len: int, side: str,
+                          what: str) -> tuple[list[PromptRecord], int]:
+    """Prompts over `max_len` tokens keep their last (`left`) or first (`right`) max_len tokens; with
+    `error`, the first one stops the run with a sentence naming it. Returns (records, how many were cut)."""
+    out, cut = [], 0
+    for record, ids in zip(records, tokenize_prompts(tokenizer, records)):
+        if len(ids) > max_len:
+            if side == "error":
+                raise DataError(f"{what} prompt {record.index} has {len(ids)} tokens, over data.max_prompt_length="
+                                f"{max_len}; raise it, set data.filter_overlong_prompts=true to drop such prompts, "
+                                f"or data.truncation=left|right to cut them.")
+            record = replace(record, token_ids=ids[-max_len:] if side == "left" else ids[:max_len])
+            cut += 1
+        out.append(record)
+    return out, cut
 
 
 def left_pad(seqs: list[list[int]], pad_id: int, width: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:

@@ -18,7 +18,14 @@ from portagrpo.algo.schedule import lr_multiplier
 from portagrpo.backends import Backend, get_backend
 from portagrpo.backends.dist import Collectives, init_collectives
 from portagrpo.config import Config, ConfigError, validate_world
-from portagrpo.data.records import PromptLoader, PromptRecord, filter_long_prompts, load_records, task_records
+from portagrpo.data.records import (
+    PromptLoader,
+    PromptRecord,
+    filter_long_prompts,
+    load_records,
+    task_records,
+    truncate_long_prompts,
+)
 from portagrpo.fileio import atomic_path
 from portagrpo.kernels import logprob_impl
 from portagrpo.model.loading import apply_lora, build_tiny_model, check_tiny_matches, load_model, load_tokenizer
@@ -148,19 +155,34 @@ def build_data(cfg: Config, log: Callable[[str], None]) -> Data:
         train = task_records(cfg.data.task, cfg.data.train_size, cfg.trainer.seed)
         val = task_records(cfg.data.task, cfg.data.val_size, cfg.trainer.seed + 10_007)
     else:
-        train = load_records(cfg.data.train_files)
-        val = load_records(cfg.data.val_files) if cfg.data.val_files else []
-    train, dropped = filter_long_prompts(tokenizer, train, cfg.data.max_prompt_length)
-    val, dropped_val = filter_long_prompts(tokenizer, val, cfg.data.max_prompt_length)
-    if dropped or dropped_val:
-        log(f"dropped {dropped} train and {dropped_val} val prompts longer than data.max_prompt_length="
-            f"{cfg.data.max_prompt_length} tokens")
+        keys = dict(prompt_key=cfg.data.prompt_key, source_key=cfg.data.reward_fn_key)
+        train = load_records(cfg.data.train_files, **keys)
+        val = load_records(cfg.data.val_files, **keys) if cfg.data.val_files else []
+    train, val = _fit_prompts(cfg, tokenizer, train, val, log)
     reward = RewardResolver(cfg.reward.function)
     reward.check_sources({r.data_source for r in train + val})
     pool = (RewardPool(cfg.reward.function, cfg.reward.num_workers, cfg.reward.timeout_s)
             if cfg.reward.num_workers > 0 else None)
     return Data(tokenizer, PromptLoader(train, cfg.data.train_batch_size, cfg.trainer.seed, cfg.data.shuffle), val,
                 reward, pool)
+
+
+def _fit_prompts(cfg: Config, tokenizer, train: list[PromptRecord], val: list[PromptRecord],
+                 log: Callable[[str], None]) -> tuple[list[PromptRecord], list[PromptRecord]]:
+    """Prompts over data.max_prompt_length: dropped (data.filter_overlong_prompts) or cut (data.truncation)."""
+    d = cfg.data
+    if d.filter_overlong_prompts:
+        train, dropped = filter_long_prompts(tokenizer, train, d.max_prompt_length)
+        val, dropped_val = filter_long_prompts(tokenizer, val, d.max_prompt_length)
+        verb = "dropped"
+    else:
+        train, dropped = truncate_long_prompts(tokenizer, train, d.max_prompt_length, d.truncation, "train")
+        val, dropped_val = truncate_long_prompts(tokenizer, val, d.max_prompt_length, d.truncation, "val")
+        verb = f"cut ({d.truncation})"
+    if dropped or dropped_val:
+        log(f"{verb} {dropped} train and {dropped_val} val prompts longer than data.max_prompt_length="
+            f"{d.max_prompt_length} tokens")
+    return train, val
 
 
 def build_models(cfg: Config, runtime: Runtime, strategy, tokenizer, run_dir: Path) -> Models:

@@ -16,9 +16,10 @@ class Cadence:
     total: int
     test_freq: int
     save_freq: int
+    val_before_train: bool = True
 
     def validate_first(self, done: int) -> bool:
-        return bool(self.test_freq) and done == 0
+        return bool(self.test_freq) and self.val_before_train and done == 0
 
     def validate_after(self, step: int) -> bool:
         return bool(self.test_freq) and (step % self.test_freq == 0 or step == self.total)

@@ -10,7 +10,7 @@ import torch
 
 from portagrpo.algo.objective import Shaping, shape_and_advantage
 from portagrpo.algo.rollout_correction import RolloutCorrection, correct_rollout, gap_report
-from portagrpo.batch import RolloutBatch, TrainBatch
+from portagrpo.batch import RolloutBatch, TrainBatch, micro_batches
 from portagrpo.config import Config
 from portagrpo.data.records import PromptRecord, tokenize_prompts
 from portagrpo.errors import UserError
@@ -57,6 +57,14 @@ class Scored:
         return (self.scores, self.correct, self.errors, self.old_logp, self.ref_logp, self.entropy)
 
 
+def _inverse(order: list[int], device) -> torch.Tensor:
+    """Positions that put rows gathered in `order` back in row order (host indices, copied without waiting)."""
+    back = [0] * len(order)
+    for position, row in enumerate(order):
+        back[row] = position
+    return torch.tensor(back, dtype=torch.long).to(device, non_blocking=True)
+
+
 def solved_of(correct: torch.Tensor) -> torch.Tensor:
     """Per prompt, pass@k from its k samples' 0/1 correctness [P, k] (the same estimator as eval)."""
     k = correct.shape[1]
@@ -85,6 +93,7 @@ class ExperienceSettings:
     seed: int
     n: int  # responses per prompt
     micro_batch_size: int  # scoring micro-batch
+    token_budget: int | None  # instead: scoring micro-batches of at most this many tokens
     temperature: float  # the sampling temperature, which scoring divides the logits by as well
     sampling: SamplingParams
     val_sampling: SamplingParams
@@ -102,7 +111,10 @@ class ExperienceSettings:
             return SamplingParams(cfg.data.max_response_length, temperature, r.top_p, r.top_k, r.min_p,
                                   r.repetition_penalty)
 
+        a = cfg.actor
+        budget = (a.log_prob_max_token_len_per_gpu or a.ppo_max_token_len_per_gpu) if a.use_dynamic_bsz else None
         return cls(seed=cfg.trainer.seed, n=r.n, micro_batch_size=cfg.logprob_micro_batch(world_size),
+                   token_budget=budget,
                    temperature=r.temperature, sampling=sampling(r.temperature),
                    val_sampling=sampling(r.val_temperature), val_n=r.val_n, val_batch_size=cfg.data.train_batch_size,
                    max_error_frac=cfg.reward.max_error_frac, on_policy=is_on_policy(cfg),
@@ -221,18 +233,23 @@ class ExperienceMaker:
     @torch.no_grad()
     def logprobs(self, scorer, batch: RolloutBatch, *, entropy: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Log-probs [B, T] (and entropy) of `scorer`'s model over the batch, in micro-batches."""
-        mb = self.settings.micro_batch_size
-        logps, ents = [], []
+        s = self.settings
+        logps, ents, order = [], [], []
         # scoring is deterministic: no dropout (LoRA's or the model's), as in verl
         with eval_mode(scorer), self.runtime.backend.region("logprobs"):
-            for start in range(0, batch.size, mb):
-                part = batch.select(list(range(start, min(start + mb, batch.size))))
-                stats = response_stats(scorer, part, temperature=self.settings.temperature, compute_entropy=entropy,
+            for rows in micro_batches(batch, s.micro_batch_size, s.token_budget):
+                part = batch.select(rows)
+                stats = response_stats(scorer, part, temperature=s.temperature, compute_entropy=entropy,
                                        autocast=self.runtime.autocast)
                 logps.append(stats.logp)
+                order += rows.tolist()
                 if entropy:
                     ents.append(stats.entropy)
-        return torch.cat(logps), (torch.cat(ents) if entropy else None)
+        logp, ent = torch.cat(logps), (torch.cat(ents) if entropy else None)
+        if order != sorted(order):  # token-budget groups are not in row order
+            back = _inverse(order, batch.responses.device)
+            logp, ent = logp.index_select(0, back), (None if ent is None else ent.index_select(0, back))
+        return logp, ent
 
     def gather(self, rb: RolloutBatch, local: Scored) -> tuple[RolloutBatch, Scored]:
         """The global batch, identical on every rank, in rank order (one process: unchanged)."""

@@ -40,8 +40,12 @@ class StepOutput:
     experience: Experience
 
 
-def default_run_dir() -> Path:
-    return Path("runs") / datetime.now().strftime("%Y%m%d-%H%M%S")
+def default_run_dir(project: str | None = None, experiment: str | None = None) -> Path:
+    """runs/<project>/<experiment> (verl's names) when given, else runs/<timestamp>."""
+    stamp = datetime.now().strftime("%Y%m%d-%H%M%S")
+    if project or experiment:
+        return Path("runs") / (project or "portagrpo") / (experiment or stamp)
+    return Path("runs") / stamp
 
 
 class Trainer:
@@ -53,7 +57,8 @@ class Trainer:
         self.cfg = cfg
         self.own_outputs = own_outputs
         self.log = log
-        self.run_dir = Path(run_dir or cfg.trainer.output_dir or default_run_dir())
+        t = cfg.trainer
+        self.run_dir = Path(run_dir or t.output_dir or default_run_dir(t.project_name, t.experiment_name))
         self.resume_from = resume
         self.step_done = 0
         self.runtime: Runtime | None = None
@@ -105,7 +110,7 @@ class Trainer:
             self.step_done = self.checkpoints.resume(self.resume_from)
             push_weights(p.engine, p.models)  # the engine loaded the initial weights
         if rt.comm.is_main and self.own_outputs:
-            self.logger = MetricsLogger(self.run_dir, tensorboard=cfg.trainer.tensorboard, resume_step=self.step_done,
+            self.logger = MetricsLogger(self.run_dir, tensorboard=cfg.tensorboard, resume_step=self.step_done,
                                         warn=self.log)
         if rt.comm.is_main:  # last: a resume refused anywhere above leaves the run's config.yaml as it was
             write_text_atomic(self.run.config, to_yaml(cfg), what="writing")
@@ -120,11 +125,12 @@ class Trainer:
 
     @property
     def cadence(self) -> Cadence:
-        return Cadence(self.total_steps, self.cfg.trainer.test_freq, self.cfg.trainer.save_freq)
+        t = self.cfg.trainer
+        return Cadence(self.total_steps, t.test_freq, t.save_freq, t.val_before_train)
 
     def fit(self, progress: bool | None = None) -> list[dict[str, Any]]:
         main = self.runtime.comm.is_main
-        show = (self.cfg.trainer.progress_bar if progress is None else progress) and main
+        show = (self.cfg.progress_bar if progress is None else progress) and main
         return drive(self, self.cadence, self.logger, progress=show, log=self.log if main else (lambda m: None))
 
     def advance(self, validate: bool) -> dict[str, Any]:

@@ -10,7 +10,7 @@ import torch
 from portagrpo import algo
 from portagrpo.algo.losses import masked_mean
 from portagrpo.algo.objective import Objective, total_loss
-from portagrpo.batch import RolloutBatch, TrainBatch
+from portagrpo.batch import RolloutBatch, TrainBatch, micro_batches
 from portagrpo.config import Config
 from portagrpo.model.scorer import eval_mode, response_stats
 from portagrpo.train.build import Models, Optimization, Runtime
@@ -23,6 +23,7 @@ class UpdateSettings:
     ppo_epochs: int
     mini_batch_size: int  # responses per optimizer step, over all ranks
     micro_batch_size: int  # responses per forward/backward on one rank
+    token_budget: int | None  # instead: micro-batches of at most this many prompt + response tokens
     grad_clip: float
     temperature: float  # the sampling temperature, which scoring divides the logits by
     entropy_coeff: float
@@ -36,6 +37,7 @@ class UpdateSettings:
         a = cfg.actor
         return cls(seed=cfg.trainer.seed, ppo_epochs=a.ppo_epochs, mini_batch_size=a.ppo_mini_batch_size,
                    micro_batch_size=cfg.micro_batch(world_size), grad_clip=a.grad_clip,
+                   token_budget=a.ppo_max_token_len_per_gpu if a.use_dynamic_bsz else None,
                    temperature=cfg.rollout.temperature,
                    entropy_coeff=a.entropy_coeff,
                    full_vocab_kl=a.use_kl_loss and a.kl_loss_type.rstrip("+") == "full",
@@ -136,7 +138,7 @@ class Updater:
         counts = torch.stack(algo.loss_normalizers(mine.mask)).round().long()
         n_tok, n_seq = self.runtime.comm.all_reduce_sum(counts).to(torch.float64).unbind()
         self.optimizer.zero_grad(set_to_none=True)
-        micros = torch.arange(mine.rollout.size).split(self.settings.micro_batch_size)
+        micros = micro_batches(mine.rollout, self.settings.micro_batch_size, self.settings.token_budget)
         for i, micro_idx in enumerate(micros):
             micro = mine.select(micro_idx)
             loss, m, logp = self.micro_loss(micro, n_tok, n_seq)

@@ -117,6 +117,37 @@ def test_micro_batching_does_not_change_the_update(tmp_path, mode, dtype, tol):
             assert rel < tol, (name, rel)
 
 
+@pytest.mark.parametrize("mode", ["token-mean", "seq-mean-token-sum-norm"])
+def test_token_budget_micro_batches_give_the_same_update_in_fp64(tmp_path, mode, monkeypatch):
+    """actor.use_dynamic_bsz groups responses by tokens (verl's use_dynamic_bsz): other micro-batches, other
+    summation order, the same gradient (the normalisers are the mini-batch's)."""
+    from portagrpo import batch as batch_mod
+
+    sizes = []
+    real = batch_mod.micro_batches
+
+    def counting(b, size, budget=None):
+        groups = real(b, size, budget)
+        if budget is not None:
+            sizes.append([len(g) for g in groups])
+        return groups
+
+    monkeypatch.setattr("portagrpo.train.update.micro_batches", counting)
+    fixed = _trainer(tmp_path / "fixed", "actor.micro_batch_size=8", f"actor.loss_agg_mode={mode}")
+    budget = _trainer(tmp_path / "budget", "actor.use_dynamic_bsz=true", "actor.ppo_max_token_len_per_gpu=42",
+                      f"actor.loss_agg_mode={mode}")
+    for t in (fixed, budget):
+        t.models.policy.to(torch.float64)
+        t.models.ref.to(torch.float64)
+    m1, m2 = fixed.step().metrics, budget.step().metrics
+    assert sizes and all(len(s) > 1 for s in sizes)  # the budget really split the mini-batches
+    for key in ("loss_policy", "loss_kl", "grad_norm", "kl"):
+        assert m1[key] == pytest.approx(m2[key], rel=1e-10, abs=1e-10), key
+    with torch.no_grad():
+        for (name, p1), p2 in zip(fixed.models.policy.named_parameters(), budget.models.policy.parameters()):
+            assert float((p1 - p2).norm() / p2.norm()) < 1e-10, name
+
+
 def test_update_moves_loss_in_expected_direction(tmp_path):
     """A second pass over the same batch after an update has a lower policy loss (the update descends)."""
     t = _trainer(tmp_path, "actor.use_kl_loss=false", "actor.ppo_epochs=1", "actor.warmup_steps=0", "actor.lr=1e-2")

@@ -55,14 +55,67 @@ def test_unknown_verl_keys_are_listed_and_rejected():
             ],
         )
     problems = info.value.problems
-    assert len(problems) == 3 and all("has no portagrpo equivalent" in p for p in problems)
-    assert any("fsdp_config.param_offload" in p for p in problems)
+    assert len(problems) == 2
+    assert any("fsdp_config.param_offload" in p and "has no portagrpo equivalent" in p for p in problems)
+    assert any("trainer.logger names wandb, which portagrpo does not have yet" in p for p in problems)
 
 
-def test_gpus_per_node_and_epochs():
-    cfg = load_config(None, ["trainer.n_gpus_per_node=2", "trainer.total_epochs=3"])
-    assert cfg.trainer.nproc_per_node == 2 and cfg.trainer.devices_per_node == 2
-    assert cfg.trainer.total_steps is None and cfg.trainer.total_epochs == 3
+def test_verl_run_keys_map(tmp_path):
+    """verl's run, data, reward and LoRA keys as its GRPO and LoRA examples write them."""
+    cfg = load_config(None, [
+        "trainer.project_name=verl_grpo_example_gsm8k", "trainer.experiment_name=qwen_tiny",
+        "trainer.val_before_train=False", f"trainer.default_local_dir={tmp_path / 'ckpts'}",
+        "trainer.resume_mode=auto", "trainer.logger=[console]", "data.filter_overlong_prompts=False",
+        "data.truncation=left", "data.prompt_key=question", "data.reward_fn_key=source",
+        f"custom_reward_function.path={tmp_path / 'r.py'}", "custom_reward_function.name=my_score",
+        "actor_rollout_ref.actor.lora.enable=True", "actor_rollout_ref.actor.lora.r=8",
+        "actor_rollout_ref.actor.lora.alpha=16", "actor_rollout_ref.actor.lora.target_modules=[q_proj,v_proj]",
+        "actor_rollout_ref.actor.use_dynamic_bsz=True", "actor_rollout_ref.actor.ppo_max_token_len_per_gpu=4096",
+    ], check_files=False)
+    t, d, lora = cfg.trainer, cfg.data, cfg.model.lora
+    assert (t.project_name, t.experiment_name, t.val_before_train, t.output_dir, t.resume_mode) == (
+        "verl_grpo_example_gsm8k", "qwen_tiny", False, str(tmp_path / "ckpts"), "auto")
+    assert t.logger == ["console"] and not cfg.tensorboard
+    assert (d.filter_overlong_prompts, d.truncation, d.prompt_key, d.reward_fn_key) == (False, "left", "question",
+                                                                                        "source")
+    assert cfg.reward.function == f"{tmp_path / 'r.py'}:my_score"
+    assert (lora.rank, lora.alpha, lora.target_modules) == (8, 16, ["q_proj", "v_proj"])
+    assert cfg.actor.use_dynamic_bsz and cfg.actor.ppo_max_token_len_per_gpu == 4096
+    off = load_config(None, ["actor_rollout_ref.model.lora_rank=8", "actor_rollout_ref.actor.lora.enable=False"])
+    assert off.model.lora.rank == 0
+    from portagrpo.train.driver import Cadence
+
+    assert Cadence(3, 1, 0, val_before_train=True).validate_first(0)
+    assert not Cadence(3, 1, 0, val_before_train=False).validate_first(0)
+
+
+def test_verl_data_reward_and_resume_keys_train(tmp_path, tiny_model_dir, capsys):
+    """A verl command naming its prompt column, reward column and function, cutting long prompts, and
+    continuing its own checkpoint with trainer.resume_mode=auto."""
+    rows = [{"question": "x" * (5 + 3 * i), "source": "mine", "reward_model": {"ground_truth": "1"}}
+            for i in range(16)]
+    train = write_jsonl(rows, tmp_path / "train.jsonl")
+    reward = tmp_path / "r.py"
+    reward.write_text("def my_score(data_source, solution_str, ground_truth, extra_info=None):\n"
+                      "    assert data_source == 'mine'\n    return float(len(solution_str) % 3 == 0)\n")
+    out = tmp_path / "ckpts"
+    command = [
+        f"data.train_files={train}", "data.train_batch_size=2", "data.max_prompt_length=20",
+        "data.max_response_length=6", "data.filter_overlong_prompts=False", "data.truncation=left",
+        "data.prompt_key=question", "data.reward_fn_key=source", f"custom_reward_function.path={reward}",
+        "custom_reward_function.name=my_score", f"actor_rollout_ref.model.path={tiny_model_dir}",
+        "actor_rollout_ref.rollout.n=4", "actor_rollout_ref.actor.ppo_mini_batch_size=2",
+        f"trainer.default_local_dir={out}", "trainer.save_freq=2", "trainer.test_freq=0",
+        "trainer.resume_mode=auto", "trainer.progress_bar=false", "reward.num_workers=0",
+    ]
+    assert main(["train", *command, "trainer.total_training_steps=2"]) == 0
+    assert "cut (left) " in capsys.readouterr().out  # prompts over 20 tokens were kept, cut from the left
+    assert main(["train", *command, "trainer.total_training_steps=3"]) == 0
+    assert "resumed from" in capsys.readouterr().out
+    assert [r["step"] for r in read_metrics(out / "metrics.jsonl")] == [1, 2, 3]
+    with pytest.raises(Exception, match="prompt 6 has 23 tokens, over data.max_prompt_length=20"):
+        load_and_build_data = __import__("portagrpo.train.build", fromlist=["build_data"]).build_data
+        load_and_build_data(load_config(None, [*command, "data.truncation=error"]), print)
 
 
 def test_verl_two_gpu_quick_start_without_a_micro_batch_trains(tmp_path, tiny_model_dir, capsys):

@@ -108,4 +108,5 @@ def test_cli_json_report(tmp_path):
     out = tmp_path / "report.json"
     assert main(["parity", "--device", "cpu", "--dtype", "fp32", "--kernels", "reference", "--json", str(out)]) == 0
     report = json.loads(out.read_text())
-    assert report["passed"] and report["device"] == "cpu" and len(report["stages"]) == 16
+    stages = len(parity.load_fixture(parity.GOLDEN_FILE))
+    assert report["passed"] and report["device"] == "cpu" and len(report["stages"]) == stages

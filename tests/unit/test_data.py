@@ -97,3 +97,23 @@ def test_loader_epochs_and_resume():
 def test_loader_too_small():
     with pytest.raises(DataError, match="fewer than data.train_batch_size=8"):
         PromptLoader(task_records("repeat", 4, seed=0), 8, seed=0)
+
+
+def test_token_budget_groups_fit_balance_and_repeat():
+    import random
+
+    from portagrpo.batch import token_budget_groups
+
+    rng = random.Random(4)
+    for _ in range(50):
+        lengths = [rng.randint(1, 40) for _ in range(rng.randint(1, 30))]
+        budget = rng.randint(40, 120)
+        groups = token_budget_groups(lengths, budget)
+        assert sorted(i for g in groups for i in g) == list(range(len(lengths)))  # each row exactly once
+        loads = [sum(lengths[i] for i in g) for g in groups]
+        assert max(loads) <= budget
+        assert len(groups) >= -(-sum(lengths) // budget)  # never fewer than the budget needs
+        assert groups == token_budget_groups(lengths, budget)  # deterministic
+    # balanced: 8 equal rows under a budget for 3 go 3/3/2, not 3/3/1/1
+    assert [len(g) for g in token_budget_groups([10] * 8, 30)] == [3, 3, 2]
+    assert token_budget_groups([50, 5, 5], 20) == [[0], [1, 2]]  # a row over the budget goes alone
