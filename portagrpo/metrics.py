@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import json
 import math
+import uuid
 from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
@@ -98,9 +99,40 @@ def read_metrics(path: Path, warn=None) -> list[dict[str, Any]]:
     return rows
 
 
+class WandbTracker:
+    """`trainer.logger` with `wandb`: every step's metrics to a W&B run named after trainer.project_name and
+    trainer.experiment_name, with the config as the run's config. The run's id is kept in the run directory,
+    so a resumed run continues the same W&B run. WANDB_MODE=offline keeps it in <run>/wandb."""
+
+    def __init__(self, run_dir: Path, project: str | None, name: str | None, config: dict[str, Any]) -> None:
+        import wandb
+
+        id_file = Path(run_dir) / "wandb_run_id"
+        run_id = id_file.read_text().strip() if id_file.is_file() else uuid.uuid4().hex[:12]
+        write_text_atomic(id_file, run_id + "\n", what="writing")
+        self.run = wandb.init(project=project or "portagrpo", name=name or Path(run_dir).name, id=run_id,
+                              resume="allow", dir=str(run_dir), config=config)
+
+    def log(self, metrics: dict[str, Any]) -> None:
+        numbers = {k: v for k, v in metrics.items()
+                   if k != "step" and isinstance(v, (int, float)) and math.isfinite(v)}
+        self.run.log(numbers, step=int(metrics["step"]))
+
+    def close(self) -> None:
+        self.run.finish()
+
+
+def make_trackers(names: list[str], run_dir: Path, *, project: str | None, experiment: str | None,
+                  config: dict[str, Any]) -> list[Any]:
+    """The external trackers `trainer.logger` names (console and tensorboard are MetricsLogger's own)."""
+    return [WandbTracker(run_dir, project, experiment, config)] if "wandb" in names else []
+
+
 class MetricsLogger:
-    def __init__(self, run_dir: Path, *, tensorboard: bool, resume_step: int = 0, warn=print) -> None:
+    def __init__(self, run_dir: Path, *, tensorboard: bool, resume_step: int = 0, warn=print,
+                 trackers: list[Any] = ()) -> None:
         self.run_dir = Path(run_dir)
+        self.trackers = list(trackers)
         self.path = self.run_dir / "metrics.jsonl"
         # A resumed run drops rows written after its checkpoint, so every step appears once; the
         # rewrite is atomic, so a kill here cannot lose the rows before the checkpoint.
@@ -126,6 +158,8 @@ class MetricsLogger:
             for key, value in metrics.items():
                 if key != "step" and isinstance(value, (int, float)) and math.isfinite(value):
                     self.writer.add_scalar(key, value, metrics["step"])
+        for tracker in self.trackers:
+            tracker.log(metrics)
 
     def plot(self) -> Path | None:
         return plot_reward(self.path, self.run_dir / "reward.png")
@@ -133,6 +167,8 @@ class MetricsLogger:
     def close(self) -> None:
         if self.writer is not None:
             self.writer.close()
+        for tracker in self.trackers:
+            tracker.close()
 
 
 def plot_reward(metrics_path: Path, out: Path) -> Path | None:

@@ -213,7 +213,7 @@ def train_with_ray(cfg: Config, run_dir: Path, resume: str | None = None, addres
     `on_step(run, metrics)` is called after every step (progress hooks, tests)."""
     from portagrpo.config import to_yaml
     from portagrpo.fileio import write_text_atomic
-    from portagrpo.metrics import MetricsLogger
+    from portagrpo.metrics import MetricsLogger, make_trackers
     from portagrpo.train.driver import Cadence, drive
     from portagrpo.train.run_dir import RunDir
 
@@ -226,7 +226,10 @@ def train_with_ray(cfg: Config, run_dir: Path, resume: str | None = None, addres
         run.start()
         # only once the workers accepted the config (a refused resume leaves the run's config.yaml as it was)
         write_text_atomic(run_files.config, to_yaml(cfg), what="writing")
-        logger = MetricsLogger(run_dir, tensorboard=cfg.tensorboard, resume_step=run.step_done, warn=log)
+        trackers = make_trackers(t.logger, run_dir, project=t.project_name, experiment=t.experiment_name,
+                                 config=to_dict(cfg))
+        logger = MetricsLogger(run_dir, tensorboard=cfg.tensorboard, resume_step=run.step_done, warn=log,
+                               trackers=trackers)
         try:
             return drive(run, Cadence(run.info["total_steps"], t.test_freq, t.save_freq, t.val_before_train), logger,
                          progress=cfg.progress_bar, log=log, desc="grpo (ray)",

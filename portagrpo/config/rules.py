@@ -223,16 +223,22 @@ def _run_settings(cfg: Config) -> list[str]:
     return p
 
 
-LOGGERS = ("console", "tensorboard")
-NOT_BUILT_LOGGERS = ("wandb", "mlflow")
+LOGGERS = ("console", "tensorboard", "wandb")
+NOT_BUILT_LOGGERS = ("mlflow",)
 
 
 def logger_problems(cfg: Config) -> list[str]:
+    import importlib.util
+
     p = []
     for name in cfg.trainer.logger:
-        if name in NOT_BUILT_LOGGERS:
-            p.append(f"trainer.logger names {name}, which portagrpo does not have yet (it writes metrics.jsonl and "
-                     f"TensorBoard); drop {name} from trainer.logger, e.g. trainer.logger=[console,tensorboard].")
+        if name == "wandb" and importlib.util.find_spec("wandb") is None:
+            p.append("trainer.logger names wandb, which is not installed; pip install 'portagrpo[wandb]' (or drop "
+                     "wandb from trainer.logger).")
+        elif name in NOT_BUILT_LOGGERS:
+            p.append(f"trainer.logger names {name}, which portagrpo does not have yet (it writes metrics.jsonl, "
+                     f"TensorBoard and W&B); drop {name} from trainer.logger, e.g. "
+                     f"trainer.logger=[console,tensorboard].")
         elif name not in LOGGERS:
             p.append(f"trainer.logger names {name!r}, which is unknown; use {', '.join(LOGGERS)}.")
     return p

@@ -69,7 +69,7 @@ DIRECT = {
 }
 LORA_ENABLE = AR + "actor.lora.enable"
 REWARD_PATH, REWARD_NAME = "custom_reward_function.path", "custom_reward_function.name"
-LOGGER = "trainer.logger"
+
 # verl counts the mini-batch in prompts; portagrpo counts responses (prompts x rollout.n)
 MINI_BATCH = AR + "actor.ppo_mini_batch_size"
 GPUS_PER_NODE = "trainer.n_gpus_per_node"
@@ -81,7 +81,6 @@ VERL_ONLY_KEYS = {
     "trainer.critic_warmup",
     "data.shuffle_seed",
     GPUS_PER_NODE,
-    LOGGER,
 }
 
 
@@ -117,9 +116,6 @@ def translate(pairs: list[tuple[str, Any]]) -> tuple[list[tuple[str, Any]], list
             reward_name = value or "compute_score"
         elif key == LORA_ENABLE:
             lora_enable = str(value).lower() == "true"
-        elif key == LOGGER:
-            out.append(("trainer.logger", value))
-            notices.append(f"verl key {key} -> portagrpo trainer.logger")
         elif key == GPUS_PER_NODE:
             out += [("trainer.nproc_per_node", value), ("trainer.devices_per_node", value)]
             notices.append(f"verl key {key} -> portagrpo trainer.nproc_per_node (one machine) and "

@@ -21,9 +21,9 @@ from datetime import datetime
 from pathlib import Path
 from typing import Any
 
-from portagrpo.config import Config, to_yaml
+from portagrpo.config import Config, to_dict, to_yaml
 from portagrpo.fileio import write_text_atomic
-from portagrpo.metrics import MetricsLogger
+from portagrpo.metrics import MetricsLogger, make_trackers
 from portagrpo.train.build import Models, Parts, Runtime, build, make_runtime, push_weights
 from portagrpo.train.driver import Cadence, drive
 from portagrpo.train.experience import Experience, ExperienceMaker, ExperienceSettings
@@ -110,8 +110,11 @@ class Trainer:
             self.step_done = self.checkpoints.resume(self.resume_from)
             push_weights(p.engine, p.models)  # the engine loaded the initial weights
         if rt.comm.is_main and self.own_outputs:
+            t = cfg.trainer
+            trackers = make_trackers(t.logger, self.run_dir, project=t.project_name, experiment=t.experiment_name,
+                                     config=to_dict(cfg))
             self.logger = MetricsLogger(self.run_dir, tensorboard=cfg.tensorboard, resume_step=self.step_done,
-                                        warn=self.log)
+                                        warn=self.log, trackers=trackers)
         if rt.comm.is_main:  # last: a resume refused anywhere above leaves the run's config.yaml as it was
             write_text_atomic(self.run.config, to_yaml(cfg), what="writing")
 
