@@ -219,11 +219,18 @@ def merge_raw(config_path: str | Path | None, overrides: list[str] | None, notic
               problems: list[str] | None = None) -> dict:
     """The raw mapping: the YAML file, then the overrides. With a `problems` list, a bad override
     is appended there and skipped, so every problem is reported at once; without one it raises."""
+    from portagrpo.config import roll
     from portagrpo.config.verl import translate
 
     found: list[str] = []
     raw: dict = read_yaml(config_path) if config_path else {}
     pairs = []
+    if roll.is_roll(raw):  # a ROLL YAML as written: its keys become portagrpo overrides, before the real ones
+        roll_pairs, roll_notices, roll_problems = roll.translate(raw)
+        raw, found = {}, list(roll_problems)
+        pairs += list(roll_pairs.items())
+        if notices is not None:
+            notices.extend(roll_notices)
     for item in overrides or []:
         try:
             path, value = parse_override(item)
@@ -236,10 +243,13 @@ def merge_raw(config_path: str | Path | None, overrides: list[str] | None, notic
               f"accepts)." for k in rejected]
     if notices is not None:
         notices.extend(verl_notices)
-    mini_prompts = None
+    mini_prompts = roll_mini = None
     for key, value in pairs:
         if key == "__verl_mini_batch_prompts":
             mini_prompts = value
+            continue
+        if key == "__roll_mini_batch_per_rank":
+            roll_mini = value
             continue
         try:
             set_dotted(raw, key.split("."), value)
@@ -249,8 +259,13 @@ def merge_raw(config_path: str | Path | None, overrides: list[str] | None, notic
         raise ConfigError(found)
     if problems is not None:
         problems.extend(found)
-    explicit = {k for k, _ in pairs}
-    # Giving files means training on them; giving epochs means counting steps by epochs.
+    _derived(raw, {k for k, _ in pairs}, mini_prompts, roll_mini)
+    return raw
+
+
+def _derived(raw: dict, explicit: set[str], mini_prompts: Any, roll_mini: Any) -> None:
+    """Values that follow from what was given: files mean no built-in task, epochs mean no step count,
+    verl's and ROLL's mini-batch counts in responses, and the algorithm preset's defaults."""
     if "data.train_files" in explicit and "data.task" not in explicit:
         set_dotted(raw, ["data", "task"], None)
     if "trainer.total_epochs" in explicit and "trainer.total_steps" not in explicit:
@@ -262,13 +277,15 @@ def merge_raw(config_path: str | Path | None, overrides: list[str] | None, notic
         except (TypeError, ValueError):
             raise ConfigError([f"actor_rollout_ref.actor.ppo_mini_batch_size={mini_prompts!r} and rollout.n={n!r} "
                                f"must be integers."]) from None
+    if roll_mini is not None:  # ROLL: per device x gradient accumulation x data-parallel ranks
+        ranks = (raw.get("trainer") or {}).get("nproc_per_node", 1)
+        set_dotted(raw, ["actor", "ppo_mini_batch_size"], int(roll_mini) * int(ranks))
     name = (raw.get("algorithm") or {}).get("name", "grpo") if isinstance(raw.get("algorithm"), dict) else "grpo"
     for section, values in PRESETS.get(name, {}).items():
         sec = raw.setdefault(section, {})
         if isinstance(sec, dict):
             for key, value in values.items():
                 sec.setdefault(key, value)
-    return raw
 
 
 def load_config(
