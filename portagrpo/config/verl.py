@@ -80,6 +80,7 @@ VERL_ONLY_PREFIXES = (AR, "critic.", "reward_model.", "custom_reward_function.",
 VERL_ONLY_KEYS = {
     "trainer.critic_warmup",
     "data.shuffle_seed",
+    "data.val_batch_size",
     GPUS_PER_NODE,
 }
 
@@ -88,51 +89,94 @@ def is_verl_key(key: str) -> bool:
     return key in DIRECT or key in VERL_ONLY_KEYS or key.startswith(VERL_ONLY_PREFIXES)
 
 
+# Placement and speed settings of verl's workers: what they change is where and how fast, never the numbers.
+NO_EFFECT = {
+    AR + "model.use_shm": "portagrpo loads models from the local path as they are",
+    AR + "model.use_remove_padding": "portagrpo always drops padding from its forwards (packed when it pays)",
+    AR + "actor.fsdp_config.param_offload": "portagrpo keeps parameters on the device",
+    AR + "actor.fsdp_config.optimizer_offload": "portagrpo keeps optimizer state on the device",
+    AR + "actor.fsdp_config.grad_offload": "portagrpo keeps gradients on the device",
+    AR + "ref.fsdp_config.param_offload": "portagrpo keeps the reference on the device",
+    AR + "rollout.load_format": "the engine loads the run's own weights",
+    AR + "rollout.layered_summon": "portagrpo gathers one tensor at a time for the weight push",
+    AR + "rollout.enable_chunked_prefill": "vLLM's scheduling",
+    AR + "rollout.enforce_eager": "vLLM's CUDA graphs",
+    AR + "rollout.free_cache_engine": "the engine sleeps between rollouts",
+    "data.val_batch_size": "validation runs in batches of data.train_batch_size prompts",
+}
+# verl's global (all-GPU) micro-batches, deprecated by verl for the *_per_gpu keys
+GLOBAL_MICRO = {AR + "actor.ppo_micro_batch_size": "actor.micro_batch_size",
+                AR + "rollout.log_prob_micro_batch_size": "actor.logprob_micro_batch_size",
+                AR + "ref.log_prob_micro_batch_size": "actor.logprob_micro_batch_size"}
+TP = AR + "rollout.tensor_model_parallel_size"
+
+
 def translate(pairs: list[tuple[str, Any]]) -> tuple[list[tuple[str, Any]], list[str], list[str]]:
     """verl (key, value) pairs -> portagrpo pairs, notices, and rejected keys. Non-verl pairs pass through."""
     out, notices, rejected = [], [], []
-    mini_prompts, reward_path, reward_name, lora_enable = None, None, "compute_score", None
+    held: dict[str, Any] = {}  # keys whose meaning needs the whole command
     for key, value in pairs:
-        if not is_verl_key(key) or (key in DIRECT and DIRECT[key] == key):
+        if key in ("trainer.save_freq", "trainer.test_freq") and str(value).strip() == "-1":
+            out.append((key, 0))  # verl's -1 is portagrpo's 0: never
+            notices.append(f"verl key {key}=-1 -> portagrpo {key}=0 (never)")
+        elif not is_verl_key(key) or (key in DIRECT and DIRECT[key] == key):
             out.append((key, value))
-            continue
-        if key in DIRECT:
+        elif key in DIRECT:
             out.append((DIRECT[key], value))
             notices.append(f"verl key {key} -> portagrpo {DIRECT[key]}")
-        elif key == MINI_BATCH:
-            mini_prompts = value
-        elif key == WARMUP:
-            steps = int(value)
-            out.append(("actor.warmup_steps", max(steps, 0)))  # verl: -1 means "from the ratio", default 0
-            notices.append(f"verl key {key}={value} -> portagrpo actor.warmup_steps={max(steps, 0)}")
-        elif key == WARMUP_RATIO and float(value) == 0.0:
-            notices.append(f"verl key {key}=0 -> no warmup (the default)")
-        elif key == SCHEDULE and value in ("constant", "cosine"):
-            out.append(("actor.lr_schedule", value))
-            notices.append(f"verl key {key} -> portagrpo actor.lr_schedule")
-        elif key == REWARD_PATH:
-            reward_path = value
-        elif key == REWARD_NAME:
-            reward_name = value or "compute_score"
-        elif key == LORA_ENABLE:
-            lora_enable = str(value).lower() == "true"
-        elif key == GPUS_PER_NODE:
-            out += [("trainer.nproc_per_node", value), ("trainer.devices_per_node", value)]
-            notices.append(f"verl key {key} -> portagrpo trainer.nproc_per_node (one machine) and "
-                           f"trainer.devices_per_node (with --ray)")
+        elif key in NO_EFFECT or key in GLOBAL_MICRO or key in (MINI_BATCH, REWARD_PATH, REWARD_NAME, LORA_ENABLE,
+                                                                  GPUS_PER_NODE, TP, "trainer.critic_warmup"):
+            held[key] = value
         else:
-            rejected.append(key)
-    if reward_path:
-        out.append(("reward.function", f"{reward_path}:{reward_name}"))
-        notices.append(f"verl keys {REWARD_PATH}/{REWARD_NAME} -> portagrpo "
-                       f"reward.function={reward_path}:{reward_name}")
-    if lora_enable is False:
-        out.append(("model.lora.rank", 0))
-        notices.append(f"verl key {LORA_ENABLE}=false -> portagrpo model.lora.rank=0")
-    elif lora_enable:
-        notices.append(f"verl key {LORA_ENABLE}=true: LoRA is on when model.lora.rank > 0 (verl's actor.lora.r)")
-    if mini_prompts is not None:
-        out.append(("__verl_mini_batch_prompts", mini_prompts))
+            _schedule_key(key, value, out, notices, rejected)
+    _held(held, out, notices, rejected)
+    return out, notices, rejected
+
+
+def _schedule_key(key: str, value: Any, out: list, notices: list[str], rejected: list[str]) -> None:
+    if key == WARMUP:
+        steps = int(value)
+        out.append(("actor.warmup_steps", max(steps, 0)))  # verl: -1 means "from the ratio", default 0
+        notices.append(f"verl key {key}={value} -> portagrpo actor.warmup_steps={max(steps, 0)}")
+    elif key == WARMUP_RATIO and float(value) == 0.0:
+        notices.append(f"verl key {key}=0 -> no warmup (the default)")
+    elif key == SCHEDULE and value in ("constant", "cosine"):
+        out.append(("actor.lr_schedule", value))
+        notices.append(f"verl key {key} -> portagrpo actor.lr_schedule")
+    else:
+        rejected.append(key)
+
+
+def _held(held: dict[str, Any], out: list, notices: list[str], rejected: list[str]) -> None:
+    gpus = held.get(GPUS_PER_NODE)
+    if gpus is not None:
+        out += [("trainer.nproc_per_node", gpus), ("trainer.devices_per_node", gpus)]
+        notices.append(f"verl key {GPUS_PER_NODE} -> portagrpo trainer.nproc_per_node (one machine) and "
+                       f"trainer.devices_per_node (with --ray)")
+    for key, why in NO_EFFECT.items():
+        if key in held:
+            notices.append(f"verl key {key}={held[key]}: no effect here ({why})")
+    for key, target in GLOBAL_MICRO.items():
+        if key in held:  # verl divides these by the GPU count
+            per_gpu = max(int(held[key]) // int(gpus or 1), 1)
+            out.append((target, per_gpu))
+            notices.append(f"verl key {key} -> portagrpo {target}={per_gpu} (per rank: / trainer.n_gpus_per_node)")
+    if TP in held:
+        notices.append(f"verl key {TP}={held[TP]}: one engine per rank here (tensor-parallel vLLM is not built "
+                       f"yet; with rollout.engine=hf it has no meaning)")
+    if int(held.get("trainer.critic_warmup", 0) or 0) > 0:
+        rejected.append("trainer.critic_warmup")  # GRPO has no critic to warm up
+    if held.get(REWARD_PATH):
+        name = held.get(REWARD_NAME) or "compute_score"
+        out.append(("reward.function", f"{held[REWARD_PATH]}:{name}"))
+        notices.append(f"verl keys {REWARD_PATH}/{REWARD_NAME} -> portagrpo reward.function={held[REWARD_PATH]}:{name}")
+    if LORA_ENABLE in held:
+        if str(held[LORA_ENABLE]).lower() == "true":
+            notices.append(f"verl key {LORA_ENABLE}=true: LoRA is on when model.lora.rank > 0 (verl's actor.lora.r)")
+        else:
+            out.append(("model.lora.rank", 0))
+            notices.append(f"verl key {LORA_ENABLE}=false -> portagrpo model.lora.rank=0")
+    if MINI_BATCH in held:
+        out.append(("__verl_mini_batch_prompts", held[MINI_BATCH]))
         notices.append(f"verl key {MINI_BATCH} -> portagrpo actor.ppo_mini_batch_size (x rollout.n: verl counts "
                        f"prompts, portagrpo counts responses)")
-    return out, notices, rejected
