@@ -43,6 +43,7 @@ class StepMetrics:
     response_clip_ratio: float  # share of responses that hit data.max_response_length (verl's clip_ratio)
     zero_std_group_frac: float
     reward_errors: float
+    gen_rounds: int  # sampling rounds of the step (more than 1 only with DAPO's dynamic sampling)
     lr: float
     time_step_s: float = _measured()
     time_gen_s: float = _measured()

@@ -72,6 +72,19 @@ def zero_std_group_fraction(scores: torch.Tensor, uid: torch.Tensor) -> torch.Te
     return _groups(scores, uid)[2].to(scores.dtype).mean()
 
 
+def groups_with_spread(values: torch.Tensor, uid: torch.Tensor) -> torch.Tensor:
+    """[B] bool: the response's group has more than one distinct value (DAPO keeps only those groups)."""
+    group, _, tied = _groups(values, uid)
+    return ~tied[group]
+
+
+def overlong_penalty(response_lengths: torch.Tensor, max_length: int, buffer: int, factor: float) -> torch.Tensor:
+    """DAPO's soft overlong punishment per response: 0 up to max_length - buffer tokens, then falling
+    linearly to -factor at max_length (verl's DAPO reward manager)."""
+    exceed = response_lengths.to(torch.float32) - (max_length - buffer)
+    return torch.clamp(-exceed / buffer * factor, max=0.0)
+
+
 def clip_scores(scores: torch.Tensor, clip: float) -> torch.Tensor:
     """`reward_clip`: clamp scores [B] to [-clip, clip]."""
     return scores.clamp(-clip, clip)

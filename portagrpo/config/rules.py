@@ -103,7 +103,7 @@ def tiny_problems(tiny) -> list[str]:
 def validate(cfg: Config, *, check_files: bool = True) -> list[str]:
     """Cross-field rules. Returns one sentence per problem (empty when valid)."""
     p = (_names_and_sizes(cfg) + _batch_and_loss(cfg) + _run_settings(cfg) + rollout_correction_problems(cfg)
-         + rollout_precision_problems(cfg) + logger_problems(cfg) + value_problems(cfg))
+         + rollout_precision_problems(cfg) + logger_problems(cfg) + dapo_problems(cfg) + value_problems(cfg))
     if check_files:
         p.extend(missing_files(cfg))
     return p
@@ -241,6 +241,18 @@ def logger_problems(cfg: Config) -> list[str]:
                      f"trainer.logger=[console,tensorboard].")
         elif name not in LOGGERS:
             p.append(f"trainer.logger names {name!r}, which is unknown; use {', '.join(LOGGERS)}.")
+    return p
+
+
+def dapo_problems(cfg: Config) -> list[str]:
+    p = []
+    ob, fg = cfg.reward.overlong_buffer, cfg.algorithm.filter_groups
+    if ob.enable and not 0 < ob.len <= cfg.data.max_response_length:
+        p.append(f"reward.overlong_buffer.len={ob.len} must be between 1 and data.max_response_length="
+                 f"{cfg.data.max_response_length} (the last tokens before the limit that are penalised).")
+    if fg.max_num_gen_batches < 0:
+        p.append(f"algorithm.filter_groups.max_num_gen_batches={fg.max_num_gen_batches} must be 0 (no limit) or "
+                 f"positive.")
     return p
 
 

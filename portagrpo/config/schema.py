@@ -92,11 +92,22 @@ class RolloutConfig:
 
 
 @dataclass(frozen=True)
+class OverlongBufferConfig:
+    """DAPO's overlong reward shaping: over the last `len` tokens before data.max_response_length the
+    reward falls linearly, by up to `penalty_factor` at the limit."""
+
+    enable: bool = False
+    len: int = 0
+    penalty_factor: float = 1.0
+
+
+@dataclass(frozen=True)
 class RewardConfig:
     function: str = "auto"
     max_error_frac: float = 0.0
     num_workers: int = 1
     timeout_s: float = 10.0
+    overlong_buffer: OverlongBufferConfig = field(default_factory=OverlongBufferConfig)
 
 
 @dataclass(frozen=True)
@@ -113,6 +124,17 @@ class RolloutCorrectionConfig:
 
 
 @dataclass(frozen=True)
+class FilterGroupsConfig:
+    """DAPO's dynamic sampling: groups whose `metric` (acc, score, seq_reward, seq_final_reward) is the same
+    for every response carry no advantage; they are dropped and more prompts sampled until the batch is
+    full, at most `max_num_gen_batches` rounds (0: no limit)."""
+
+    enable: bool = False
+    metric: Literal["acc", "score", "seq_reward", "seq_final_reward"] = "acc"
+    max_num_gen_batches: int = 10
+
+
+@dataclass(frozen=True)
 class AlgorithmConfig:
     name: Literal["grpo", "drgrpo"] = "grpo"
     adv_estimator: str = "grpo"
@@ -126,6 +148,7 @@ class AlgorithmConfig:
     whiten_advantages: bool = False
     advantage_clip: Optional[float] = None
     rollout_correction: RolloutCorrectionConfig = field(default_factory=RolloutCorrectionConfig)
+    filter_groups: FilterGroupsConfig = field(default_factory=FilterGroupsConfig)
 
 
 @dataclass(frozen=True)

@@ -66,6 +66,9 @@ DIRECT = {
     "trainer.nnodes": "trainer.nnodes",
     "trainer.default_local_dir": "trainer.output_dir",
     AR + "actor.lora.r": "model.lora.rank",
+    "reward_model.overlong_buffer.enable": "reward.overlong_buffer.enable",
+    "reward_model.overlong_buffer.len": "reward.overlong_buffer.len",
+    "reward_model.overlong_buffer.penalty_factor": "reward.overlong_buffer.penalty_factor",
 }
 LORA_ENABLE = AR + "actor.lora.enable"
 REWARD_PATH, REWARD_NAME = "custom_reward_function.path", "custom_reward_function.name"
@@ -81,6 +84,7 @@ VERL_ONLY_KEYS = {
     "trainer.critic_warmup",
     "data.shuffle_seed",
     "data.val_batch_size",
+    "data.gen_batch_size",
     GPUS_PER_NODE,
 }
 
@@ -103,6 +107,9 @@ NO_EFFECT = {
     AR + "rollout.enforce_eager": "vLLM's CUDA graphs",
     AR + "rollout.free_cache_engine": "the engine sleeps between rollouts",
     "data.val_batch_size": "validation runs in batches of data.train_batch_size prompts",
+    "data.gen_batch_size": "each DAPO sampling round takes data.train_batch_size prompts",
+    "reward_model.reward_manager": "reward.overlong_buffer is DAPO's reward manager here",
+    "reward_model.overlong_buffer.log": "metrics.jsonl logs every step",
 }
 # verl's global (all-GPU) micro-batches, deprecated by verl for the *_per_gpu keys
 GLOBAL_MICRO = {AR + "actor.ppo_micro_batch_size": "actor.micro_batch_size",

@@ -4,10 +4,11 @@ from __future__ import annotations
 import time
 from contextlib import nullcontext
 from dataclasses import dataclass
-from typing import Callable
+from typing import Any, Callable
 
 import torch
 
+from portagrpo.algo.advantages import overlong_penalty
 from portagrpo.algo.objective import Shaping, shape_and_advantage
 from portagrpo.algo.rollout_correction import RolloutCorrection, correct_rollout, gap_report
 from portagrpo.batch import RolloutBatch, TrainBatch, micro_batches
@@ -40,6 +41,7 @@ class Experience:
     rollout_corr: dict[str, float]  # `rollout_corr/*` metrics when the old log-probs came before the update
     t_gen: float  # perf_counter when generation ended
     t_scored: float  # perf_counter when the rewards were in (log-probs and advantages follow)
+    gen_rounds: int = 1  # sampling rounds this step took (DAPO's dynamic sampling may need more than one)
 
 
 @dataclass
@@ -78,6 +80,13 @@ def correction_from(cfg: Config) -> RolloutCorrection:
                              rollout_rs_threshold=rc.rollout_rs_threshold, bypass_mode=rc.bypass_mode)
 
 
+def dapo_settings(cfg: Config) -> dict[str, Any]:
+    ob, fg = cfg.reward.overlong_buffer, cfg.algorithm.filter_groups
+    return {"overlong": (cfg.data.max_response_length, ob.len, ob.penalty_factor) if ob.enable else None,
+            "filter_metric": fg.metric if fg.enable else None, "max_rounds": fg.max_num_gen_batches,
+            "prompt_length": cfg.data.max_prompt_length}
+
+
 def is_on_policy(cfg: Config) -> bool:
     """One update on the whole batch: the policy that sampled is the one being updated, so the
     old log-probs are the update's own (detached) and their separate pass is skipped, as in
@@ -102,6 +111,10 @@ class ExperienceSettings:
     max_error_frac: float
     on_policy: bool
     correction: RolloutCorrection
+    overlong: tuple[int, int, float] | None = None  # DAPO: (max response length, buffer, penalty factor)
+    filter_metric: str | None = None  # DAPO dynamic sampling: keep groups whose metric has a spread
+    max_rounds: int = 0  # sampling rounds per step at most (0: no limit)
+    prompt_length: int = 0  # data.max_prompt_length: one prompt width for every round
 
     @classmethod
     def from_config(cls, cfg: Config, world_size: int) -> "ExperienceSettings":
@@ -118,7 +131,7 @@ class ExperienceSettings:
                    temperature=r.temperature, sampling=sampling(r.temperature),
                    val_sampling=sampling(r.val_temperature), val_n=r.val_n, val_batch_size=cfg.data.train_batch_size,
                    max_error_frac=cfg.reward.max_error_frac, on_policy=is_on_policy(cfg),
-                   correction=correction_from(cfg))
+                   correction=correction_from(cfg), **dapo_settings(cfg))
 
     @property
     def scoring_pass(self) -> bool:
@@ -138,7 +151,8 @@ class ExperienceMaker:
         self.corr_metrics: dict[str, float] = {}
 
     def make(self, step: int, prompts: list[PromptRecord]) -> Experience:
-        """Rollout, reward, log-probs and advantages for `step` of the global prompt batch `prompts`."""
+        """Rollout, reward, log-probs and advantages for `step` of the global prompt batch `prompts`
+        (DAPO's dynamic sampling is `train/dapo.py: make_filtered`)."""
         s, comm, device = self.settings, self.runtime.comm, self.runtime.device
         records = self.local_records(prompts)
         width = self.prompt_width(records)
@@ -153,7 +167,7 @@ class ExperienceMaker:
                      f"{failure.message}")
         old_logp, entropy = self.logprobs(self.scorer, rb, entropy=True) if s.scoring_pass else (None, None)
         ref_logp = self.logprobs(self.ref_scorer, rb, entropy=False)[0] if self.ref_scorer is not None else None
-        local = Scored(torch.tensor(scored.scores, dtype=torch.float32, device=device),
+        local = Scored(self.shaped_scores(rb, scored.scores),
                        torch.tensor(scored.correct, dtype=torch.float32, device=device),
                        torch.tensor([float(len(scored.failures))], device=device), old_logp, ref_logp, entropy)
         full_rb, g = self.gather(rb, local)
@@ -203,6 +217,15 @@ class ExperienceMaker:
         scores, adv = shape_and_advantage(raw_scores, rb.uid, mask, self.shaping, old_logp=old_logp,
                                           ref_logp=ref_logp)
         return TrainBatch(rb, adv, old_logp, ref_logp, is_weights=weights, loss_mask=loss_mask), scores
+
+    def shaped_scores(self, rb: RolloutBatch, scores: list[float]) -> torch.Tensor:
+        """The reward function's scores, with DAPO's overlong penalty when it is on."""
+        out = torch.tensor(scores, dtype=torch.float32, device=self.runtime.device)
+        if self.settings.overlong is not None:
+            max_len, buffer, factor = self.settings.overlong
+            lengths = torch.tensor([r for _, r in rb.host_lengths()], device=out.device)
+            out = out + overlong_penalty(lengths, max_len, buffer, factor)
+        return out
 
     def local_records(self, records: list[PromptRecord]) -> list[PromptRecord]:
         """This rank's share of the global prompt batch (whole prompts, so whole groups)."""

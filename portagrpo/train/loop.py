@@ -25,6 +25,7 @@ from portagrpo.config import Config, to_dict, to_yaml
 from portagrpo.fileio import write_text_atomic
 from portagrpo.metrics import MetricsLogger, make_trackers
 from portagrpo.train.build import Models, Parts, Runtime, build, make_runtime, push_weights
+from portagrpo.train.dapo import make_filtered
 from portagrpo.train.driver import Cadence, drive
 from portagrpo.train.experience import Experience, ExperienceMaker, ExperienceSettings
 from portagrpo.train.record import StepRecord, param_fingerprint, record_of
@@ -147,7 +148,11 @@ class Trainer:
         start = time.perf_counter()
         self.runtime.backend.reset_peak_memory()
         step = self.step_done + 1
-        exp = self.experience.make(step, self.parts.data.loader.next_batch())
+        loader = self.parts.data.loader
+        if self.experience.settings.filter_metric is None:
+            exp = self.experience.make(step, loader.next_batch())
+        else:  # DAPO: more prompts until the batch holds groups with a spread only
+            exp = make_filtered(self.experience, step, loader.next_batch(), more=loader.next_batch)
         out = self._update(step, exp, start)
         if self.cfg.trainer.record_rollouts:
             self.record(out)

@@ -1,0 +1,88 @@
+"""DAPO's dynamic sampling (`algorithm.filter_groups`): groups whose metric is the same for every response
+carry no advantage, so they are dropped and more prompts are sampled until the step's batch is full.
+
+Every rank samples its share of each round; the rounds are gathered so that every rank keeps the same
+groups; once `data.train_batch_size` groups are kept, each rank scores its contiguous share of them
+(old and reference log-probs) and those are gathered back, as in a plain step.
+"""
+from __future__ import annotations
+
+import time
+from typing import Callable
+
+import torch
+
+from portagrpo.algo.advantages import groups_with_spread
+from portagrpo.batch import RolloutBatch
+from portagrpo.data.records import PromptRecord
+from portagrpo.errors import UserError
+from portagrpo.train.experience import Experience, ExperienceMaker, Scored, seed_for
+
+
+def concat_rollouts(parts: list[RolloutBatch]) -> RolloutBatch:
+    """Gathered batches of the same prompt width, one after the other (token tensors and lengths only)."""
+    def cat(name):
+        values = [getattr(p, name) for p in parts]
+        return None if any(v is None for v in values) else torch.cat(values)
+
+    return RolloutBatch(prompt_ids=cat("prompt_ids"), prompt_mask=cat("prompt_mask"), responses=cat("responses"),
+                        response_mask=cat("response_mask"), uid=cat("uid"), prompt_index=cat("prompt_index"),
+                        response_text=[], ground_truth=[], data_source=[], extra_info=[],
+                        lengths=[x for p in parts for x in p.host_lengths()], rollout_logp=cat("rollout_logp"))
+
+
+def _round(maker: ExperienceMaker, step: int, round_: int, prompts: list[PromptRecord]) -> tuple[RolloutBatch, Scored]:
+    """One sampling round over `prompts` (global), gathered: the batch and its scores (no log-probs yet)."""
+    s, comm = maker.settings, maker.runtime.comm
+    records = maker.local_records(prompts)
+    maker.runtime.backend.seed(seed_for(s.seed, step, 1 + 10 * comm.rank + 100_003 * round_))
+    uid_base = (step * 1000 + round_) * len(prompts) + comm.rank * len(records)  # unique over rounds
+    rb = maker.rollout(records, s.n, s.sampling, uid_base=uid_base, prompt_width=s.prompt_length)
+    scored = maker.score(rb)
+    for failure in scored.failures[:3]:
+        maker.log(f"step {step}: reward failed on sample {failure.sample} (prompt id {failure.prompt_id}): "
+                  f"{failure.message}")
+    device = maker.runtime.device
+    local = Scored(maker.shaped_scores(rb, scored.scores),
+                   torch.tensor(scored.correct, dtype=torch.float32, device=device),
+                   torch.tensor([float(len(scored.failures))], device=device), None, None, None)
+    return maker.gather(rb, local)
+
+
+def make_filtered(maker: ExperienceMaker, step: int, prompts: list[PromptRecord],
+                  more: Callable[[], list[PromptRecord]]) -> Experience:
+    s, comm = maker.settings, maker.runtime.comm
+    target = len(prompts) * s.n  # responses
+    kept_rb: list[RolloutBatch] = []
+    kept: list[Scored] = []
+    have, round_, errors = 0, 0, 0.0
+    while have < target:
+        if s.max_rounds and round_ >= s.max_rounds:
+            raise UserError(f"step {step}: after {round_} sampling rounds (algorithm.filter_groups."
+                            f"max_num_gen_batches={s.max_rounds}) only {have // s.n} of {len(prompts)} prompt groups "
+                            f"had different {s.filter_metric} values; raise max_num_gen_batches (0: no limit), or "
+                            f"use a task where responses differ.")
+        full_rb, g = _round(maker, step, round_, prompts if round_ == 0 else more())
+        values = g.correct if s.filter_metric == "acc" else g.scores
+        rows = torch.nonzero(groups_with_spread(values, full_rb.uid)).flatten().cpu()  # the same on every rank
+        errors += float(g.errors.sum())
+        if rows.numel():
+            kept_rb.append(full_rb.select(rows))
+            kept.append(Scored(g.scores[rows.to(g.scores.device)], g.correct[rows.to(g.scores.device)],
+                               g.errors, None, None, None))
+            have += rows.numel()
+        round_ += 1
+    t_gen = t_scored = time.perf_counter()
+    batch = concat_rollouts(kept_rb).select(torch.arange(target))  # whole groups: the first `target` rows
+    scores = torch.cat([k.scores for k in kept])[:target]
+    correct = torch.cat([k.correct for k in kept])[:target]
+    per = target // comm.world_size  # each rank scores its share, gathered back in rank order
+    mine = batch.select(torch.arange(comm.rank * per, (comm.rank + 1) * per))
+    old_logp, entropy = maker.logprobs(maker.scorer, mine, entropy=True) if s.scoring_pass else (None, None)
+    ref_logp = maker.logprobs(maker.ref_scorer, mine, entropy=False)[0] if maker.ref_scorer is not None else None
+    gather = (lambda t: t) if comm.world_size == 1 else comm.all_gather_cat
+    old_logp, entropy, ref_logp = (None if t is None else gather(t) for t in (old_logp, entropy, ref_logp))
+    train, shaped = maker.train_batch(batch, scores, old_logp, ref_logp)
+    return Experience(train, raw_scores=scores, scores=shaped, correct=correct, entropy=entropy,
+                      reward_errors=errors, rollout_corr=maker.corr_metrics, t_gen=t_gen, t_scored=t_scored,
+                      gen_rounds=round_)
