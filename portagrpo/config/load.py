@@ -219,14 +219,15 @@ def merge_raw(config_path: str | Path | None, overrides: list[str] | None, notic
               problems: list[str] | None = None) -> dict:
     """The raw mapping: the YAML file, then the overrides. With a `problems` list, a bad override
     is appended there and skipped, so every problem is reported at once; without one it raises."""
-    from portagrpo.config import roll
+    from portagrpo.config.roll import is_roll
+    from portagrpo.config.roll import translate as translate_roll
     from portagrpo.config.verl import translate
 
     found: list[str] = []
     raw: dict = read_yaml(config_path) if config_path else {}
     pairs = []
-    if roll.is_roll(raw):  # a ROLL YAML as written: its keys become portagrpo overrides, before the real ones
-        roll_pairs, roll_notices, roll_problems = roll.translate(raw)
+    if is_roll(raw):  # a ROLL YAML as written: its keys become portagrpo overrides, before the real ones
+        roll_pairs, roll_notices, roll_problems = translate_roll(raw)
         raw, found = {}, list(roll_problems)
         pairs += list(roll_pairs.items())
         if notices is not None:
