@@ -123,10 +123,68 @@ class WandbTracker:
         self.run.finish()
 
 
+class MlflowTracker:
+    """`trainer.logger` with `mlflow`: every step's metrics to an MLflow run (experiment trainer.project_name,
+    run trainer.experiment_name), the flattened config as its parameters; a resumed run continues the same
+    MLflow run. The tracking store is MLFLOW_TRACKING_URI, else a local file store in <run>/mlruns."""
+
+    def __init__(self, run_dir: Path, project: str | None, name: str | None, config: dict[str, Any]) -> None:
+        import os
+
+        from mlflow import MlflowClient
+
+        uri = os.environ.get("MLFLOW_TRACKING_URI") or (Path(run_dir) / "mlruns").resolve().as_uri()
+        if uri.startswith("file:"):  # MLflow 3 keeps its file store behind this switch
+            os.environ.setdefault("MLFLOW_ALLOW_FILE_STORE", "true")
+        self.client = MlflowClient(uri)
+        id_file = Path(run_dir) / "mlflow_run_id"
+        if id_file.is_file():
+            self.run_id = id_file.read_text().strip()
+            return
+        project = project or "portagrpo"
+        experiment = self.client.get_experiment_by_name(project)
+        experiment_id = experiment.experiment_id if experiment else self.client.create_experiment(project)
+        self.run_id = self.client.create_run(experiment_id, run_name=name or Path(run_dir).name).info.run_id
+        write_text_atomic(id_file, self.run_id + "\n", what="writing")
+        from mlflow.entities import Param
+
+        flat = _flatten(config)
+        params = [Param(k, str(v)[:500]) for k, v in flat.items()]
+        for start in range(0, len(params), 100):  # MLflow takes at most 100 parameters per call
+            self.client.log_batch(self.run_id, params=params[start:start + 100])
+
+    def log(self, metrics: dict[str, Any]) -> None:
+        import time
+
+        from mlflow.entities import Metric
+
+        stamp, step = int(time.time() * 1000), int(metrics["step"])
+        batch = [Metric(mlflow_key(k), float(v), stamp, step) for k, v in metrics.items()
+                 if k != "step" and isinstance(v, (int, float)) and math.isfinite(v)]
+        self.client.log_batch(self.run_id, metrics=batch)
+
+    def close(self) -> None:
+        self.client.set_terminated(self.run_id)
+
+
+def mlflow_key(key: str) -> str:
+    """MLflow names take letters, digits, _ - . / and spaces: `val/pass@4` becomes `val/pass_at_4`."""
+    return key.replace("@", "_at_")
+
+
+def _flatten(tree: dict[str, Any], prefix: str = "") -> dict[str, Any]:
+    out = {}
+    for key, value in tree.items():
+        path = f"{prefix}{key}"
+        out.update(_flatten(value, path + ".") if isinstance(value, dict) else {path: value})
+    return out
+
+
 def make_trackers(names: list[str], run_dir: Path, *, project: str | None, experiment: str | None,
                   config: dict[str, Any]) -> list[Any]:
     """The external trackers `trainer.logger` names (console and tensorboard are MetricsLogger's own)."""
-    return [WandbTracker(run_dir, project, experiment, config)] if "wandb" in names else []
+    kinds = {"wandb": WandbTracker, "mlflow": MlflowTracker}
+    return [kinds[n](run_dir, project, experiment, config) for n in names if n in kinds]
 
 
 class MetricsLogger:

@@ -223,8 +223,7 @@ def _run_settings(cfg: Config) -> list[str]:
     return p
 
 
-LOGGERS = ("console", "tensorboard", "wandb")
-NOT_BUILT_LOGGERS = ("mlflow",)
+LOGGERS = ("console", "tensorboard", "wandb", "mlflow")
 
 
 def logger_problems(cfg: Config) -> list[str]:
@@ -232,13 +231,9 @@ def logger_problems(cfg: Config) -> list[str]:
 
     p = []
     for name in cfg.trainer.logger:
-        if name == "wandb" and importlib.util.find_spec("wandb") is None:
-            p.append("trainer.logger names wandb, which is not installed; pip install 'portagrpo[wandb]' (or drop "
-                     "wandb from trainer.logger).")
-        elif name in NOT_BUILT_LOGGERS:
-            p.append(f"trainer.logger names {name}, which portagrpo does not have yet (it writes metrics.jsonl, "
-                     f"TensorBoard and W&B); drop {name} from trainer.logger, e.g. "
-                     f"trainer.logger=[console,tensorboard].")
+        if name in ("wandb", "mlflow") and importlib.util.find_spec(name) is None:
+            p.append(f"trainer.logger names {name}, which is not installed; pip install 'portagrpo[{name}]' (or "
+                     f"drop {name} from trainer.logger).")
         elif name not in LOGGERS:
             p.append(f"trainer.logger names {name!r}, which is unknown; use {', '.join(LOGGERS)}.")
     return p

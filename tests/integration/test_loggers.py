@@ -82,12 +82,35 @@ def test_wandb_offline_run_holds_the_metrics_and_config(tmp_path, monkeypatch):
     assert len({f.parent.name.split("-")[-1] for f in (run_dir / "wandb").glob("offline-run-*/run-*.wandb")}) == 1
 
 
-def test_missing_or_unbuilt_loggers_are_one_sentence(monkeypatch):
+def test_mlflow_file_store_holds_the_metrics_and_params(tmp_path, monkeypatch):
+    pytest.importorskip("mlflow", reason="the mlflow extra is not installed (pip install 'portagrpo[mlflow]')")
+    from mlflow import MlflowClient
+
+    monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
+    run_dir = tmp_path / "run"
+    common = ["--output-dir", str(run_dir), *FAST, "trainer.logger=[console,mlflow]", "trainer.project_name=proj",
+              "trainer.experiment_name=exp", "trainer.save_freq=2", "rollout.val_n=2",
+              "rollout.val_temperature=1.0"]
+    assert main(["train", *common, "trainer.total_steps=2"]) == 0
+    assert main(["train", *common, "trainer.total_steps=3", "--resume", str(run_dir)]) == 0
+    client = MlflowClient((run_dir / "mlruns").resolve().as_uri())
+    runs = client.search_runs([client.get_experiment_by_name("proj").experiment_id])
+    assert len(runs) == 1 and runs[0].info.run_name == "exp"  # one run, continued after the resume
+    run = runs[0]
+    assert run.data.params["actor.lr"] == str(load_config(None, FAST).actor.lr)
+    logged = read_metrics(run_dir / "metrics.jsonl")
+    history = {m.step: m.value for m in client.get_metric_history(run.info.run_id, "reward_mean")}
+    assert history == {r["step"]: pytest.approx(r["reward_mean"]) for r in logged}
+    assert [m.step for m in client.get_metric_history(run.info.run_id, "val/pass_at_2")] == [2, 3]
+
+
+def test_missing_loggers_are_one_sentence(monkeypatch):
     import importlib.util
 
     real = importlib.util.find_spec
-    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "wandb" else real(name, *a))
+    monkeypatch.setattr(importlib.util, "find_spec",
+                        lambda name, *a: None if name in ("wandb", "mlflow") else real(name, *a))
     with pytest.raises(ConfigError, match=r"wandb, which is not installed; pip install 'portagrpo\[wandb\]'"):
         load_config(None, ["trainer.logger=[wandb]"])
-    with pytest.raises(ConfigError, match="mlflow, which portagrpo does not have yet"):
+    with pytest.raises(ConfigError, match=r"mlflow, which is not installed; pip install 'portagrpo\[mlflow\]'"):
         load_config(None, ["trainer.logger=[mlflow]"])
