@@ -88,6 +88,8 @@ class Backend(Protocol):
 
     def supports_dtype(self, dtype: torch.dtype) -> bool: ...
 
+    def supports_dynamic_quantization(self) -> bool: ...
+
     def autocast(self, dtype: torch.dtype) -> ContextManager: ...
 
     def seed(self, seed: int) -> None: ...
@@ -193,6 +195,10 @@ class BaseBackend:
 
     def supports_dtype(self, dtype: torch.dtype) -> bool:
         return dtype in (torch.float32, torch.float64, torch.bfloat16, torch.float16)
+
+    def supports_dynamic_quantization(self) -> bool:
+        """PyTorch's dynamic int8 linear layers (fbgemm/qnnpack kernels) run on CPU tensors only."""
+        return self.device_type == "cpu"
 
     def autocast(self, dtype: torch.dtype) -> ContextManager:
         if dtype in (torch.float32, torch.float64):

@@ -321,15 +321,16 @@ class SamplerCopy(HFRollout):
         attn = inputs.backend.attention_implementation(cfg.model.attn_implementation, torch.float32)
         device = next(inputs.policy.parameters()).device  # this rank's device
         return cls(load_model(path, attn).to(device), inputs.tokenizer, cfg.rollout.precision,
-                   inputs.backend.device_type,
+                   int8_ok=inputs.backend.supports_dynamic_quantization(), device=inputs.backend.name,
                    tied_embeddings=bool(getattr(inputs.policy.config, "tie_word_embeddings", False)))
 
-    def __init__(self, model, tokenizer, precision: str, device_type: str, *, tied_embeddings: bool = False) -> None:
-        if precision == "int8" and device_type != "cpu":
+    def __init__(self, model, tokenizer, precision: str, *, int8_ok: bool = True, device: str = "cpu",
+                 tied_embeddings: bool = False) -> None:
+        if precision == "int8" and not int8_ok:
             from portagrpo.errors import UserError
 
             raise UserError(f"rollout.precision=int8 is PyTorch's dynamic int8 quantization, which runs on the CPU "
-                            f"only; on --device {device_type} use rollout.precision=bf16.")
+                            f"only; on --device {device} use rollout.precision=bf16.")
         self.precision, self.tied = precision, tied_embeddings
         self.master = model.to(self.PRECISIONS[precision]).eval().requires_grad_(False)
         super().__init__(self._sampler(), tokenizer, contextlib.nullcontext)  # the copy has its own dtype

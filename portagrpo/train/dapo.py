@@ -38,15 +38,7 @@ def _round(maker: ExperienceMaker, step: int, round_: int, prompts: list[PromptR
     maker.runtime.backend.seed(seed_for(s.seed, step, 1 + 10 * comm.rank + 100_003 * round_))
     uid_base = (step * 1000 + round_) * len(prompts) + comm.rank * len(records)  # unique over rounds
     rb = maker.rollout(records, s.n, s.sampling, uid_base=uid_base, prompt_width=s.prompt_length)
-    scored = maker.score(rb)
-    for failure in scored.failures[:3]:
-        maker.log(f"step {step}: reward failed on sample {failure.sample} (prompt id {failure.prompt_id}): "
-                  f"{failure.message}")
-    device = maker.runtime.device
-    local = Scored(maker.shaped_scores(rb, scored.scores),
-                   torch.tensor(scored.correct, dtype=torch.float32, device=device),
-                   torch.tensor([float(len(scored.failures))], device=device), None, None, None)
-    return maker.gather(rb, local)
+    return maker.gather(rb, maker.local_scored(step, rb, maker.score(rb)))
 
 
 def make_filtered(maker: ExperienceMaker, step: int, prompts: list[PromptRecord],

@@ -153,7 +153,7 @@ class ExperienceMaker:
     def make(self, step: int, prompts: list[PromptRecord]) -> Experience:
         """Rollout, reward, log-probs and advantages for `step` of the global prompt batch `prompts`
         (DAPO's dynamic sampling is `train/dapo.py: make_filtered`)."""
-        s, comm, device = self.settings, self.runtime.comm, self.runtime.device
+        s, comm = self.settings, self.runtime.comm
         records = self.local_records(prompts)
         width = self.prompt_width(records)
         self.runtime.backend.seed(seed_for(s.seed, step, 1 + 10 * comm.rank))
@@ -162,14 +162,9 @@ class ExperienceMaker:
         t_gen = time.perf_counter()
         scored = self.score(rb)
         t_scored = time.perf_counter()
-        for failure in scored.failures[:3]:
-            self.log(f"step {step}: reward failed on sample {failure.sample} (prompt id {failure.prompt_id}): "
-                     f"{failure.message}")
         old_logp, entropy = self.logprobs(self.scorer, rb, entropy=True) if s.scoring_pass else (None, None)
         ref_logp = self.logprobs(self.ref_scorer, rb, entropy=False)[0] if self.ref_scorer is not None else None
-        local = Scored(self.shaped_scores(rb, scored.scores),
-                       torch.tensor(scored.correct, dtype=torch.float32, device=device),
-                       torch.tensor([float(len(scored.failures))], device=device), old_logp, ref_logp, entropy)
+        local = self.local_scored(step, rb, scored, old_logp, ref_logp, entropy)
         full_rb, g = self.gather(rb, local)
         batch, scores = self.train_batch(full_rb, g.scores, g.old_logp, g.ref_logp)
         return Experience(batch, raw_scores=g.scores, scores=scores, correct=g.correct, entropy=g.entropy,
@@ -217,6 +212,18 @@ class ExperienceMaker:
         scores, adv = shape_and_advantage(raw_scores, rb.uid, mask, self.shaping, old_logp=old_logp,
                                           ref_logp=ref_logp)
         return TrainBatch(rb, adv, old_logp, ref_logp, is_weights=weights, loss_mask=loss_mask), scores
+
+    def local_scored(self, step: int, rb: RolloutBatch, scored: ScoredBatch, old_logp: torch.Tensor | None = None,
+                     ref_logp: torch.Tensor | None = None, entropy: torch.Tensor | None = None) -> Scored:
+        """This rank's rewards (with any overlong penalty) and log-probs as tensors; the first reward
+        failures are logged."""
+        for failure in scored.failures[:3]:
+            self.log(f"step {step}: reward failed on sample {failure.sample} (prompt id {failure.prompt_id}): "
+                     f"{failure.message}")
+        device = self.runtime.device
+        return Scored(self.shaped_scores(rb, scored.scores),
+                      torch.tensor(scored.correct, dtype=torch.float32, device=device),
+                      torch.tensor([float(len(scored.failures))], device=device), old_logp, ref_logp, entropy)
 
     def shaped_scores(self, rb: RolloutBatch, scores: list[float]) -> torch.Tensor:
         """The reward function's scores, with DAPO's overlong penalty when it is on."""

@@ -57,4 +57,7 @@ def test_refusals_are_one_sentence():
     from portagrpo.rollout.engines import SamplerCopy
 
     with pytest.raises(UserError, match="runs on the CPU only; on --device npu use rollout.precision=bf16"):
-        SamplerCopy(torch.nn.Linear(2, 2), None, "int8", "npu")
+        SamplerCopy(torch.nn.Linear(2, 2), None, "int8", int8_ok=False, device="npu")
+    from portagrpo.backends import get_backend
+
+    assert get_backend("cpu").supports_dynamic_quantization()
