@@ -88,6 +88,10 @@ class Collectives:
     def broadcast_object(self, obj: Any, src: int = 0) -> Any:
         return obj
 
+    def all_gather_object(self, obj: Any) -> list[Any]:
+        """Every rank's picklable `obj`, in rank order."""
+        return [obj]
+
     def barrier(self) -> None:
         return None
 
@@ -152,6 +156,11 @@ class ProcessGroupCollectives(Collectives):
         box = [obj]
         self._run("broadcast_object_list", dist.broadcast_object_list, box, src)
         return box[0]
+
+    def all_gather_object(self, obj: Any) -> list[Any]:
+        box: list[Any] = [None] * self.world_size
+        self._run("all_gather_object", dist.all_gather_object, box, obj)
+        return box
 
     def barrier(self) -> None:
         self._run("barrier", dist.barrier)

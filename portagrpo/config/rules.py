@@ -134,6 +134,7 @@ def _names_and_sizes(cfg: Config) -> list[str]:
                         ("actor.logprob_micro_batch_size",
                          unset_is_fine.get(a.logprob_micro_batch_size, a.logprob_micro_batch_size)),
                         ("actor.ppo_epochs", a.ppo_epochs),
+                        ("rollout.tensor_model_parallel_size", r.tensor_model_parallel_size),
                         ("data.max_response_length", d.max_response_length),
                         ("data.max_prompt_length", d.max_prompt_length)):
         if value < 1:

@@ -85,6 +85,9 @@ class RolloutConfig:
     vllm_gpu_memory_utilization: float = 0.5
     vllm_weight_bucket_mb: int = 512
     vllm_max_model_len: Optional[int] = None
+    # vLLM only: ranks per engine. Consecutive training ranks of one node form a tensor-parallel group
+    # that runs one engine under vLLM's external launcher (verl's rollout.tensor_model_parallel_size).
+    tensor_model_parallel_size: int = 1
     # The sampler's copy of the weights: auto samples with the training model itself (its dtype under
     # autocast); fp32/bf16/int8 keep a separate copy in that precision, refreshed after every update
     # (int8: PyTorch's dynamic int8 linear layers, CPU only). The training weights are never touched.

@@ -26,6 +26,7 @@ DIRECT = {
     AR + "model.lora_alpha": "model.lora.alpha",
     AR + "model.target_modules": "model.lora.target_modules",
     AR + "rollout.n": "rollout.n",
+    AR + "rollout.tensor_model_parallel_size": "rollout.tensor_model_parallel_size",
     AR + "rollout.temperature": "rollout.temperature",
     AR + "rollout.top_p": "rollout.top_p",
     AR + "rollout.top_k": "rollout.top_k",
@@ -115,7 +116,6 @@ NO_EFFECT = {
 GLOBAL_MICRO = {AR + "actor.ppo_micro_batch_size": "actor.micro_batch_size",
                 AR + "rollout.log_prob_micro_batch_size": "actor.logprob_micro_batch_size",
                 AR + "ref.log_prob_micro_batch_size": "actor.logprob_micro_batch_size"}
-TP = AR + "rollout.tensor_model_parallel_size"
 
 
 def translate(pairs: list[tuple[str, Any]]) -> tuple[list[tuple[str, Any]], list[str], list[str]]:
@@ -132,7 +132,7 @@ def translate(pairs: list[tuple[str, Any]]) -> tuple[list[tuple[str, Any]], list
             out.append((DIRECT[key], value))
             notices.append(f"verl key {key} -> portagrpo {DIRECT[key]}")
         elif key in NO_EFFECT or key in GLOBAL_MICRO or key in (MINI_BATCH, REWARD_PATH, REWARD_NAME, LORA_ENABLE,
-                                                                  GPUS_PER_NODE, TP, "trainer.critic_warmup"):
+                                                                  GPUS_PER_NODE, "trainer.critic_warmup"):
             held[key] = value
         else:
             _schedule_key(key, value, out, notices, rejected)
@@ -168,9 +168,6 @@ def _held(held: dict[str, Any], out: list, notices: list[str], rejected: list[st
             per_gpu = max(int(held[key]) // int(gpus or 1), 1)
             out.append((target, per_gpu))
             notices.append(f"verl key {key} -> portagrpo {target}={per_gpu} (per rank: / trainer.n_gpus_per_node)")
-    if TP in held:
-        notices.append(f"verl key {TP}={held[TP]}: one engine per rank here (tensor-parallel vLLM is not built "
-                       f"yet; with rollout.engine=hf it has no meaning)")
     if int(held.get("trainer.critic_warmup", 0) or 0) > 0:
         rejected.append("trainer.critic_warmup")  # GRPO has no critic to warm up
     if held.get(REWARD_PATH):

@@ -143,6 +143,7 @@ class EngineInputs:
     rank: int
     world_size: int
     init_model_dir: Path  # the run's saved initial model (what an engine with its own weights loads)
+    comm: Any = None  # backends.dist.Collectives: the training ranks (engines that span ranks use it)
 
 
 class Sampled(NamedTuple):

@@ -145,6 +145,46 @@ def _import_vllm():
     return vllm, TokensPrompt
 
 
+def tp_layout(size: int, rank: int, world: int, local_world: int, heads: int) -> tuple[int, int]:
+    """(engine group, rank within it) of a training rank, as vLLM forms tensor-parallel groups from the
+    launcher's ranks: consecutive ranks, `arange(world).reshape(-1, ..., tp)` in
+    vllm/distributed/parallel_state.py. One sentence for a layout vLLM would refuse or hang on."""
+    key = f"rollout.tensor_model_parallel_size={size}"
+    if world % size:
+        raise UserError(f"{key} does not divide the {world} training rank(s): every rank belongs to exactly one "
+                        f"engine; use a divisor of {world}, or more ranks.")
+    if local_world % size:
+        raise UserError(f"{key} does not divide the {local_world} rank(s) per node: a tensor-parallel group must sit "
+                        f"on one node (its all-reduces run every decode step); use a divisor of "
+                        f"trainer.nproc_per_node.")
+    if heads % size:
+        raise UserError(f"{key} does not divide the model's {heads} attention heads, which vLLM splits across the "
+                        f"group; use a divisor of {heads}.")
+    return rank // size, rank % size
+
+
+class TensorParallel:
+    """This rank's place in its vLLM tensor-parallel group. vLLM's external launcher runs one engine per
+    rank and expects every rank of a group to submit the same requests (vllm/v1/executor/uniproc_executor.py:
+    "all these engines work together to process the same prompts"), in the same order and with the same
+    seeds, so that deterministic scheduling keeps them in step. Each training rank has its own prompts: the
+    group's requests are gathered, every rank submits all of them, and each keeps its own slice."""
+
+    def __init__(self, size: int = 1, group: int = 0, rank: int = 0, all_gather_object=None) -> None:
+        if size > 1 and all_gather_object is None:
+            raise ValueError("tensor parallel engines need the training ranks' all_gather_object")
+        self.size, self.group, self.rank, self.all_gather_object = size, group, rank, all_gather_object
+
+    def requests(self, local: list[list[int]]) -> tuple[list[list[int]], slice]:
+        """The group's prompts in rank order, and the slice of the outputs that are this rank's."""
+        if self.size == 1:
+            return local, slice(0, len(local))
+        everyone = self.all_gather_object(local)  # every rank of the world takes part: groups step together
+        group = everyone[self.group * self.size:(self.group + 1) * self.size]
+        start = sum(len(part) for part in group[: self.rank])
+        return [p for part in group for p in part], slice(start, start + len(local))
+
+
 class SleepState:
     """Which of vLLM's memory pools are offloaded. vLLM's executor ignores `sleep` while any pool still
     sleeps, and a tag-less `wake_up` remaps every pool, mapped or not; so every call here names exactly
@@ -161,11 +201,14 @@ class SleepState:
 
 @ROLLOUT_ENGINES.register("vllm")
 class VLLMRollout:
-    """Colocated vLLM (V1) engine, one per training rank.
+    """Colocated vLLM (V1) engine, one per training rank, or one per tensor-parallel group of ranks.
 
     Under torchrun each rank's engine is built with `distributed_executor_backend="external_launcher"`, which
     places it on the rank's own device (LOCAL_RANK) and reuses the launcher's process group; a single process
-    uses the in-process uni executor. Lifecycle per step: generate (weights and KV cache awake) -> sleep(1) ->
+    uses the in-process uni executor. With `rollout.tensor_model_parallel_size` = k, k consecutive ranks hold
+    one engine's shards (TensorParallel): they sample the same requests with one seed stream, and every rank
+    pushes the full weights, of which vLLM's loaders keep the rank's shard.
+    Lifecycle per step: generate (weights and KV cache awake) -> sleep(1) ->
     training -> weights pushed (weights pool woken, KV cache still asleep) -> next generate wakes the KV cache.
     """
 
@@ -178,21 +221,26 @@ class VLLMRollout:
         from portagrpo.rollout.engines import stop_token_ids
 
         cfg, r = inputs.cfg, inputs.cfg.rollout
+        comm = inputs.comm
+        group, tp_rank = tp_layout(r.tensor_model_parallel_size, comm.rank, comm.world_size,
+                                   comm.env.local_world_size, getattr(inputs.policy.config, "num_attention_heads", 1))
         return cls(inputs.scorer, inputs.tokenizer, inputs.autocast, inputs.generate_kwargs,
                    model_path=str(resolve_model_path(cfg.model.path) if cfg.model.path else inputs.init_model_dir),
                    dtype={"fp32": "float32", "bf16": "bfloat16", "fp64": "float32"}[cfg.model.dtype],
-                   seed=cfg.trainer.seed + 7919 * inputs.rank,
+                   seed=cfg.trainer.seed + 7919 * group,  # one stream per engine: the ranks of a TP group share it
                    gpu_memory_utilization=r.vllm_gpu_memory_utilization, bucket_mb=r.vllm_weight_bucket_mb,
                    max_model_len=r.vllm_max_model_len or cfg.data.max_prompt_length + cfg.data.max_response_length,
                    tied_embeddings=bool(getattr(inputs.policy.config, "tie_word_embeddings", False)),
-                   empty_cache=inputs.backend.empty_cache, world_size=inputs.world_size,
-                   plugin=inputs.backend.spec.vllm_plugin, eos_ids=stop_token_ids(inputs.tokenizer, inputs.policy))
+                   empty_cache=inputs.backend.empty_cache, world_size=comm.world_size,
+                   plugin=inputs.backend.spec.vllm_plugin, eos_ids=stop_token_ids(inputs.tokenizer, inputs.policy),
+                   tensor_parallel=TensorParallel(r.tensor_model_parallel_size, group, tp_rank,
+                                                  comm.all_gather_object))
 
     def __init__(self, model, tokenizer, autocast, generate_kwargs: dict | None = None, *, model_path: str,
                  dtype: str = "bfloat16", seed: int = 0, gpu_memory_utilization: float = 0.5,
                  bucket_mb: int = 512, max_model_len: int | None = None, tied_embeddings: bool = False,
                  eos_ids: list[int] | None = None, empty_cache=None, world_size: int = 1,
-                 plugin: str | None = None) -> None:
+                 plugin: str | None = None, tensor_parallel: "TensorParallel | None" = None) -> None:
         vllm, self._tokens_prompt = _import_vllm()
         env, additional = check_versions(plugin)
         for key, value in env.items():  # read by the plugin's worker when the engine below is built
@@ -203,11 +251,12 @@ class VLLMRollout:
         self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else self.eos_ids[0]
         self.seed, self.bucket_bytes, self.tied = seed, bucket_mb * 2**20, tied_embeddings
         self.empty_cache = empty_cache or (lambda: None)
+        self.tp = tensor_parallel or TensorParallel()
         self.calls = 0
         extra = {"distributed_executor_backend": "external_launcher"} if world_size > 1 else {}
         self.llm = vllm.LLM(model=model_path, tokenizer=model_path, dtype=dtype, seed=seed,
                             gpu_memory_utilization=gpu_memory_utilization, enable_sleep_mode=True,
-                            max_model_len=max_model_len, tensor_parallel_size=1,
+                            max_model_len=max_model_len, tensor_parallel_size=self.tp.size,
                             generation_config="vllm", logprobs_mode=LOGPROBS_MODE,
                             **extra,  # generation_config="vllm": no sampling defaults from the model's file
                             **({"additional_config": additional} if additional else {}))
@@ -254,13 +303,14 @@ class VLLMRollout:
 
     @torch.no_grad()
     def generate(self, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, params: SamplingParams) -> Sampled:
+        local = [[t for t, m in zip(ids, mask) if m] for ids, mask in zip(prompt_ids.tolist(), prompt_mask.tolist())]
+        requests, mine = self.tp.requests(local)
         self._wake(SleepState.POOLS)
         try:
-            prompts = [self._tokens_prompt(prompt_token_ids=[t for t, m in zip(ids, mask) if m])
-                       for ids, mask in zip(prompt_ids.tolist(), prompt_mask.tolist())]
+            prompts = [self._tokens_prompt(prompt_token_ids=ids) for ids in requests]
             sampling = [self._sampling_cls(**sampling_kwargs(params, seed=s, stop_token_ids=self.eos_ids))
                         for s in self.request_seeds(len(prompts))]
-            outputs = self.llm.generate(prompts, sampling, use_tqdm=False)
+            outputs = self.llm.generate(prompts, sampling, use_tqdm=False)[mine]
         finally:
             self._sleep()
         rows, logps = [], []

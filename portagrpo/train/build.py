@@ -135,7 +135,7 @@ def build(cfg: Config, runtime: Runtime, run_dir: Path, log: Callable[[str], Non
         models = build_models(cfg, runtime, strategy, data.tokenizer, run_dir)
         total = total_steps(cfg, data.loader)
         optim = build_optimization(cfg, models, total)
-        engine = build_engine(cfg, runtime, models, data.tokenizer, run_dir)
+        engine = build_engine(cfg, runtime, models, data.tokenizer, run_dir, log if runtime.comm.is_main else None)
     except BaseException:
         if data.reward_pool is not None:
             data.reward_pool.close()
@@ -233,12 +233,16 @@ def build_optimization(cfg: Config, models: Models, total: int) -> Optimization:
     return Optimization(params, optimizer, torch.optim.lr_scheduler.LambdaLR(optimizer, schedule))
 
 
-def build_engine(cfg: Config, runtime: Runtime, models: Models, tokenizer, run_dir: Path):
+def build_engine(cfg: Config, runtime: Runtime, models: Models, tokenizer, run_dir: Path,
+                 log: Callable[[str], None] | None = None):
     name = runtime.backend.rollout_engine(cfg.rollout.engine)
+    if cfg.rollout.tensor_model_parallel_size > 1 and name != "vllm" and log is not None:
+        log(f"note: rollout.tensor_model_parallel_size={cfg.rollout.tensor_model_parallel_size} has no effect with "
+            f"rollout.engine={name}, which samples on every rank with the training model")
     return ROLLOUT_ENGINES.get(name, field="rollout.engine").from_run(EngineInputs(
         cfg=cfg, scorer=models.scorer, policy=models.policy, tokenizer=tokenizer, autocast=runtime.autocast,
         generate_kwargs=models.strategy.generate_kwargs, backend=runtime.backend, rank=runtime.comm.rank,
-        world_size=runtime.comm.world_size, init_model_dir=Path(run_dir) / "init_model"))
+        world_size=runtime.comm.world_size, init_model_dir=Path(run_dir) / "init_model", comm=runtime.comm))
 
 
 def push_weights(engine, models: Models) -> None:

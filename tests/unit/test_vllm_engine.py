@@ -1,17 +1,22 @@
-"""The vLLM engine's own logic, with vLLM replaced by a recording stand-in (vLLM cannot be
-installed on these CPU machines): parameter mapping, weight names, bucketing, the
-sleep/wake cycle and the weight push after every optimizer step."""
+"""The vLLM engine's own logic, with vLLM replaced by a stand-in (tests/standins/fake_vllm.py; vLLM cannot
+be installed on these CPU machines): parameter mapping, weight names, bucketing, the sleep/wake cycle, the
+weight push after every optimizer step, and the tensor-parallel layout."""
 import math
 import re
 import sys
 import types
 from dataclasses import replace
+from pathlib import Path
 
 import pytest
 import torch
 
 from portagrpo.rollout.engines import SamplingParams
 from portagrpo.rollout.vllm import bucket_tensors, sampling_kwargs, vllm_weight_names
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "standins"))
+from fake_vllm import FakeLLM  # noqa: E402
+from fake_vllm import modules as fake_vllm_modules  # noqa: E402
 
 
 def test_sampling_parameter_mapping():
@@ -47,125 +52,18 @@ def test_bucketing_respects_the_limit():
     assert [n for b in buckets for n, _ in b] == [n for n, _ in named]
 
 
-class _FakeModel:
-    def __init__(self, llm):
-        self.llm = llm
-
-    def load_weights(self, weights):
-        if "weights" in self.llm.asleep:  # weights offloaded: loading into unmapped memory would fault
-            raise RuntimeError("load_weights while the weights pool is asleep")
-        self.llm.log.append(("load", [(n, t.clone()) for n, t in weights]))
-
-
-class _FakeLLM:
-    """A stand-in for vllm.LLM (V1) that models what decides correctness, as vLLM's source defines it:
-
-    - sleep mode (vllm/v1/executor/abstract.py + device_allocator/cumem.py): `sleep` while any pool is
-      still asleep is ignored ("Executor is already sleeping"); `wake_up(tags)` remaps exactly those pools,
-      and a tag-less `wake_up()` remaps every pool, so waking a pool that is mapped faults;
-    - sampling: each request's generator is seeded from its own SamplingParams.seed (same seed, same
-      prompt -> same tokens); seed=None draws from the engine's generator seeded by LLM(seed=);
-    - V1 multiprocessing (the default) keeps the model in another process: `apply_model` with a closure
-      fails in msgpack, and the model runner is reachable only with VLLM_ENABLE_V1_MULTIPROCESSING=0;
-    - placement: the uni executor uses device 0; external_launcher uses the launcher's LOCAL_RANK;
-    - vllm-ascend (when `ascend` names its version): `wake_up` raises ValueError while the FRACTAL_NZ
-      weight format is on. 0.11.0 (worker_v1.py: `is_enable_nz()`, utils.py) reads VLLM_ASCEND_ENABLE_NZ
-      (int, default 1) once when the worker is built; 0.20+ (worker.py: `get_ascend_config().weight_nz_mode`,
-      ascend_config.py) read additional_config["weight_nz_mode"] and fall back to that variable.
-    """
-
-    instances = []
-    ascend: str | None = None  # the vllm-ascend version the stand-in plays, or None for plain vLLM
-
-    def __init__(self, **kwargs):
-        import os
-
-        self.kwargs, self.log = kwargs, []
-        self.asleep: set = set()
-        self.multiprocessing = os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING", "1") != "0"
-        launcher = kwargs.get("distributed_executor_backend") == "external_launcher"
-        self.device_index = int(os.environ.get("LOCAL_RANK", "0")) if launcher else 0
-        self.rng = torch.Generator().manual_seed(kwargs.get("seed", 0))
-        model = _FakeModel(self)
-        runner = types.SimpleNamespace(model=types.SimpleNamespace(wrapped=model))  # a graph wrapper in vLLM
-        executor = types.SimpleNamespace(driver_worker=types.SimpleNamespace(worker=types.SimpleNamespace(
-            model_runner=runner, get_model=lambda: model)))
-        self.nz = None
-        if _FakeLLM.ascend is not None:
-            env_nz = int(os.environ.get("VLLM_ASCEND_ENABLE_NZ", 1))
-            new = tuple(int(x) for x in _FakeLLM.ascend.split(".")[:2]) >= (0, 20)
-            self.nz = kwargs.get("additional_config", {}).get("weight_nz_mode", env_nz) if new else env_nz
-        self.llm_engine = types.SimpleNamespace() if self.multiprocessing else types.SimpleNamespace(
-            model_executor=executor)
-        _FakeLLM.instances.append(self)
-
-    def sleep(self, level):
-        if self.asleep:
-            self.log.append(("sleep-ignored", level))
-            return
-        self.asleep = {"weights", "kv_cache"}
-        self.log.append(("sleep", level))
-
-    def wake_up(self, tags=None):
-        if self.nz:
-            raise ValueError("FRACTAL_NZ mode is enabled. This may cause model parameter precision issues in the "
-                             "RL scenarios. Please set VLLM_ASCEND_ENABLE_NZ=0.")
-        wanted = set(tags) if tags else {"weights", "kv_cache"}
-        mapped = wanted - self.asleep
-        if mapped:
-            raise RuntimeError(f"cuMemMap on already-mapped memory ({sorted(mapped)})")
-        self.asleep -= wanted
-        self.log.append(("wake", tuple(tags) if tags else None))
-
-    def apply_model(self, fn):
-        if self.multiprocessing:
-            raise TypeError("Object of type function is not msgpack serializable")
-        return fn(self.llm_engine.model_executor.driver_worker.worker.get_model())
-
-    def generate(self, prompts, sampling, use_tqdm=False):
-        if self.asleep:
-            raise RuntimeError(f"generate while {sorted(self.asleep)} asleep")
-        params = sampling if isinstance(sampling, list) else [sampling] * len(prompts)
-        assert len(params) == len(prompts)
-        self.log.append(("generate", len(prompts), params[0].kwargs, [p.kwargs["seed"] for p in params]))
-        out = []
-        for p, sp in zip(prompts, params):
-            seed = sp.kwargs["seed"]
-            g = self.rng if seed is None else torch.Generator().manual_seed(seed + sum(p["prompt_token_ids"]))
-            n = int(torch.randint(1, 6, (1,), generator=g))
-            ids = torch.randint(5, 15, (n,), generator=g).tolist() + [2]
-            logprobs = None
-            if sp.kwargs.get("logprobs") is not None:  # the sampled token is always among the returned ones
-                lp = self._logprob(sp.kwargs)
-                logprobs = [{t: types.SimpleNamespace(logprob=lp, rank=1)} for t in ids]
-            out.append(types.SimpleNamespace(outputs=[types.SimpleNamespace(token_ids=ids, logprobs=logprobs)]))
-        return out
-
-    def _logprob(self, sampling) -> float:
-        """Tokens are drawn uniformly from 11 kept ids (5..14 and EOS) of a 22-token model distribution
-        (uniform over 22 before truncation): vLLM's default logprobs_mode reports the raw distribution's
-        log-prob, "processed_logprobs" the one the token was drawn from (vllm/v1/sample/sampler.py)."""
-        processed = self.kwargs.get("logprobs_mode", "raw_logprobs") == "processed_logprobs"
-        return -math.log(11) if processed else -math.log(22)
-
-
 @pytest.fixture()
 def fake_vllm(monkeypatch):
-    mod = types.ModuleType("vllm")
-    mod.LLM = _FakeLLM
-    mod.SamplingParams = lambda **kw: types.SimpleNamespace(kwargs=kw)
-    inputs = types.ModuleType("vllm.inputs")
-    inputs.TokensPrompt = lambda prompt_token_ids: {"prompt_token_ids": prompt_token_ids}
-    monkeypatch.setitem(sys.modules, "vllm", mod)
-    monkeypatch.setitem(sys.modules, "vllm.inputs", inputs)
+    for name, module in fake_vllm_modules().items():
+        monkeypatch.setitem(sys.modules, name, module)
     from portagrpo.backends import cpu
 
     monkeypatch.setattr(cpu.CPUBackend, "__init__", lambda self: cpu.BaseBackend.__init__(
         self, replace(cpu.SPEC, rollout_engines=("hf", "fixed", "vllm"))))
-    _FakeLLM.instances.clear()
-    monkeypatch.setattr(_FakeLLM, "ascend", None)
+    FakeLLM.instances.clear()
+    monkeypatch.setattr(FakeLLM, "ascend", None)
     monkeypatch.delenv("VLLM_ASCEND_ENABLE_NZ", raising=False)
-    return _FakeLLM
+    return FakeLLM
 
 
 def _trainer(tmp_path, *extra):
@@ -346,3 +244,60 @@ def test_supported_versions_pass(fake_vllm, monkeypatch):
         monkeypatch.setattr(engine_mod, "_installed", _installed({"vllm": version}))
         engine_mod.VLLMRollout(None, types.SimpleNamespace(eos_token_id=2, pad_token_id=0), None, model_path="m")
     assert len(fake_vllm.instances) == 3
+
+
+@pytest.mark.parametrize("size,world,local,heads,expected", [
+    (3, 4, 4, 6, "does not divide the 4 training rank(s)"),
+    (2, 4, 1, 4, "does not divide the 1 rank(s) per node: a tensor-parallel group must sit on one node"),
+    (4, 4, 4, 6, "does not divide the model's 6 attention heads"),
+    (2, 1, 1, 4, "does not divide the 1 training rank(s)"),
+])
+def test_impossible_tensor_parallel_layouts_are_one_sentence(size, world, local, heads, expected):
+    from portagrpo.errors import UserError
+    from portagrpo.rollout.vllm import tp_layout
+
+    with pytest.raises(UserError, match=re.escape(f"rollout.tensor_model_parallel_size={size} {expected}")):
+        tp_layout(size, 0, world, local, heads)
+
+
+def test_tensor_parallel_groups_are_consecutive_ranks():
+    from portagrpo.rollout.vllm import tp_layout
+
+    assert [tp_layout(2, r, 8, 4, 4) for r in range(8)] == [(0, 0), (0, 1), (1, 0), (1, 1), (2, 0), (2, 1), (3, 0),
+                                                            (3, 1)]
+    assert [tp_layout(4, r, 8, 4, 4)[0] for r in range(8)] == [0, 0, 0, 0, 1, 1, 1, 1]
+
+
+def test_a_tensor_parallel_group_submits_the_groups_prompts_and_keeps_its_slice():
+    """Four ranks, TP=2: ranks 0/1 and 2/3 each form one engine; every rank of a group submits the
+    group's requests (ragged counts included) and keeps the outputs of its own prompts."""
+    from portagrpo.rollout.vllm import TensorParallel
+
+    prompts = [[[1, 2], [3]], [[4], [5, 6], [7]], [[8]], [[9, 9]]]  # per rank
+    gather = lambda local: prompts  # noqa: E731 - what all_gather_object returns on every rank
+    seen = []
+    for rank in range(4):
+        tp = TensorParallel(2, rank // 2, rank % 2, gather)
+        requests, mine = tp.requests(prompts[rank])
+        seen.append(requests)
+        assert requests[mine] == prompts[rank]
+    assert seen[0] == seen[1] == [[1, 2], [3], [4], [5, 6], [7]] and seen[2] == seen[3] == [[8], [9, 9]]
+    one = TensorParallel()
+    assert one.requests(prompts[1]) == (prompts[1], slice(0, 3))
+
+
+def test_the_stand_in_refuses_what_vllm_refuses_about_tensor_parallelism(fake_vllm, tmp_path):
+    """Without the external launcher vLLM runs TP workers in processes of its own, out of the trainer's
+    reach; and a head count that TP does not divide is vLLM's config error."""
+    from portagrpo.rollout.vllm import TensorParallel, VLLMRollout
+
+    tok = types.SimpleNamespace(eos_token_id=2, pad_token_id=0)
+    engine = VLLMRollout(None, tok, None, model_path=str(tmp_path), world_size=1,
+                         tensor_parallel=TensorParallel(2, 0, 0, lambda x: [x]))
+    assert engine.llm.kwargs["tensor_parallel_size"] == 2 and engine.llm.multiprocessing
+    with pytest.raises(AttributeError):
+        engine.update_weights({"model.embed_tokens.weight": torch.zeros(2)})
+    (tmp_path / "config.json").write_text('{"num_attention_heads": 3}')
+    with pytest.raises(ValueError, match="must be divisible by tensor parallel size"):
+        VLLMRollout(None, tok, None, model_path=str(tmp_path), world_size=2,
+                    tensor_parallel=TensorParallel(2, 0, 0, lambda x: [x]))

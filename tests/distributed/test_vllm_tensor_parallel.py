@@ -1,0 +1,60 @@
+"""Tensor-parallel vLLM rollout (`rollout.tensor_model_parallel_size`) on four CPU ranks, vLLM played by
+tests/standins/fake_vllm.py, which forms TP groups, shards the pushed weights and checks that a group's
+ranks stay in step as vLLM's external launcher requires."""
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+from test_data_parallel import ENV  # noqa: E402
+
+
+@pytest.fixture(scope="module")
+def four_ranks(tmp_path_factory):
+    out = tmp_path_factory.mktemp("tp")
+    cmd = [sys.executable, "-m", "portagrpo.launcher", "--nproc", "4", str(HERE / "vllm_tp_worker.py"), str(out), "2"]
+    res = subprocess.run(cmd, env=ENV, capture_output=True, text=True, timeout=900, cwd="/")
+    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
+    return [torch.load(out / f"rank{r}.pt", weights_only=False) for r in range(4)]
+
+
+def test_ranks_of_a_group_sample_the_same_and_groups_differ(four_ranks):
+    r0, r1, r2, r3 = four_ranks
+    assert [r["tp_ranks"] for r in four_ranks] == [[0, 1], [0, 1], [2, 3], [2, 3]]
+    assert r0["engine_seed"] == r1["engine_seed"] != r2["engine_seed"] == r3["engine_seed"]
+    # two training rollouts, then validation (2 prompts per rank, one per batch)
+    assert len(r0["generate"]) == len(r0["returned"]) == 2 + 2
+    # within a group: identical seeds, requests and tokens on every call
+    assert r0["generate"] == r1["generate"] and r2["generate"] == r3["generate"]
+    for a, b in zip(r0["generate"], r2["generate"]):
+        seeds_a, prompts_a, tokens_a = a
+        seeds_b, prompts_b, tokens_b = b
+        assert not set(seeds_a) & set(seeds_b)  # the two engines draw from different streams
+        assert prompts_a != prompts_b and tokens_a != tokens_b
+
+
+def test_each_rank_trains_on_its_own_slice_of_its_groups_samples(four_ranks):
+    for group in (four_ranks[:2], four_ranks[2:]):
+        for call, (_, _, tokens) in enumerate(group[0]["generate"]):
+            mine = [rank["returned"][call] for rank in group]
+            assert len(mine[0]) == len(mine[1]) and mine[0] + mine[1] == [list(t) for t in tokens]
+    assert all(len(r["metrics"]) == 3 and r["metrics"][-1]["val/reward_mean"] >= 0 for r in four_ranks)
+
+
+def test_every_rank_loads_its_shard_of_the_updated_weights(four_ranks):
+    for rank in four_ranks:
+        assert rank["loads"] == 2 * len(rank["shards"])  # every tensor after each of the two updates
+    for name, full in four_ranks[0]["full"].items():
+        if name not in four_ranks[0]["shards"]:
+            continue  # tied lm_head: not pushed
+        for r, rank in enumerate(four_ranks):
+            shard = rank["shards"][name]
+            if full.dim() and full.shape[0] % 2 == 0:
+                half = full.shape[0] // 2
+                assert torch.equal(shard, full[(r % 2) * half:(r % 2 + 1) * half]), (name, r)
+            else:
+                assert torch.equal(shard, full), (name, r)

@@ -1,0 +1,218 @@
+"""A stand-in for vLLM (V1) that models what decides correctness, as vLLM's source defines it.
+
+vLLM cannot be installed on these CPU machines. Every behaviour below is read from vLLM's (and
+vllm-ascend's) sources, and the stand-in fails where vLLM would fail or silently go wrong:
+
+- sleep mode (vllm/v1/executor/abstract.py + device_allocator/cumem.py): `sleep` while any pool is
+  still asleep is ignored ("Executor is already sleeping"); `wake_up(tags)` remaps exactly those pools,
+  and a tag-less `wake_up()` remaps every pool, so waking a pool that is mapped faults;
+- sampling: each request's generator is seeded from its own SamplingParams.seed (same seed, same
+  prompt, same weights -> same tokens); seed=None draws from the engine's generator seeded by LLM(seed=);
+- V1 multiprocessing (the default) keeps the model in another process: `apply_model` with a closure
+  fails in msgpack, and the model runner is reachable only with VLLM_ENABLE_V1_MULTIPROCESSING=0;
+- placement: the uni executor uses device 0; external_launcher uses the launcher's LOCAL_RANK;
+- tensor parallelism under the external launcher (vllm/v1/executor/uniproc_executor.py,
+  vllm/distributed/parallel_state.py, vllm/config/model.py, the linear layers' weight loaders):
+  tensor_parallel_size > 1 without the external launcher starts worker processes (the model is then
+  out of reach here); the launcher's ranks form TP groups of consecutive ranks
+  (`arange(world).reshape(-1, tp)`, so the world must divide); the attention heads must divide by tp;
+  `load_weights` takes full checkpoint tensors and keeps this rank's shard; a forward step needs every
+  shard of the group (its all-reduces), so the tokens depend on the whole group's weights; and every
+  rank of a group must submit the same requests in the same order with the same seeds, or the engines'
+  collectives fall out of step (the stand-in raises where vLLM would hang or mix up requests);
+- vllm-ascend (when `ascend` names its version): `wake_up` raises ValueError while the FRACTAL_NZ
+  weight format is on. 0.11.0 (worker_v1.py: `is_enable_nz()`, utils.py) reads VLLM_ASCEND_ENABLE_NZ
+  (int, default 1) once when the worker is built; 0.20+ (worker.py: `get_ascend_config().weight_nz_mode`,
+  ascend_config.py) read additional_config["weight_nz_mode"] and fall back to that variable.
+
+Token choice: a request's tokens are drawn uniformly from 11 kept ids (5..14 and EOS=2) of a 22-token
+distribution, by a generator seeded from (request seed, prompt, weights digest).
+"""
+from __future__ import annotations
+
+import json
+import math
+import os
+import sys
+import types
+from pathlib import Path
+
+import torch
+
+
+class FakeModel:
+    def __init__(self, llm: "FakeLLM"):
+        self.llm = llm
+
+    def load_weights(self, weights):
+        if "weights" in self.llm.asleep:  # weights offloaded: loading into unmapped memory would fault
+            raise RuntimeError("load_weights while the weights pool is asleep")
+        weights = list(weights)
+        self.llm.log.append(("load", [(n, t.clone()) for n, t in weights]))
+        for name, tensor in weights:
+            self.llm.shards[name] = self.llm.shard_of(tensor).clone()
+
+
+class FakeLLM:
+    instances: list["FakeLLM"] = []
+    ascend: str | None = None  # the vllm-ascend version the stand-in plays, or None for plain vLLM
+
+    def __init__(self, **kwargs):
+        self.kwargs, self.log = kwargs, []
+        self.asleep: set = set()
+        self.shards: dict[str, torch.Tensor] = {}
+        self.multiprocessing = os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING", "1") != "0"
+        launcher = kwargs.get("distributed_executor_backend") == "external_launcher"
+        self.device_index = int(os.environ.get("LOCAL_RANK", "0")) if launcher else 0
+        self.rng = torch.Generator().manual_seed(kwargs.get("seed", 0))
+        self.tp = int(kwargs.get("tensor_parallel_size", 1))
+        self.tp_group, self.tp_rank, self.tp_ranks = None, 0, [0]
+        if self.tp > 1:
+            self._form_tp_group(launcher)
+        model = FakeModel(self)
+        runner = types.SimpleNamespace(model=types.SimpleNamespace(wrapped=model))  # a graph wrapper in vLLM
+        executor = types.SimpleNamespace(driver_worker=types.SimpleNamespace(worker=types.SimpleNamespace(
+            model_runner=runner, get_model=lambda: model)))
+        self.nz = None
+        if FakeLLM.ascend is not None:
+            env_nz = int(os.environ.get("VLLM_ASCEND_ENABLE_NZ", 1))
+            new = tuple(int(x) for x in FakeLLM.ascend.split(".")[:2]) >= (0, 20)
+            self.nz = kwargs.get("additional_config", {}).get("weight_nz_mode", env_nz) if new else env_nz
+        self.llm_engine = types.SimpleNamespace() if self.multiprocessing else types.SimpleNamespace(
+            model_executor=executor)
+        FakeLLM.instances.append(self)
+
+    def _form_tp_group(self, launcher: bool) -> None:
+        import torch.distributed as dist
+
+        if not launcher:  # vLLM picks its multiprocessing executor: one worker process per TP rank
+            self.multiprocessing = True
+            return
+        config = Path(self.kwargs["model"]) / "config.json"
+        heads = json.loads(config.read_text())["num_attention_heads"] if config.is_file() else self.tp
+        if heads % self.tp:
+            raise ValueError(f"Total number of attention heads ({heads}) must be divisible by tensor parallel "
+                             f"size ({self.tp}).")
+        if not dist.is_initialized():
+            raise RuntimeError("external_launcher: torch.distributed is not initialised (env:// needs RANK etc.)")
+        world = dist.get_world_size()
+        groups = torch.arange(world).reshape(-1, self.tp).tolist()  # raises when tp does not divide the world
+        for ranks in groups:  # every rank creates every group, in the same order (as vLLM does)
+            group = dist.new_group(ranks)
+            if dist.get_rank() in ranks:
+                self.tp_group, self.tp_ranks = group, ranks
+        self.tp_rank = self.tp_ranks.index(dist.get_rank())
+
+    def shard_of(self, tensor: torch.Tensor) -> torch.Tensor:
+        """This rank's part of a full checkpoint tensor (vLLM's column/row/vocab-parallel loaders narrow
+        the full tensor by the TP rank; norms and biases that do not split stay whole)."""
+        if self.tp == 1 or tensor.dim() == 0 or tensor.shape[0] % self.tp:
+            return tensor
+        size = tensor.shape[0] // self.tp
+        return tensor.narrow(0, self.tp_rank * size, size)
+
+    def weights_digest(self) -> int:
+        """A number that depends on every loaded weight of the engine, i.e. on all the group's shards."""
+        local = sum(float(t.double().abs().sum()) * (i + 1) for i, (_, t) in enumerate(sorted(self.shards.items())))
+        parts = [local]
+        if self.tp_group is not None:
+            import torch.distributed as dist
+
+            parts = [None] * self.tp
+            dist.all_gather_object(parts, local, group=self.tp_group)  # the forward's all-reduce
+        return int(sum(parts) * 1e3) % 2**31
+
+    def sleep(self, level):
+        if self.asleep:
+            self.log.append(("sleep-ignored", level))
+            return
+        self.asleep = {"weights", "kv_cache"}
+        self.log.append(("sleep", level))
+
+    def wake_up(self, tags=None):
+        if self.nz:
+            raise ValueError("FRACTAL_NZ mode is enabled. This may cause model parameter precision issues in the "
+                             "RL scenarios. Please set VLLM_ASCEND_ENABLE_NZ=0.")
+        wanted = set(tags) if tags else {"weights", "kv_cache"}
+        mapped = wanted - self.asleep
+        if mapped:
+            raise RuntimeError(f"cuMemMap on already-mapped memory ({sorted(mapped)})")
+        self.asleep -= wanted
+        self.log.append(("wake", tuple(tags) if tags else None))
+
+    def apply_model(self, fn):
+        if self.multiprocessing:
+            raise TypeError("Object of type function is not msgpack serializable")
+        return fn(self.llm_engine.model_executor.driver_worker.worker.get_model())
+
+    def _check_group_in_step(self, prompts, params) -> None:
+        import torch.distributed as dist
+
+        mine = ([p["prompt_token_ids"] for p in prompts], [sp.kwargs for sp in params])
+        seen = [None] * self.tp
+        dist.all_gather_object(seen, mine, group=self.tp_group)
+        if any(other != mine for other in seen):
+            raise RuntimeError(f"TP group {self.tp_ranks}: the ranks submitted different requests; under the "
+                               f"external launcher every rank of a group must process the same prompts")
+
+    def generate(self, prompts, sampling, use_tqdm=False):
+        if self.asleep:
+            raise RuntimeError(f"generate while {sorted(self.asleep)} asleep")
+        params = sampling if isinstance(sampling, list) else [sampling] * len(prompts)
+        assert len(params) == len(prompts)
+        if self.tp_group is not None:
+            self._check_group_in_step(prompts, params)
+        digest = self.weights_digest()
+        out = []
+        for p, sp in zip(prompts, params):
+            seed = sp.kwargs["seed"]
+            g = self.rng if seed is None else torch.Generator().manual_seed(
+                (seed + sum(p["prompt_token_ids"]) + digest) % 2**62)
+            n = int(torch.randint(1, 6, (1,), generator=g))
+            ids = torch.randint(5, 15, (n,), generator=g).tolist() + [2]
+            logprobs = None
+            if sp.kwargs.get("logprobs") is not None:  # the sampled token is always among the returned ones
+                lp = self._logprob()
+                logprobs = [{t: types.SimpleNamespace(logprob=lp, rank=1)} for t in ids]
+            out.append(types.SimpleNamespace(outputs=[types.SimpleNamespace(token_ids=ids, logprobs=logprobs)]))
+        self.log.append(("generate", len(prompts), params[0].kwargs, [p.kwargs["seed"] for p in params],
+                         [p["prompt_token_ids"] for p in prompts], [o.outputs[0].token_ids for o in out]))
+        return out
+
+    def _logprob(self) -> float:
+        """vLLM's default logprobs_mode reports the raw distribution's log-prob (uniform over 22 ids),
+        "processed_logprobs" the one the token was drawn from (uniform over the 11 kept ids;
+        vllm/v1/sample/sampler.py)."""
+        processed = self.kwargs.get("logprobs_mode", "raw_logprobs") == "processed_logprobs"
+        return -math.log(11) if processed else -math.log(22)
+
+
+def modules() -> dict[str, types.ModuleType]:
+    """`vllm` and `vllm.inputs` as the engine imports them."""
+    mod = types.ModuleType("vllm")
+    mod.LLM = FakeLLM
+    mod.SamplingParams = lambda **kw: types.SimpleNamespace(kwargs=kw)
+    inputs = types.ModuleType("vllm.inputs")
+    inputs.TokensPrompt = lambda prompt_token_ids: {"prompt_token_ids": prompt_token_ids}
+    return {"vllm": mod, "vllm.inputs": inputs}
+
+
+def allow_on_cpu():
+    """The CPU backend with `vllm` among its engines (a CPU run normally refuses it), so that the engine's
+    logic runs here against the stand-in."""
+    from dataclasses import replace
+
+    from portagrpo.backends import cpu, register_backend
+
+    def build():
+        backend = cpu.CPUBackend()
+        backend.spec = replace(backend.spec, rollout_engines=("hf", "fixed", "vllm"))
+        return backend
+
+    register_backend("cpu", build)
+
+
+def install() -> None:
+    """For a worker process: the stand-in imported as vllm, and the CPU backend allowed to use it."""
+    sys.modules.update(modules())
+    allow_on_cpu()
