@@ -90,6 +90,8 @@ class Backend(Protocol):
 
     def supports_dynamic_quantization(self) -> bool: ...
 
+    def sampler_process_device(self, local_rank: int) -> str: ...
+
     def autocast(self, dtype: torch.dtype) -> ContextManager: ...
 
     def seed(self, seed: int) -> None: ...
@@ -199,6 +201,17 @@ class BaseBackend:
     def supports_dynamic_quantization(self) -> bool:
         """PyTorch's dynamic int8 linear layers (fbgemm/qnnpack kernels) run on CPU tensors only."""
         return self.device_type == "cpu"
+
+    def sampler_process_device(self, local_rank: int) -> str:
+        """Where rank `local_rank`'s sampler process (rollout.mode=one_step_off) runs. The process is built
+        for the host's cores: on a CPU run it takes the cores the trainer leaves it. Placing it on a
+        device of its own is not built yet, so accelerators answer with one sentence."""
+        if self.device_type == "cpu":
+            return "cpu"
+        from portagrpo.errors import UserError
+
+        raise UserError(f"rollout.mode=one_step_off runs its sampler process on the CPU only so far; on --device "
+                        f"{self.name} use rollout.mode=sync.")
 
     def autocast(self, dtype: torch.dtype) -> ContextManager:
         if dtype in (torch.float32, torch.float64):

@@ -48,11 +48,13 @@ def save_checkpoint(
     state: dict[str, Any],
     rng: dict[str, Any],
     keep: int,
+    inflight: dict[str, Any] | None = None,
 ) -> Path:
     """Write checkpoint `step` atomically and keep only the newest `keep` ones.
 
     `model_state` and `optimizer_state` are full (unsharded) state dicts; `model` supplies the
-    Hugging Face config so the weights load with `from_pretrained`.
+    Hugging Face config so the weights load with `from_pretrained`. `inflight`: the rollout sampled
+    ahead of the next step (rollout.mode=one_step_off), saved so a resumed run trains on it next.
     """
     final = checkpoint_dir(run_dir, step)
     # written whole or not at all: a full disk or a kill leaves the previous checkpoints as they were
@@ -62,6 +64,8 @@ def save_checkpoint(
         torch.save(optimizer_state, tmp / "optimizer.pt")
         torch.save(scheduler.state_dict(), tmp / "scheduler.pt")
         torch.save(rng, tmp / "rng.pt")
+        if inflight is not None:
+            torch.save(inflight, tmp / INFLIGHT)
         (tmp / "trainer_state.json").write_text(json.dumps({"step": step, **state}, indent=1))
         files = {str(p.relative_to(tmp)): {"size": p.stat().st_size, "sha256": _sha256(p)}
                  for p in sorted(tmp.rglob("*")) if p.is_file()}
@@ -114,6 +118,9 @@ def prune_checkpoints(run_dir: Path, keep: int) -> None:
         shutil.rmtree(path, ignore_errors=True)
 
 
+INFLIGHT = "inflight.pt"
+
+
 def load_checkpoint_state(path: Path) -> dict[str, Any]:
     """Verify then load the non-model parts of a checkpoint; the model loads from `path/model`."""
     path = Path(path)
@@ -126,6 +133,7 @@ def load_checkpoint_state(path: Path) -> dict[str, Any]:
         "rng": torch.load(path / "rng.pt", weights_only=False),
         "state": json.loads((path / "trainer_state.json").read_text()),
         "model_dir": path / "model",
+        "inflight": torch.load(path / INFLIGHT, weights_only=False) if (path / INFLIGHT).exists() else None,
     }
 
 

@@ -44,6 +44,7 @@ class StepMetrics:
     zero_std_group_frac: float
     reward_errors: float
     gen_rounds: int  # sampling rounds of the step (more than 1 only with DAPO's dynamic sampling)
+    rollout_staleness: int | None = None  # rollout.mode=one_step_off: updates the sampler's weights lag behind
     lr: float
     time_step_s: float = _measured()
     time_gen_s: float = _measured()

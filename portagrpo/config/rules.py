@@ -103,7 +103,8 @@ def tiny_problems(tiny) -> list[str]:
 def validate(cfg: Config, *, check_files: bool = True) -> list[str]:
     """Cross-field rules. Returns one sentence per problem (empty when valid)."""
     p = (_names_and_sizes(cfg) + _batch_and_loss(cfg) + _run_settings(cfg) + rollout_correction_problems(cfg)
-         + rollout_precision_problems(cfg) + logger_problems(cfg) + dapo_problems(cfg) + value_problems(cfg))
+         + rollout_precision_problems(cfg) + rollout_mode_problems(cfg) + logger_problems(cfg) + dapo_problems(cfg)
+         + value_problems(cfg))
     if check_files:
         p.extend(missing_files(cfg))
     return p
@@ -260,6 +261,20 @@ def rollout_precision_problems(cfg: Config) -> list[str]:
         return [f"rollout.precision={r.precision} is built for rollout.engine=hf; with rollout.engine={r.engine} "
                 f"leave it at auto (vLLM samples in model.dtype)."]
     return []
+
+
+def rollout_mode_problems(cfg: Config) -> list[str]:
+    r = cfg.rollout
+    if r.mode == "sync":
+        return []
+    p = []
+    if r.engine != "hf":
+        p.append(f"rollout.mode={r.mode} runs the hf engine in a sampler process of its own; with "
+                 f"rollout.engine={r.engine} use rollout.mode=sync.")
+    if cfg.algorithm.filter_groups.enable:
+        p.append(f"rollout.mode={r.mode} with algorithm.filter_groups.enable=true is not built (DAPO's extra "
+                 f"sampling rounds would wait on the sampler process); use rollout.mode=sync for DAPO.")
+    return p
 
 
 def rollout_correction_problems(cfg: Config) -> list[str]:

@@ -92,6 +92,9 @@ class RolloutConfig:
     # autocast); fp32/bf16/int8 keep a separate copy in that precision, refreshed after every update
     # (int8: PyTorch's dynamic int8 linear layers, CPU only). The training weights are never touched.
     precision: Literal["auto", "fp32", "bf16", "int8", "fp8"] = "auto"
+    # sync: sample, then update, in the trainer's process. one_step_off: a sampler process of its own
+    # samples batch k+1 (with the weights before update k) while the trainer updates on batch k.
+    mode: Literal["sync", "one_step_off"] = "sync"
 
 
 @dataclass(frozen=True)

@@ -401,28 +401,52 @@ class FixedRollout:
         return Sampled(torch.stack(rows).to(prompt_ids.device), torch.stack(masks).to(prompt_ids.device), None)
 
 
-def rollout_groups(engine, tokenizer, records: list, n: int, params: SamplingParams, device, *, uid_base: int = 0,
-                   prompt_width: int | None = None):
-    """Each record's prompt n times (a group), left-padded, generated, decoded: a RolloutBatch.
-    The one prompt -> responses path of training, validation and eval."""
-    from portagrpo.batch import RolloutBatch
+@dataclass
+class GroupPrompts:
+    """A rollout's prompts before sampling: each record's prompt n times (a group), left-padded."""
+
+    records: list
+    n: int
+    ids: list[list[int]]  # each row's prompt tokens, unpadded
+    prompt_ids: torch.Tensor  # [B, P]
+    prompt_mask: torch.Tensor
+    uid_base: int
+
+
+def group_prompts(tokenizer, records: list, n: int, pad_id: int, device, *, uid_base: int = 0,
+                  prompt_width: int | None = None) -> GroupPrompts:
     from portagrpo.data.records import left_pad, tokenize_prompts
 
     ids = [x for x in tokenize_prompts(tokenizer, records) for _ in range(n)]
-    prompt_ids, prompt_mask = left_pad(ids, engine.pad_id, width=prompt_width)
-    prompt_ids, prompt_mask = prompt_ids.to(device), prompt_mask.to(device)
-    responses, mask, sampled_logp = engine.generate(prompt_ids, prompt_mask, params)
+    prompt_ids, prompt_mask = left_pad(ids, pad_id, width=prompt_width)
+    return GroupPrompts(records, n, ids, prompt_ids.to(device), prompt_mask.to(device), uid_base)
+
+
+def rollout_batch(tokenizer, group: GroupPrompts, sampled: Sampled):
+    """The RolloutBatch of `group`'s prompts and the engine's answer to them, decoded."""
+    from portagrpo.batch import RolloutBatch
+
+    records, n, device = group.records, group.n, group.prompt_ids.device
+    responses, mask, sampled_logp = (None if t is None else t.to(device) for t in sampled)
     rep = lambda xs: [x for x in xs for _ in range(n)]  # noqa: E731
     rows, keeps = responses.tolist(), mask.tolist()  # the step's one read of the responses (rewards need text)
     return RolloutBatch(
-        prompt_ids=prompt_ids, prompt_mask=prompt_mask, responses=responses, response_mask=mask,
-        uid=torch.arange(len(records), device=device).repeat_interleave(n) + uid_base,
+        prompt_ids=group.prompt_ids, prompt_mask=group.prompt_mask, responses=responses, response_mask=mask,
+        uid=torch.arange(len(records), device=device).repeat_interleave(n) + group.uid_base,
         prompt_index=torch.tensor(rep([r.index for r in records]), device=device),
         response_text=decode_responses(tokenizer, rows, keeps),
         ground_truth=rep([r.ground_truth for r in records]), data_source=rep([r.data_source for r in records]),
         extra_info=rep([r.extra_info for r in records]),
-        lengths=[(len(p), round(sum(k))) for p, k in zip(ids, keeps)], rollout_logp=sampled_logp,
+        lengths=[(len(p), round(sum(k))) for p, k in zip(group.ids, keeps)], rollout_logp=sampled_logp,
     )
+
+
+def rollout_groups(engine, tokenizer, records: list, n: int, params: SamplingParams, device, *, uid_base: int = 0,
+                   prompt_width: int | None = None):
+    """Each record's prompt n times (a group), left-padded, generated, decoded: a RolloutBatch.
+    The one prompt -> responses path of training, validation and eval."""
+    group = group_prompts(tokenizer, records, n, engine.pad_id, device, uid_base=uid_base, prompt_width=prompt_width)
+    return rollout_batch(tokenizer, group, engine.generate(group.prompt_ids, group.prompt_mask, params))
 
 
 def decode_responses(tokenizer, rows: list[list[int]], keeps: list[list[float]]) -> list[str]:

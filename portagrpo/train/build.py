@@ -91,10 +91,13 @@ class Parts:
     shaping: Shaping
     objective: Objective
     total_steps: int
+    sampler: Any = None  # rollout.mode=one_step_off: the sampler process (portagrpo.rollout.process)
 
     def close(self) -> None:
         if self.data.reward_pool is not None:
             self.data.reward_pool.close()
+        if self.sampler is not None:
+            self.sampler.close()
 
 
 def make_runtime(cfg: Config) -> Runtime:
@@ -110,7 +113,7 @@ def make_runtime(cfg: Config) -> Runtime:
             raise ConfigError(
                 [f"model.dtype={cfg.model.dtype} is not supported on --device {backend.name}; use fp32."]
             )
-        set_threads(cfg.trainer.num_threads, comm, backend)
+        set_threads(cfg.trainer.num_threads, comm, backend, processes=2 if cfg.rollout.mode != "sync" else 1)
         backend.set_deterministic(cfg.trainer.deterministic)
         backend.seed(cfg.trainer.seed)
         return Runtime(backend, comm, backend.device(comm.env.local_rank), dtype)
@@ -119,10 +122,11 @@ def make_runtime(cfg: Config) -> Runtime:
         raise
 
 
-def set_threads(threads: int | None, comm: Collectives, backend: Backend) -> None:
-    if threads is None and comm.world_size > 1 and backend.device_type == "cpu":
+def set_threads(threads: int | None, comm: Collectives, backend: Backend, processes: int = 1) -> None:
+    """`processes`: per rank, with its sampler process (rollout.mode=one_step_off) 2."""
+    if threads is None and comm.world_size * processes > 1 and backend.device_type == "cpu":
         # Processes sharing the cores must not each start a thread per core (many-fold slowdown).
-        threads = max(1, (os.cpu_count() or 1) // comm.env.local_world_size)
+        threads = max(1, (os.cpu_count() or 1) // (comm.env.local_world_size * processes))
     if threads:
         torch.set_num_threads(threads)
 
@@ -136,11 +140,12 @@ def build(cfg: Config, runtime: Runtime, run_dir: Path, log: Callable[[str], Non
         total = total_steps(cfg, data.loader)
         optim = build_optimization(cfg, models, total)
         engine = build_engine(cfg, runtime, models, data.tokenizer, run_dir, log if runtime.comm.is_main else None)
+        sampler = build_sampler_process(cfg, runtime, models, data.tokenizer, run_dir)
     except BaseException:
         if data.reward_pool is not None:
             data.reward_pool.close()
         raise
-    return Parts(data, models, optim, engine, shaping_from(cfg), objective_from(cfg), total)
+    return Parts(data, models, optim, engine, shaping_from(cfg), objective_from(cfg), total, sampler)
 
 
 def total_steps(cfg: Config, loader: PromptLoader) -> int:
@@ -243,6 +248,26 @@ def build_engine(cfg: Config, runtime: Runtime, models: Models, tokenizer, run_d
         cfg=cfg, scorer=models.scorer, policy=models.policy, tokenizer=tokenizer, autocast=runtime.autocast,
         generate_kwargs=models.strategy.generate_kwargs, backend=runtime.backend, rank=runtime.comm.rank,
         world_size=runtime.comm.world_size, init_model_dir=Path(run_dir) / "init_model", comm=runtime.comm))
+
+
+def build_sampler_process(cfg: Config, runtime: Runtime, models: Models, tokenizer, run_dir: Path):
+    """rollout.mode=one_step_off: this rank's sampler process, holding a copy of the initial policy."""
+    if cfg.rollout.mode == "sync":
+        return None
+    from portagrpo.paths import resolve_model_path
+    from portagrpo.rollout.engines import stop_token_ids
+    from portagrpo.rollout.process import SamplerProcess, SamplerSpec
+
+    backend, threads = runtime.backend, torch.get_num_threads()
+    device = backend.sampler_process_device(runtime.comm.env.local_rank)
+    precision = cfg.rollout.precision if cfg.rollout.precision != "auto" else (
+        "bf16" if cfg.model.dtype == "bf16" else "fp32")
+    path = resolve_model_path(cfg.model.path) if cfg.model.path else Path(run_dir) / "init_model"
+    spec = SamplerSpec(str(path), backend.attention_implementation(cfg.model.attn_implementation, torch.float32),
+                       tokenizer, precision, bool(getattr(models.policy.config, "tie_word_embeddings", False)),
+                       threads, device)
+    eos = stop_token_ids(tokenizer, models.policy)
+    return SamplerProcess(spec, tokenizer.pad_token_id if tokenizer.pad_token_id is not None else eos[0])
 
 
 def push_weights(engine, models: Models) -> None:

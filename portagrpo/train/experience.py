@@ -42,6 +42,7 @@ class Experience:
     t_gen: float  # perf_counter when generation ended
     t_scored: float  # perf_counter when the rewards were in (log-probs and advantages follow)
     gen_rounds: int = 1  # sampling rounds this step took (DAPO's dynamic sampling may need more than one)
+    staleness: int | None = None  # rollout.mode=one_step_off: updates between the sampler's weights and the trainer's
 
 
 @dataclass
@@ -93,6 +94,8 @@ def is_on_policy(cfg: Config) -> bool:
     verl. A KL-in-reward and a rollout correction need old log-probs before the update, so they keep
     the pass; in bypass mode the sampler's log-probs are the old ones, so no pass runs either way."""
     a, rc = cfg.actor, cfg.algorithm.rollout_correction
+    if cfg.rollout.mode != "sync":  # the batch was sampled by an older policy than the one it updates
+        return False
     return (a.ppo_epochs == 1 and a.ppo_mini_batch_size == cfg.rollout_batch_size
             and not cfg.algorithm.use_kl_in_reward and not (rc.rollout_is or rc.rollout_rs))
 
@@ -152,16 +155,21 @@ class ExperienceMaker:
 
     def make(self, step: int, prompts: list[PromptRecord]) -> Experience:
         """Rollout, reward, log-probs and advantages for `step` of the global prompt batch `prompts`
-        (DAPO's dynamic sampling is `train/dapo.py: make_filtered`)."""
+        (DAPO's dynamic sampling is `train/dapo.py: make_filtered`; a rollout sampled ahead,
+        `train/overlap.py`)."""
         s, comm = self.settings, self.runtime.comm
         records = self.local_records(prompts)
         width = self.prompt_width(records)
         self.runtime.backend.seed(seed_for(s.seed, step, 1 + 10 * comm.rank))
         uid_base = step * len(prompts) + comm.rank * len(records)
         rb = self.rollout(records, s.n, s.sampling, uid_base=uid_base, prompt_width=width)
-        t_gen = time.perf_counter()
+        return self.make_from_rollout(step, rb, time.perf_counter())
+
+    def make_from_rollout(self, step: int, rb: RolloutBatch, t_gen: float) -> Experience:
+        """The experience of this rank's rollout `rb` (generation ended at `t_gen`)."""
         scored = self.score(rb)
         t_scored = time.perf_counter()
+        s = self.settings
         old_logp, entropy = self.logprobs(self.scorer, rb, entropy=True) if s.scoring_pass else (None, None)
         ref_logp = self.logprobs(self.ref_scorer, rb, entropy=False)[0] if self.ref_scorer is not None else None
         local = self.local_scored(step, rb, scored, old_logp, ref_logp, entropy)

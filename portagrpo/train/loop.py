@@ -28,6 +28,7 @@ from portagrpo.train.build import Models, Parts, Runtime, build, make_runtime, p
 from portagrpo.train.dapo import make_filtered
 from portagrpo.train.driver import Cadence, drive
 from portagrpo.train.experience import Experience, ExperienceMaker, ExperienceSettings
+from portagrpo.train.overlap import OneStepOff
 from portagrpo.train.record import StepRecord, param_fingerprint, record_of
 from portagrpo.train.report import StepTimes, step_metrics
 from portagrpo.train.run_dir import RunDir
@@ -66,6 +67,7 @@ class Trainer:
         self.parts: Parts | None = None
         self.logger: MetricsLogger | None = None
         self.run: RunDir | None = None
+        self.ahead: OneStepOff | None = None
 
     def setup(self) -> "Trainer":
         self.runtime = make_runtime(self.cfg)
@@ -107,9 +109,14 @@ class Trainer:
         self.updater = Updater(UpdateSettings.from_config(cfg, world), rt, p.models, p.optim, p.objective, self.log)
         self.checkpoints = Checkpointer(self.run_dir, rt, p.models, p.optim, p.data.loader, p.data.tokenizer,
                                         keep=cfg.trainer.max_ckpt_to_keep, lora_rank=cfg.model.lora.rank, log=self.log)
+        self.ahead = OneStepOff(self.experience, p.sampler, p.total_steps) if p.sampler is not None else None
+        self.checkpoints.ahead = self.ahead
         if self.resume_from is not None:
             self.step_done = self.checkpoints.resume(self.resume_from)
             push_weights(p.engine, p.models)  # the engine loaded the initial weights
+            if self.ahead is not None:
+                push_weights(p.sampler, p.models)
+                self.ahead.restore(self.checkpoints.inflight, self.step_done, self.log)
         if rt.comm.is_main and self.own_outputs:
             t = cfg.trainer
             trackers = make_trackers(t.logger, self.run_dir, project=t.project_name, experiment=t.experiment_name,
@@ -149,7 +156,9 @@ class Trainer:
         self.runtime.backend.reset_peak_memory()
         step = self.step_done + 1
         loader = self.parts.data.loader
-        if self.experience.settings.filter_metric is None:
+        if self.ahead is not None:  # rollout.mode=one_step_off: sampled while the last step updated
+            exp = self.ahead.make(step, loader.next_batch)
+        elif self.experience.settings.filter_metric is None:
             exp = self.experience.make(step, loader.next_batch())
         else:  # DAPO: more prompts until the batch holds groups with a spread only
             exp = make_filtered(self.experience, step, loader.next_batch(), more=loader.next_batch)
@@ -168,6 +177,8 @@ class Trainer:
         stats = self.updater.update(exp.batch, step)
         with self.runtime.backend.region("push weights"):
             push_weights(self.parts.engine, self.parts.models)
+            if self.ahead is not None:
+                self.ahead.push(self.parts.models)
         self.runtime.backend.synchronize()
         times = StepTimes(start, exp.t_gen, exp.t_scored, t_update, time.perf_counter())
         self.step_done = step

@@ -57,6 +57,7 @@ def step_metrics(step: int, exp: Experience, stats: UpdateStats, times: StepTime
         zero_std_group_frac=float(zero_std_group_fraction(raw, rb.uid)),
         reward_errors=exp.reward_errors,
         gen_rounds=exp.gen_rounds,
+        rollout_staleness=exp.staleness,
         lr=stats.lr,
         time_step_s=took,
         time_gen_s=times.generated - times.start,

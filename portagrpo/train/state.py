@@ -29,26 +29,29 @@ class Checkpointer:
                  tokenizer: Any, *, keep: int, lora_rank: int, log: Callable[[str], None]) -> None:
         self.run_dir, self.runtime, self.models, self.optim = Path(run_dir), runtime, models, optim
         self.loader, self.tokenizer, self.keep, self.lora_rank, self.log = loader, tokenizer, keep, lora_rank, log
+        self.ahead = None  # rollout.mode=one_step_off: train/overlap.py's OneStepOff, whose in-flight batch is saved
+        self.inflight: dict[str, Any] | None = None  # what the last resume found in flight
 
     def save(self, step: int) -> Path | None:
         """The checkpoint of `step` (a collective: every rank calls it); its path on rank 0."""
         m, comm = self.models, self.runtime.comm
         model_state = m.strategy.model_state(m.scorer)
         optimizer_state = m.strategy.optimizer_state(m.scorer, self.optim.optimizer)
+        inflight = self.ahead.state() if self.ahead is not None else None  # a collective
         path = None
         if comm.is_main:
-            path = self._write(step, model_state, optimizer_state)
+            path = self._write(step, model_state, optimizer_state, inflight)
             self.log(f"saved checkpoint {path}")
         comm.barrier()
         return path
 
-    def _write(self, step: int, model_state, optimizer_state) -> Path:
+    def _write(self, step: int, model_state, optimizer_state, inflight=None) -> Path:
         try:
             return save_checkpoint(
                 self.run_dir, step, model=self.models.policy, tokenizer=self.tokenizer, model_state=model_state,
                 optimizer_state=optimizer_state, scheduler=self.optim.scheduler,
                 state={"loader": self.loader.state_dict(), "world_size": self.runtime.comm.world_size},
-                rng=rng_state(self.runtime.backend), keep=self.keep,
+                rng=rng_state(self.runtime.backend), keep=self.keep, inflight=inflight,
             )
         except WriteError as err:  # the temporary is gone; say what is still there to resume from
             last = latest_valid_checkpoint(self.run_dir, warn=lambda message: None)
@@ -83,6 +86,7 @@ class Checkpointer:
         self.optim.scheduler.load_state_dict(parts["scheduler"])
         self.loader.load_state_dict(parts["state"]["loader"])
         set_rng_state(self.runtime.backend, parts["rng"])
+        self.inflight = parts["inflight"]
         step = int(parts["state"]["step"])
         self.log(f"resumed from {ckpt} at step {step}")
         return step

@@ -1,0 +1,114 @@
+"""rollout.mode=one_step_off: batch k+1 is sampled while the trainer updates on batch k.
+
+Weight versions: v0 is the initial policy, v_k the policy after k updates. Step k trains on batch k,
+starting from v_{k-1}. Batch k is requested right after step k-1 took batch k-1, when the sampler holds
+v_{k-2} (v0 for the first two batches), so every batch from the second on is exactly one update stale
+(`rollout_staleness` = 1). The old log-probs come from the trainer's v_{k-1} (a scoring pass always
+runs), so the PPO ratio is the usual one and `algorithm.rollout_correction` (or its metrics alone)
+measures and corrects the sampler's staleness and precision.
+
+Checkpoints: the batch in flight at a save is taken (waited for) and saved with the checkpoint, per
+rank (`inflight.pt`), with the version it was sampled with; a resumed run trains on it next, so it
+continues exactly as the uninterrupted run would have. Regenerating it instead would need v_{k-1},
+which a checkpoint of step k does not hold.
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from portagrpo.data.records import PromptRecord
+from portagrpo.rollout.engines import GroupPrompts, Sampled, group_prompts, rollout_batch
+from portagrpo.rollout.process import SamplerProcess
+from portagrpo.train.build import Models, push_weights
+from portagrpo.train.experience import Experience, ExperienceMaker, seed_for
+
+
+@dataclass
+class Pending:
+    step: int  # the step that will train on it
+    prompts: list[PromptRecord]  # the global prompt batch
+    group: GroupPrompts  # this rank's prompts
+    version: int  # the weight version the sampler held
+    sampled: Sampled | None = None  # taken from the process (at a save, or when its step comes)
+
+
+class OneStepOff:
+    """Keeps one rollout request in flight ahead of the trainer."""
+
+    def __init__(self, maker: ExperienceMaker, sampler: SamplerProcess, total_steps: int) -> None:
+        self.maker, self.sampler, self.total_steps = maker, sampler, total_steps
+        self.pushed = 0  # the weight version the sampler holds once its queue is drained
+        self.pending: Pending | None = None
+
+    def _group(self, step: int, prompts: list[PromptRecord]) -> GroupPrompts:
+        m, comm = self.maker, self.maker.runtime.comm
+        records = m.local_records(prompts)
+        width = m.prompt_width(records)  # a collective: every rank submits in the same step
+        return group_prompts(m.tokenizer, records, m.settings.n, self.sampler.pad_id, m.runtime.device,
+                             uid_base=step * len(prompts) + comm.rank * len(records), prompt_width=width)
+
+    def submit(self, step: int, prompts: list[PromptRecord]) -> None:
+        s, rank = self.maker.settings, self.maker.runtime.comm.rank
+        group = self._group(step, prompts)
+        self.sampler.submit(group.prompt_ids, group.prompt_mask, s.sampling, seed_for(s.seed, step, 1 + 10 * rank))
+        self.pending = Pending(step, prompts, group, self.pushed)
+
+    def _taken(self) -> Pending:
+        p = self.pending
+        if p.sampled is None:
+            p.sampled = self.sampler.result()
+        return p
+
+    def make(self, step: int, next_batch) -> Experience:
+        """Step `step`'s experience from the batch in flight (requested now if none is), after putting
+        the next step's request in flight."""
+        if self.pending is None or self.pending.step != step:
+            self.submit(step, next_batch())
+        taken = self._taken()
+        self.pending = None
+        t_gen = time.perf_counter()
+        if step < self.total_steps:
+            self.submit(step + 1, next_batch())
+        rb = rollout_batch(self.maker.tokenizer, taken.group, taken.sampled)
+        exp = self.maker.make_from_rollout(step, rb, t_gen)
+        exp.staleness = (step - 1) - taken.version
+        return exp
+
+    def push(self, models: Models) -> None:
+        push_weights(self.sampler, models)
+        self.pushed += 1
+
+    # ---- checkpoints
+    def state(self) -> dict[str, Any] | None:
+        """The in-flight batch for a checkpoint (a collective; rank 0's return value is what is saved)."""
+        comm = self.maker.runtime.comm
+        mine = None
+        if self.pending is not None:
+            p = self._taken()
+            mine = {"step": p.step, "version": p.version, "prompts": p.prompts, "sampled": tuple(p.sampled)}
+        everyone = comm.all_gather_object(mine)
+        if everyone[0] is None:
+            return None
+        return {"world_size": comm.world_size, "pushed": self.pushed, "ranks": everyone}
+
+    def restore(self, saved: dict[str, Any] | None, step_done: int, log) -> None:
+        """After a resume to `step_done`: the sampler gets those weights (pushed by the caller), and the
+        saved in-flight batch, if any, is the next step's."""
+        self.pushed = step_done
+        if saved is None:
+            return
+        comm = self.maker.runtime.comm
+        if saved["world_size"] != comm.world_size:
+            log(f"note: the checkpoint's in-flight batch was sampled by {saved['world_size']} rank(s), not "
+                f"{comm.world_size}; step {step_done + 1} samples its prompts again with the resumed weights")
+            first = saved["ranks"][0]
+            self.submit(first["step"], first["prompts"])
+            return
+        mine = saved["ranks"][comm.rank]
+        group = self._group(mine["step"], mine["prompts"])
+        sampled = Sampled(*(None if t is None else torch.as_tensor(t) for t in mine["sampled"]))
+        self.pending = Pending(mine["step"], mine["prompts"], group, mine["version"], sampled)
