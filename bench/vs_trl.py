@@ -1,7 +1,7 @@
 """portagrpo against TRL's GRPOTrainer on the same work, side by side.
 
     python bench/vs_trl.py [--size 3m|24m] [--rounds 3] [--steps 5] [--warmup 1] [--prompts 1] [--n 8]
-                           [--max-new-tokens 32] [--threads 1] [--json out.json]
+                           [--max-new-tokens 32] [--threads 1] [--variants sync-fp32,...] [--json out.json]
 
 One random-init Qwen2 model directory (built here, saved with the character tokenizer), one prompt
 file and one reward (`repeat`) feed both trainers: GRPO with n completions per prompt, no KL and no
@@ -10,8 +10,15 @@ micro-batch, fp32, the same learning rate, Adam betas, clipping and sampling (te
 top-k/top-p). TRL generates with transformers (`use_vllm=False`) and runs without gradient
 checkpointing, its fastest setting here.
 
-Each system runs in a fresh process with `--threads` torch threads; the rounds interleave them (the
-order flips every round) so that drift of a shared machine falls on both. A run's step time is the
+portagrpo runs as one or more variants (`--variants`): `sync-fp32` (sample, then update, in one
+process), `one_step_off` (a sampler process of its own samples the next batch while the trainer
+updates: `rollout.mode=one_step_off`), `int8` (the sampler's copy of the weights in dynamic int8:
+`rollout.precision=int8`) and `one_step_off+int8`. Every system gets the same cores: `--threads` torch
+threads in all its processes together (TRL and the one-process variants: `--threads` in one
+process; one_step_off: half in the trainer, half in the sampler process).
+
+Each system runs in a fresh process; the rounds interleave them (the order rotates every round) so
+that drift of a shared machine falls on all. A run's step time is the
 median over its measured steps of the time between consecutive step ends (generation, reward,
 log-probs and update included); the result is the median over rounds and the ratio portagrpo / TRL.
 Each run reports the settings it actually trained with, read back from its trainer; if the two
@@ -32,7 +39,13 @@ SIZES = {  # hidden, layers, heads, intermediate -> about 3M and 24M parameters 
     "3m": (256, 4, 4, 768),
     "24m": (512, 7, 8, 1536),
 }
-SYSTEMS = ("trl", "portagrpo")
+# portagrpo variants: config overrides, and how many processes share the --threads
+VARIANTS = {
+    "sync-fp32": ([], 1),
+    "one_step_off": (["rollout.mode=one_step_off"], 2),
+    "int8": (["rollout.precision=int8"], 1),
+    "one_step_off+int8": (["rollout.mode=one_step_off", "rollout.precision=int8"], 2),
+}
 
 
 def build_workdir(workdir: Path, size: str, prompts: int, steps: int, seed: int = 0) -> dict:
@@ -134,7 +147,8 @@ def run_portagrpo(spec: dict) -> dict:
 
     want = spec["settings"]
     p, n = want["prompts_per_step"], want["completions_per_prompt"]
-    cfg = load_config(None, [
+    overrides, processes = VARIANTS[spec["variant"]]
+    cfg = load_config(None, [*overrides,
         f"model.path={spec['model']}", f"data.train_files=[{spec['data']}]", "data.task=null",
         f"data.train_batch_size={p}", f"rollout.n={n}", f"data.max_response_length={want['max_new_tokens']}",
         "data.max_prompt_length=64", "rollout.temperature=1.0", "rollout.top_p=1.0", "rollout.top_k=-1",
@@ -142,7 +156,8 @@ def run_portagrpo(spec: dict) -> dict:
         "actor.loss_agg_mode=token-mean", "actor.ppo_epochs=1", f"actor.ppo_mini_batch_size={p * n}",
         f"actor.micro_batch_size={p * n}", f"actor.lr={want['lr']}", "actor.betas=[0.9,0.999]",
         "actor.weight_decay=0.0", "actor.grad_clip=1.0", "actor.clip_ratio=0.2", "actor.warmup_steps=0",
-        "model.dtype=fp32", "model.gradient_checkpointing=false", f"trainer.num_threads={want['threads']}",
+        "model.dtype=fp32", "model.gradient_checkpointing=false",
+        f"trainer.num_threads={max(want['threads'] // processes, 1)}",
         "trainer.device=cpu", f"trainer.total_steps={spec['steps'] + spec['warmup']}", "trainer.save_freq=0",
         "trainer.test_freq=0", "trainer.progress_bar=false", "trainer.tensorboard=false", "trainer.plot=false",
         "trainer.seed=1"])
@@ -174,7 +189,7 @@ def run_portagrpo(spec: dict) -> dict:
             "clip_eps": [cfg.clip_low, cfg.clip_high],
             "dtype": str(trainer.runtime.dtype).removeprefix("torch."),
             "gradient_checkpointing": cfg.model.gradient_checkpointing,
-            "threads": torch.get_num_threads(),
+            "threads": torch.get_num_threads() * processes,  # the sampler process has as many as the trainer
         }
     finally:
         trainer.close()
@@ -201,9 +216,13 @@ def differing(a: dict, b: dict) -> list[str]:
 
 
 def spawn(system: str, spec: dict, threads: int) -> dict:
+    if system != "trl":
+        threads = max(threads // VARIANTS[system][1], 1)
+        spec = {**spec, "variant": system}
     env = {**os.environ, "OMP_NUM_THREADS": str(threads), "MKL_NUM_THREADS": str(threads),
            "TOKENIZERS_PARALLELISM": "false", "HF_HUB_OFFLINE": "1", "TRANSFORMERS_VERBOSITY": "error"}
-    res = subprocess.run([sys.executable, __file__, "--worker", system, json.dumps(spec)], env=env,
+    worker = "trl" if system == "trl" else "portagrpo"
+    res = subprocess.run([sys.executable, __file__, "--worker", worker, json.dumps(spec)], env=env,
                          capture_output=True, text=True)
     if res.returncode != 0:
         raise SystemExit(f"vs_trl: the {system} run failed:\n{res.stderr[-3000:]}")
@@ -217,10 +236,11 @@ def compare(args) -> dict:
     workdir.mkdir(parents=True, exist_ok=True)
     spec = {**build_workdir(workdir, args.size, args.prompts, args.steps + args.warmup), "steps": args.steps,
             "warmup": args.warmup, "settings": wanted_settings(args)}
-    runs: dict[str, list[dict]] = {s: [] for s in SYSTEMS}
-    with tqdm(total=2 * args.rounds, desc="vs_trl", unit="run") as bar:
+    systems = ["trl", *args.variants]
+    runs: dict[str, list[dict]] = {s: [] for s in systems}
+    with tqdm(total=len(systems) * args.rounds, desc="vs_trl", unit="run") as bar:
         for i in range(args.rounds):
-            for system in (SYSTEMS if i % 2 == 0 else SYSTEMS[::-1]):
+            for system in systems[i % len(systems):] + systems[:i % len(systems)]:
                 run = spawn(system, {**spec, "out": str(workdir / f"{system}-{i}")}, args.threads)
                 problems = differing(spec["settings"], run["settings"])
                 if problems:
@@ -228,16 +248,24 @@ def compare(args) -> dict:
                                      f"asked ({'; '.join(problems)}).")
                 runs[system].append(run)
                 bar.update()
-    medians = {s: statistics.median(statistics.median(r["step_s"]) for r in runs[s]) for s in SYSTEMS}
+    batch = args.prompts * args.n
+    medians = {s: statistics.median(statistics.median(r["step_s"]) for r in runs[s]) for s in systems}
+    lengths = {s: statistics.mean(r["completion_len_mean"] for r in runs[s]) for s in systems}
+    per_token = {s: medians[s] / (batch * lengths[s]) for s in systems}  # seconds per generated token
     return {
         "command": "python bench/vs_trl.py " + " ".join(args.argv),
         "size": args.size,
         "settings": spec["settings"],
         "rounds": args.rounds,
         "step_s_median": medians,
-        "ratio_portagrpo_over_trl": medians["portagrpo"] / medians["trl"],
-        "per_round_step_s": {s: [statistics.median(r["step_s"]) for r in runs[s]] for s in SYSTEMS},
-        "completion_len_mean": {s: statistics.mean(r["completion_len_mean"] for r in runs[s]) for s in SYSTEMS},
+        "completion_len_mean": lengths,
+        "response_tokens_per_s": {s: 1.0 / per_token[s] for s in systems},
+        "step_ratio_over_trl": {s: medians[s] / medians["trl"] for s in systems},
+        "per_token_ratio_over_trl": {s: per_token[s] / per_token["trl"] for s in systems},
+        "throughput_over_sync_fp32": ({s: per_token["sync-fp32"] / per_token[s] for s in systems}
+                                      if "sync-fp32" in systems else None),
+        "ratio_portagrpo_over_trl": medians[args.variants[0]] / medians["trl"],
+        "per_round_step_s": {s: [statistics.median(r["step_s"]) for r in runs[s]] for s in systems},
         "versions": _versions(),
     }
 
@@ -264,10 +292,16 @@ def main(argv: list[str]) -> int:
     p.add_argument("--n", type=int, default=8, help="completions per prompt")
     p.add_argument("--max-new-tokens", type=int, default=32)
     p.add_argument("--threads", type=int, default=1)
+    p.add_argument("--variants", default="sync-fp32",
+                   help=f"comma-separated portagrpo variants, of: {', '.join(VARIANTS)}")
     p.add_argument("--workdir", default="/tmp/portagrpo-vs-trl")
     p.add_argument("--json", default=None)
     args = p.parse_args(argv)
     args.argv = argv
+    args.variants = [v.strip() for v in args.variants.split(",") if v.strip()]
+    unknown = [v for v in args.variants if v not in VARIANTS]
+    if unknown or not args.variants:
+        p.error(f"--variants: unknown {unknown}; use some of {', '.join(VARIANTS)}")
     if min(args.rounds, args.steps, args.prompts, args.n, args.max_new_tokens, args.threads) < 1 or args.warmup < 0:
         p.error("--rounds, --steps, --prompts, --n, --max-new-tokens and --threads must be >= 1, --warmup >= 0")
     if args.n < 2:
@@ -277,13 +311,13 @@ def main(argv: list[str]) -> int:
     except ImportError:
         p.error("TRL is not installed: pip install portagrpo[bench] (TRL is never a runtime dependency)")
     report = compare(args)
-    m = report["step_s_median"]
-    print(
-        f"{args.size}: TRL {m['trl']:.3f} s/step, portagrpo {m['portagrpo']:.3f} s/step, ratio "
-        f"{report['ratio_portagrpo_over_trl']:.2f}x (median of {args.rounds} interleaved rounds; mean completion "
-        f"length TRL {report['completion_len_mean']['trl']:.1f}, "
-        f"portagrpo {report['completion_len_mean']['portagrpo']:.1f})"
-    )
+    m, lengths = report["step_s_median"], report["completion_len_mean"]
+    print(f"{args.size}, {args.threads} thread(s) per system, median of {args.rounds} interleaved rounds:")
+    for system in m:
+        print(f"  {system:>18}: {m[system]:.3f} s/step ({report['step_ratio_over_trl'][system]:.2f}x TRL), "
+              f"{report['response_tokens_per_s'][system]:.0f} response tokens/s "
+              f"({report['per_token_ratio_over_trl'][system]:.2f}x TRL's time per token), "
+              f"mean completion {lengths[system]:.1f} tokens")
     if args.json:
         Path(args.json).write_text(json.dumps(report, indent=1))
     return 0

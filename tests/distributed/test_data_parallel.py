@@ -152,3 +152,30 @@ def test_local_ranks_listen_on_loopback_only():
     addresses = json.loads(res.stdout.strip().splitlines()[-1])
     loopback = {"0100007F", "0000000000000000FFFF00000100007F", "00000000000000000000000001000000"}
     assert addresses and set(addresses) <= loopback, addresses  # the store and gloo, all on 127.0.0.1 / ::1
+
+
+def test_two_ranks_each_with_a_sampler_process_resume_exactly(tmp_path):
+    """rollout.mode=one_step_off on two ranks: each rank's sampler process samples its share one step
+    ahead; the checkpoint holds both ranks' in-flight batches, and a resumed run repeats step 3 exactly."""
+    from portagrpo.metrics import MEASURED_KEYS, read_metrics
+
+    common = [sys.executable, "-m", "portagrpo", "train", "--device", "cpu", "trainer.nproc_per_node=2",
+              "trainer.total_steps=3", "trainer.test_freq=0", "trainer.save_freq=2", "trainer.progress_bar=false",
+              "trainer.plot=false", "data.train_size=64", "rollout.mode=one_step_off"]
+    run = tmp_path / "run"
+    res = subprocess.run([*common, "--output-dir", str(run)], env=ENV, capture_output=True, text=True, timeout=600,
+                         cwd="/")
+    assert res.returncode == 0, res.stdout[-2000:] + res.stderr[-2000:]
+    first = read_metrics(run / "metrics.jsonl")
+    assert [r["rollout_staleness"] for r in first] == [0, 1, 1] and all(r["world_size"] == 2 for r in first)
+    saved = torch.load(run / "checkpoints" / "step_00000002" / "inflight.pt", weights_only=False)
+    assert saved["world_size"] == 2 and [r["step"] for r in saved["ranks"]] == [3, 3]
+    assert not torch.equal(saved["ranks"][0]["sampled"][0], saved["ranks"][1]["sampled"][0])  # each rank its share
+    res = subprocess.run([*common, "--resume", str(run / "checkpoints" / "step_00000002")], env=ENV,
+                         capture_output=True, text=True, timeout=600, cwd="/")
+    assert res.returncode == 0, res.stdout[-2000:] + res.stderr[-2000:]
+    again = read_metrics(run / "metrics.jsonl")
+    assert [r["step"] for r in again] == [1, 2, 3]
+    for key, value in first[2].items():
+        if key not in MEASURED_KEYS:
+            assert again[2][key] == value, key

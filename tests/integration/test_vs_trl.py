@@ -22,19 +22,22 @@ def load_script():
 @pytest.mark.slow
 def test_both_trainers_run_the_same_work_and_are_compared(tmp_path):
     out = tmp_path / "report.json"
-    res = subprocess.run([sys.executable, str(SCRIPT), "--size", "3m", "--rounds", "1", "--steps", "2", "--warmup", "0",
-                          "--max-new-tokens", "8", "--n", "4", "--workdir", str(tmp_path / "work"), "--json", str(out)],
+    res = subprocess.run([sys.executable, str(SCRIPT), "--size", "3m", "--rounds", "1", "--steps", "2", "--warmup", "1",
+                          "--max-new-tokens", "8", "--n", "4", "--threads", "2", "--variants", "sync-fp32,one_step_off",
+                          "--workdir", str(tmp_path / "work"), "--json", str(out)],
                          capture_output=True, text=True, timeout=900, cwd=tmp_path)
     assert res.returncode == 0, res.stderr[-3000:]
     report = json.loads(out.read_text())
-    assert set(report["step_s_median"]) == {"trl", "portagrpo"}
+    assert set(report["step_s_median"]) == {"trl", "sync-fp32", "one_step_off"}
     assert all(t > 0 for t in report["step_s_median"].values())
     assert report["ratio_portagrpo_over_trl"] == pytest.approx(
-        report["step_s_median"]["portagrpo"] / report["step_s_median"]["trl"])
+        report["step_s_median"]["sync-fp32"] / report["step_s_median"]["trl"])
     assert report["settings"]["completions_per_prompt"] == 4 and report["settings"]["max_new_tokens"] == 8
-    # completions really were sampled by both, at most max_new_tokens long
+    assert report["settings"]["threads"] == 2  # every system's processes together: one_step_off ran 1 + 1
+    # completions really were sampled by all, at most max_new_tokens long
     assert all(0 < n <= 8 for n in report["completion_len_mean"].values())
-    assert "ratio" in res.stdout
+    assert report["throughput_over_sync_fp32"]["sync-fp32"] == 1.0
+    assert "x TRL" in res.stdout
 
 
 def test_runs_with_other_settings_are_refused(monkeypatch, tmp_path):
@@ -53,7 +56,8 @@ def test_runs_with_other_settings_are_refused(monkeypatch, tmp_path):
     monkeypatch.setattr(vs, "spawn", lambda system, spec, threads: {
         "settings": ran if system == "trl" else asked, "step_s": [1.0], "completion_len_mean": 8})
     args = vs.main.__globals__["argparse"].Namespace(prompts=1, n=4, max_new_tokens=8, threads=1, size="3m", rounds=1,
-                                                      steps=1, warmup=0, workdir=str(tmp_path), argv=[])
+                                                      steps=1, warmup=0, workdir=str(tmp_path), argv=[],
+                                                      variants=["sync-fp32"])
     with pytest.raises(SystemExit, match=r"refusing to compare: the trl run trained with other settings than asked "
                                          r"\(top_k: asked None, ran 50\)"):
         vs.compare(args)
