@@ -90,7 +90,7 @@ class Backend(Protocol):
 
     def supports_dynamic_quantization(self) -> bool: ...
 
-    def sampler_process_device(self, local_rank: int) -> str: ...
+    def sampler_process_device(self, local_rank: int, local_world: int, sampler_devices: int) -> str: ...
 
     def autocast(self, dtype: torch.dtype) -> ContextManager: ...
 
@@ -202,16 +202,26 @@ class BaseBackend:
         """PyTorch's dynamic int8 linear layers (fbgemm/qnnpack kernels) run on CPU tensors only."""
         return self.device_type == "cpu"
 
-    def sampler_process_device(self, local_rank: int) -> str:
-        """Where rank `local_rank`'s sampler process (rollout.mode=one_step_off) runs. The process is built
-        for the host's cores: on a CPU run it takes the cores the trainer leaves it. Placing it on a
-        device of its own is not built yet, so accelerators answer with one sentence."""
-        if self.device_type == "cpu":
-            return "cpu"
+    def sampler_process_device(self, local_rank: int, local_world: int, sampler_devices: int) -> str:
+        """Where rank `local_rank`'s sampler process (rollout.mode=one_step_off) runs. On the CPU it takes
+        the cores the trainer leaves it. On an accelerator it needs a device of its own
+        (`rollout.devices` = the ranks per node): the node's devices after the training ranks' ones, so
+        local rank r samples on device ranks-per-node + r."""
         from portagrpo.errors import UserError
 
-        raise UserError(f"rollout.mode=one_step_off runs its sampler process on the CPU only so far; on --device "
-                        f"{self.name} use rollout.mode=sync.")
+        if self.device_type == "cpu":
+            return "cpu"
+        count = self.device_count()
+        if sampler_devices != local_world:
+            raise UserError(f"rollout.mode=one_step_off on --device {self.name} gives each rank's sampler process a "
+                            f"device of its own: set rollout.devices={local_world} (one per rank on the node; it is "
+                            f"{sampler_devices}).")
+        if count < 2 * local_world:
+            raise UserError(f"rollout.mode=one_step_off with rollout.devices={sampler_devices} needs "
+                            f"{2 * local_world} {self.name} devices per node ({local_world} training, "
+                            f"{sampler_devices} sampling); this process sees {count}. Use fewer ranks per node, "
+                            f"or rollout.mode=sync.")
+        return f"{self.device_type}:{local_world + local_rank}"
 
     def autocast(self, dtype: torch.dtype) -> ContextManager:
         if dtype in (torch.float32, torch.float64):

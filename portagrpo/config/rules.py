@@ -265,6 +265,8 @@ def rollout_precision_problems(cfg: Config) -> list[str]:
 
 def rollout_mode_problems(cfg: Config) -> list[str]:
     r = cfg.rollout
+    if r.devices < 0:
+        return [f"rollout.devices={r.devices} must be 0 or positive (sampler devices per node, one_step_off)."]
     if r.mode == "sync":
         return []
     p = []

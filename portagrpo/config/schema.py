@@ -95,6 +95,7 @@ class RolloutConfig:
     # sync: sample, then update, in the trainer's process. one_step_off: a sampler process of its own
     # samples batch k+1 (with the weights before update k) while the trainer updates on batch k.
     mode: Literal["sync", "one_step_off"] = "sync"
+    devices: int = 0  # one_step_off on an accelerator: sampler devices per node (one per rank), after the trainers'
 
 
 @dataclass(frozen=True)

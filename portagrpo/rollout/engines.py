@@ -302,6 +302,13 @@ def hf_weight_names(state: dict[str, torch.Tensor] | Iterable[tuple[str, torch.T
         yield name, tensor
 
 
+def int8_refusal(device: str):
+    from portagrpo.errors import UserError
+
+    return UserError(f"rollout.precision=int8 is PyTorch's dynamic int8 quantization, which runs on the CPU only; "
+                     f"on --device {device} use rollout.precision=bf16.")
+
+
 class SamplerCopy(HFRollout):
     """`rollout.precision` fp32 | bf16 | int8: the `hf` engine sampling from its own copy of the policy in
     that precision, loaded from the run's initial model and refreshed from the pushed weights after every
@@ -328,10 +335,7 @@ class SamplerCopy(HFRollout):
     def __init__(self, model, tokenizer, precision: str, *, int8_ok: bool = True, device: str = "cpu",
                  tied_embeddings: bool = False) -> None:
         if precision == "int8" and not int8_ok:
-            from portagrpo.errors import UserError
-
-            raise UserError(f"rollout.precision=int8 is PyTorch's dynamic int8 quantization, which runs on the CPU "
-                            f"only; on --device {device} use rollout.precision=bf16.")
+            raise int8_refusal(device)
         self.precision, self.tied = precision, tied_embeddings
         self.master = model.to(self.PRECISIONS[precision]).eval().requires_grad_(False)
         super().__init__(self._sampler(), tokenizer, contextlib.nullcontext)  # the copy has its own dtype

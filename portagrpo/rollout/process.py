@@ -31,14 +31,19 @@ class SamplerSpec:
     precision: str  # fp32 | bf16 | int8
     tied_embeddings: bool
     threads: int
-    device: str = "cpu"
+    device: str = "cpu"  # "cpu", or an accelerator's "type:index"
+    backend: str = "cpu"  # imported in the process first (a vendor's torch plugin registers its device)
 
 
 def serve(spec: SamplerSpec, inbox, outbox) -> None:
     """The process's loop: ("weights", {name: tensor}) | ("generate", (ids, mask, params, seed)) | ("stop", None)."""
     torch.set_num_threads(spec.threads)
     try:
+        from portagrpo.backends import get_backend
         from portagrpo.model.loading import load_model
+
+        if spec.device != "cpu":
+            get_backend(spec.backend).set_device(torch.device(spec.device).index)
         from portagrpo.rollout.engines import SamplerCopy
 
         model = load_model(spec.model_path, spec.attn).to(spec.device)

@@ -255,17 +255,20 @@ def build_sampler_process(cfg: Config, runtime: Runtime, models: Models, tokeniz
     if cfg.rollout.mode == "sync":
         return None
     from portagrpo.paths import resolve_model_path
-    from portagrpo.rollout.engines import stop_token_ids
+    from portagrpo.rollout.engines import int8_refusal, stop_token_ids
     from portagrpo.rollout.process import SamplerProcess, SamplerSpec
 
     backend, threads = runtime.backend, torch.get_num_threads()
-    device = backend.sampler_process_device(runtime.comm.env.local_rank)
+    env = runtime.comm.env
+    device = backend.sampler_process_device(env.local_rank, env.local_world_size, cfg.rollout.devices)
     precision = cfg.rollout.precision if cfg.rollout.precision != "auto" else (
         "bf16" if cfg.model.dtype == "bf16" else "fp32")
+    if precision == "int8" and not backend.supports_dynamic_quantization():
+        raise int8_refusal(backend.name)
     path = resolve_model_path(cfg.model.path) if cfg.model.path else Path(run_dir) / "init_model"
     spec = SamplerSpec(str(path), backend.attention_implementation(cfg.model.attn_implementation, torch.float32),
                        tokenizer, precision, bool(getattr(models.policy.config, "tie_word_embeddings", False)),
-                       threads, device)
+                       threads, device, backend.name)
     eos = stop_token_ids(tokenizer, models.policy)
     return SamplerProcess(spec, tokenizer.pad_token_id if tokenizer.pad_token_id is not None else eos[0])
 

@@ -322,3 +322,20 @@ def test_a_rank_uses_its_own_device_or_the_one_it_sees():
     with pytest.raises(BackendUnavailable, match="local rank 2 has no cuda device: this process sees 2.*"
                                                  "CUDA_VISIBLE_DEVICES"):
         CUDABackend(probe(cuda="12.4", devices=FakeDevices(count=2))).device(2)
+
+
+@pytest.mark.parametrize("backend_cls", [CUDABackend, NPUBackend])
+def test_a_sampler_process_gets_a_device_after_the_training_ranks(monkeypatch, backend_cls):
+    """rollout.mode=one_step_off on an accelerator node: local rank r trains on device r and its sampler
+    process samples on device ranks-per-node + r; fewer devices, or rollout.devices other than one per
+    rank, is one sentence."""
+    backend = backend_cls()
+    monkeypatch.setattr(backend_cls, "device_count", lambda self: 8)
+    kind = backend.device_type
+    assert [backend.sampler_process_device(r, 4, 4) for r in range(4)] == [f"{kind}:{i}" for i in (4, 5, 6, 7)]
+    with pytest.raises(Exception, match=r"set rollout.devices=4 \(one per rank on the node; it is 0\)"):
+        backend.sampler_process_device(0, 4, 0)
+    monkeypatch.setattr(backend_cls, "device_count", lambda self: 6)
+    with pytest.raises(Exception, match=r"needs 8 .* devices per node \(4 training, 4 sampling\); this process sees 6"):
+        backend.sampler_process_device(0, 4, 4)
+    assert CPUBackend().sampler_process_device(1, 2, 0) == "cpu"  # the CPU: the cores the trainer leaves
