@@ -10,6 +10,7 @@ without verl's rollout correction (token-level truncated importance weights, thr
     one_step_off[+tis]         batch k+1 sampled with the weights before update k (rollout.mode)
     int8[+tis]                 the sampler's copy in dynamic int8 (rollout.precision)
     one_step_off+int8[+tis]    both
+    one_step_off+int8+bypass   both, the sampler's log-probs as the old ones (verl's bypass mode)
 
 Reported per variant: the mean over seeds of the training reward in the first and last 10% of steps,
 of the held-out greedy reward at the last step, the seeds' spread (max - min) of the last-10% reward,
@@ -34,6 +35,8 @@ VARIANTS = {
     "int8+tis": ["rollout.precision=int8", *TIS],
     "one_step_off+int8": ["rollout.mode=one_step_off", "rollout.precision=int8"],
     "one_step_off+int8+tis": ["rollout.mode=one_step_off", "rollout.precision=int8", *TIS],
+    "one_step_off+int8+bypass": ["rollout.mode=one_step_off", "rollout.precision=int8",
+                                 "algorithm.rollout_correction.bypass_mode=true"],
 }
 
 

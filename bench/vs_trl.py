@@ -13,7 +13,8 @@ checkpointing, its fastest setting here.
 portagrpo runs as one or more variants (`--variants`): `sync-fp32` (sample, then update, in one
 process), `one_step_off` (a sampler process of its own samples the next batch while the trainer
 updates: `rollout.mode=one_step_off`), `int8` (the sampler's copy of the weights in dynamic int8:
-`rollout.precision=int8`) and `one_step_off+int8`. Every system gets the same cores: `--threads` torch
+`rollout.precision=int8`), `one_step_off+int8`, and the one_step_off variants in verl's bypass mode
+(`+bypass`: the sampler's log-probs serve as the old ones, so the scoring pass is skipped). Every system gets the same cores: `--threads` torch
 threads in all its processes together (TRL and the one-process variants: `--threads` in one
 process; one_step_off: half in the trainer, half in the sampler process).
 
@@ -45,6 +46,10 @@ VARIANTS = {
     "one_step_off": (["rollout.mode=one_step_off"], 2),
     "int8": (["rollout.precision=int8"], 1),
     "one_step_off+int8": (["rollout.mode=one_step_off", "rollout.precision=int8"], 2),
+    # verl's bypass mode: the sampler's log-probs are the old ones, so no scoring pass runs
+    "one_step_off+bypass": (["rollout.mode=one_step_off", "algorithm.rollout_correction.bypass_mode=true"], 2),
+    "one_step_off+int8+bypass": (["rollout.mode=one_step_off", "rollout.precision=int8",
+                                  "algorithm.rollout_correction.bypass_mode=true"], 2),
 }
 
 

@@ -360,8 +360,31 @@ class SamplerCopy(HFRollout):
         for name, tensor in hf_weight_names(named, tied_embeddings=self.tied):
             params[name].copy_(tensor.to(device=params[name].device, dtype=params[name].dtype))
             count += 1
-        self.model = self._sampler()
+        if self.precision == "int8":
+            requantize_in_place(self.model, self.master)
         return count
+
+
+def requantize_in_place(quantized: torch.nn.Module, master: torch.nn.Module) -> None:
+    """Refresh a `quantize_dynamic` copy of `master` from master's current weights without rebuilding it:
+    each dynamic int8 linear layer gets its weight quantized as `quantize_dynamic` quantizes it (the
+    default dynamic qconfig's per-tensor symmetric min/max observer), every other parameter is copied.
+    Equal, bit for bit, to quantizing a fresh copy, at a fraction of its cost."""
+    from torch.ao.nn.quantized.dynamic import Linear as DynamicInt8Linear
+    from torch.ao.quantization import default_dynamic_qconfig
+
+    floats = dict(master.named_modules())
+    for name, module in quantized.named_modules():
+        if isinstance(module, DynamicInt8Linear):
+            linear = floats[name]
+            observer = default_dynamic_qconfig.weight()
+            observer(linear.weight)
+            scale, zero_point = observer.calculate_qparams()
+            weight = torch.quantize_per_tensor(linear.weight.float(), float(scale), int(zero_point), torch.qint8)
+            module.set_weight_bias(weight, linear.bias)
+    current = dict(master.named_parameters())
+    for name, param in quantized.named_parameters():
+        param.copy_(current[name])
 
 
 @ROLLOUT_ENGINES.register("fixed")

@@ -38,6 +38,21 @@ def test_the_samplers_copy_follows_the_policy_in_its_precision(tmp_path, precisi
 
         layers = [m for m in engine.model.modules() if isinstance(m, DynamicInt8Linear)]
         assert layers and all(m.weight().dtype == torch.qint8 for m in layers)
+        # refreshed in place after each push, bit for bit what quantizing a fresh copy gives
+        import copy
+
+        from torch.ao.quantization import quantize_dynamic
+
+        fresh = dict(quantize_dynamic(copy.deepcopy(engine.master), {torch.nn.Linear}, dtype=torch.qint8)
+                     .named_modules())
+        for name, m in engine.model.named_modules():
+            if isinstance(m, DynamicInt8Linear):
+                w, f = m.weight(), fresh[name].weight()
+                assert torch.equal(w.int_repr(), f.int_repr()) and w.q_scale() == f.q_scale(), name
+                b, fb = m.bias(), fresh[name].bias()
+                assert (b is None and fb is None) or torch.equal(b, fb), name
+        for (name, p), (_, q) in zip(engine.model.named_parameters(), fresh.get("").named_parameters()):
+            assert torch.equal(p, q), name
         assert not any(isinstance(m, DynamicInt8Linear) for m in t.models.policy.modules())
 
 
