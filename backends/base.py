@@ -52,6 +52,9 @@ class BackendSpec:
     # The vLLM platform plugin this vendor's vLLM runs through ("vllm-ascend" on Ascend), whose settings
     # the vLLM engine applies before building the engine (see rollout/vllm.py: PLUGIN_SETTINGS).
     vllm_plugin: str | None = None
+    # vLLM's block-FP8 rollout (rollout.precision=fp8): e4m3 weights with per-block scales, the format
+    # verl's FP8 rollout uses on NVIDIA; ROCm (e4m3fnuz) and Ascend are not built.
+    vllm_fp8: bool = False
 
 
 @dataclass

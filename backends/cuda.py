@@ -25,6 +25,7 @@ SPEC = BackendSpec(
     default_kernel="chunked",
     collective_env=NCCL_WATCHDOG_ENV,
     decode_cache="static",
+    vllm_fp8=True,
     install_hint="install a CUDA build of torch for your driver (see pytorch.org), then `pip install portagrpo[cuda]`",
 )
 

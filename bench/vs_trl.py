@@ -14,7 +14,8 @@ portagrpo runs as one or more variants (`--variants`): `sync-fp32` (sample, then
 process), `one_step_off` (a sampler process of its own samples the next batch while the trainer
 updates: `rollout.mode=one_step_off`), `int8` (the sampler's copy of the weights in dynamic int8:
 `rollout.precision=int8`), `one_step_off+int8`, and the one_step_off variants in verl's bypass mode
-(`+bypass`: the sampler's log-probs serve as the old ones, so the scoring pass is skipped). Every system gets the same cores: `--threads` torch
+(`+bypass`: the sampler's log-probs serve as the old ones, so the scoring pass is skipped).
+Every system gets the same cores: `--threads` torch
 threads in all its processes together (TRL and the one-process variants: `--threads` in one
 process; one_step_off: half in the trainer, half in the sampler process).
 

@@ -256,7 +256,10 @@ def dapo_problems(cfg: Config) -> list[str]:
 def rollout_precision_problems(cfg: Config) -> list[str]:
     r = cfg.rollout
     if r.precision == "fp8":
-        return ["rollout.precision=fp8 (vLLM's fp8 weight path) is not built yet; use bf16, or int8 on the CPU."]
+        if r.engine != "vllm":
+            return [f"rollout.precision=fp8 is vLLM's block-FP8 rollout (rollout.engine=vllm); with "
+                    f"rollout.engine={r.engine} use bf16, or int8 on the CPU."]
+        return []
     if r.precision != "auto" and r.engine != "hf":
         return [f"rollout.precision={r.precision} is built for rollout.engine=hf; with rollout.engine={r.engine} "
                 f"leave it at auto (vLLM samples in model.dtype)."]

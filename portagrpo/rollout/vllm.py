@@ -131,6 +131,29 @@ def check_versions(plugin: str | None) -> tuple[dict[str, str], dict[str, Any]]:
     return settings(have)
 
 
+def fp8_allowed(precision: str, backend) -> bool:
+    """rollout.precision=fp8 on this backend: vLLM's block-FP8 path, or one sentence."""
+    if precision != "fp8":
+        return False
+    if not backend.spec.vllm_fp8:
+        raise UserError(f"rollout.precision=fp8 is vLLM's block-FP8 rollout, built for NVIDIA GPUs; on --device "
+                        f"{backend.name} use rollout.precision=auto (model.dtype).")
+    return True
+
+
+def check_fp8_reload() -> None:
+    """FP8 weights can be replaced after vLLM processed them only through its layerwise reload
+    (vllm/model_executor/model_loader/reload, vLLM 0.16+); before it, `load_weights` into a processed
+    FP8 model fails or loads wrongly laid-out scales."""
+    try:
+        import vllm.model_executor.model_loader.reload  # noqa: F401
+    except ImportError:
+        found = _installed("vllm") or "this vLLM"
+        raise UserError(f"rollout.precision=fp8 reloads FP8 weights through vLLM's layerwise reload, which vLLM "
+                        f"0.16 added; {found} has none. Install vLLM 0.16 or newer, or use "
+                        f"rollout.precision=auto.") from None
+
+
 def _import_vllm():
     # In-process engine core: the policy's weights are loaded into vLLM's model object directly, as TRL's
     # colocate mode and verl do. With V1's default multiprocessing the model lives in another process and a
@@ -234,15 +257,19 @@ class VLLMRollout:
                    empty_cache=inputs.backend.empty_cache, world_size=comm.world_size,
                    plugin=inputs.backend.spec.vllm_plugin, eos_ids=stop_token_ids(inputs.tokenizer, inputs.policy),
                    tensor_parallel=TensorParallel(r.tensor_model_parallel_size, group, tp_rank,
-                                                  comm.all_gather_object))
+                                                  comm.all_gather_object),
+                   fp8=fp8_allowed(r.precision, inputs.backend))
 
     def __init__(self, model, tokenizer, autocast, generate_kwargs: dict | None = None, *, model_path: str,
                  dtype: str = "bfloat16", seed: int = 0, gpu_memory_utilization: float = 0.5,
                  bucket_mb: int = 512, max_model_len: int | None = None, tied_embeddings: bool = False,
                  eos_ids: list[int] | None = None, empty_cache=None, world_size: int = 1,
-                 plugin: str | None = None, tensor_parallel: "TensorParallel | None" = None) -> None:
+                 plugin: str | None = None, tensor_parallel: "TensorParallel | None" = None,
+                 fp8: bool = False) -> None:
         vllm, self._tokens_prompt = _import_vllm()
         env, additional = check_versions(plugin)
+        if fp8:
+            check_fp8_reload()
         for key, value in env.items():  # read by the plugin's worker when the engine below is built
             os.environ[key] = value
         self._sampling_cls = vllm.SamplingParams
@@ -253,7 +280,15 @@ class VLLMRollout:
         self.empty_cache = empty_cache or (lambda: None)
         self.tp = tensor_parallel or TensorParallel()
         self.calls = 0
+        self.fp8, self.dtype = fp8, getattr(torch, dtype)
+        # an FP8 engine starts from dummy weights: the trainer pushes the policy before the first rollout
+        self.needs_weights = fp8
         extra = {"distributed_executor_backend": "external_launcher"} if world_size > 1 else {}
+        if fp8:
+            from portagrpo.rollout.fp8 import QUANTIZATION_CONFIG
+
+            extra.update(quantization="fp8", load_format="dummy",
+                         hf_overrides={"quantization_config": dict(QUANTIZATION_CONFIG)})
         self.llm = vllm.LLM(model=model_path, tokenizer=model_path, dtype=dtype, seed=seed,
                             gpu_memory_utilization=gpu_memory_utilization, enable_sleep_mode=True,
                             max_model_len=max_model_len, tensor_parallel_size=self.tp.size,
@@ -287,11 +322,32 @@ class VLLMRollout:
         gathered weights exists at a time. Returns the bucket count. The weights stay mapped (the next
         thing the engine does is generate); the KV cache stays asleep."""
         self._wake(("weights",))
+        named = vllm_weight_names(state, tied_embeddings=self.tied)
+        if self.fp8:
+            return self._reload_fp8(named)
         model, count = self._model(), 0
-        for bucket in bucket_tensors(vllm_weight_names(state, tied_embeddings=self.tied), self.bucket_bytes):
+        for bucket in bucket_tensors(named, self.bucket_bytes):
             model.load_weights(bucket)  # positional: one model class names the argument all_weights
             count += 1
             bucket.clear()  # drop this bucket's gathered tensors before the next ones are gathered
+        return count
+
+    def _reload_fp8(self, named) -> int:
+        """The weights as a block-FP8 checkpoint, through vLLM's layerwise reload in one pass (a layer must
+        receive every weight and scale of its own before vLLM processes it). Returns the tensor count."""
+        from portagrpo.rollout.fp8 import fp8_checkpoint
+
+        count = 0
+
+        def counted():
+            nonlocal count
+            for pair in fp8_checkpoint(named, self.dtype):
+                count += 1
+                yield pair
+
+        self.llm.llm_engine.model_executor.driver_worker.worker.reload_weights(
+            weights_iterator=counted(), is_checkpoint_format=True)
+        self.needs_weights = False
         return count
 
     def request_seeds(self, count: int) -> list[int]:

@@ -117,6 +117,8 @@ class Trainer:
             if self.ahead is not None:
                 push_weights(p.sampler, p.models)
                 self.ahead.restore(self.checkpoints.inflight, self.step_done, self.log)
+        elif getattr(p.engine, "needs_weights", False):  # an engine built without weights (vLLM FP8: dummy)
+            push_weights(p.engine, p.models)
         if rt.comm.is_main and self.own_outputs:
             t = cfg.trainer
             trackers = make_trackers(t.logger, self.run_dir, project=t.project_name, experiment=t.experiment_name,

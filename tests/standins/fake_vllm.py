@@ -20,6 +20,17 @@ vllm-ascend's) sources, and the stand-in fails where vLLM would fail or silently
   shard of the group (its all-reduces), so the tokens depend on the whole group's weights; and every
   rank of a group must submit the same requests in the same order with the same seeds, or the engines'
   collectives fall out of step (the stand-in raises where vLLM would hang or mix up requests);
+- block-FP8 rollout (vllm/model_executor/layers/quantization/fp8.py, model_loader/reload/, read in 0.11 to
+  0.33): `quantization="fp8"` with a serialized block config (hf_overrides quantization_config,
+  weight_block_size [128, 128]) makes each decoder linear layer's `weight` float8_e4m3fn [out, in] and
+  `weight_scale_inv` float32 [ceil(out/128), ceil(in/128)]; `process_weights_after_loading` then puts
+  them in kernel layout, after which `load_weights` fails (0.11: KeyError on the scale; 0.13+: the
+  loaders need the parameter subclasses that processing dropped), and only `Worker.reload_weights`
+  (vLLM 0.16+, layerwise reload) replaces them: it restores the checkpoint layout, loads, and processes
+  each layer, which must have received its weight and its scale (else its scale memory is
+  uninitialised). `load_format="dummy"` fills the weights with noise that vLLM samples from without
+  complaint; the stand-in refuses to sample before weights were loaded. Tokens depend on the
+  dequantized weights;
 - vllm-ascend (when `ascend` names its version): `wake_up` raises ValueError while the FRACTAL_NZ
   weight format is on. 0.11.0 (worker_v1.py: `is_enable_nz()`, utils.py) reads VLLM_ASCEND_ENABLE_NZ
   (int, default 1) once when the worker is built; 0.20+ (worker.py: `get_ascend_config().weight_nz_mode`,
@@ -39,6 +50,15 @@ from pathlib import Path
 
 import torch
 
+BLOCK = 128
+FP8_LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
+
+def fp8_linear(name: str) -> bool:
+    """A decoder linear layer's weight, which the block-FP8 method creates as e4m3 (Llama/Qwen names)."""
+    parts = name.split(".")
+    return "layers" in parts and len(parts) >= 2 and parts[-2] in FP8_LINEARS and parts[-1] == "weight"
+
 
 class FakeModel:
     def __init__(self, llm: "FakeLLM"):
@@ -47,6 +67,8 @@ class FakeModel:
     def load_weights(self, weights):
         if "weights" in self.llm.asleep:  # weights offloaded: loading into unmapped memory would fault
             raise RuntimeError("load_weights while the weights pool is asleep")
+        if self.llm.fp8:
+            raise KeyError("weight_scale_inv: load_weights into an FP8 model after process_weights_after_loading")
         weights = list(weights)
         self.llm.log.append(("load", [(n, t.clone()) for n, t in weights]))
         for name, tensor in weights:
@@ -65,6 +87,9 @@ class FakeLLM:
         launcher = kwargs.get("distributed_executor_backend") == "external_launcher"
         self.device_index = int(os.environ.get("LOCAL_RANK", "0")) if launcher else 0
         self.rng = torch.Generator().manual_seed(kwargs.get("seed", 0))
+        quant = (kwargs.get("hf_overrides") or {}).get("quantization_config") or {}
+        self.fp8 = kwargs.get("quantization") == "fp8" and quant.get("weight_block_size") == [BLOCK, BLOCK]
+        self.loaded = kwargs.get("load_format") != "dummy"
         self.tp = int(kwargs.get("tensor_parallel_size", 1))
         self.tp_group, self.tp_rank, self.tp_ranks = None, 0, [0]
         if self.tp > 1:
@@ -72,7 +97,7 @@ class FakeLLM:
         model = FakeModel(self)
         runner = types.SimpleNamespace(model=types.SimpleNamespace(wrapped=model))  # a graph wrapper in vLLM
         executor = types.SimpleNamespace(driver_worker=types.SimpleNamespace(worker=types.SimpleNamespace(
-            model_runner=runner, get_model=lambda: model)))
+            model_runner=runner, get_model=lambda: model, reload_weights=self.reload_weights)))
         self.nz = None
         if FakeLLM.ascend is not None:
             env_nz = int(os.environ.get("VLLM_ASCEND_ENABLE_NZ", 1))
@@ -102,6 +127,38 @@ class FakeLLM:
             if dist.get_rank() in ranks:
                 self.tp_group, self.tp_ranks = group, ranks
         self.tp_rank = self.tp_ranks.index(dist.get_rank())
+
+    def reload_weights(self, weights_iterator=None, weights_path=None, is_checkpoint_format=True):
+        """vLLM's layerwise reload (Worker.reload_weights, 0.16+): checkpoint-format tensors, each layer
+        processed once it has all of its tensors. An FP8 linear layer takes its e4m3 weight and its
+        float32 block scales; the stand-in keeps the dequantized weight the kernels compute with."""
+        if "weights" in self.asleep:
+            raise RuntimeError("reload_weights while the weights pool is asleep")
+        if not is_checkpoint_format:
+            raise NotImplementedError("the stand-in models checkpoint-format reloads only")
+        given = dict(weights_iterator)
+        self.log.append(("reload", sorted(given)))
+        for name, tensor in given.items():
+            if name.endswith("_scale_inv"):
+                continue
+            if self.fp8 and fp8_linear(name):
+                tensor = self._dequantized(name, tensor, given.get(name + "_scale_inv"))
+            elif tensor.dtype == torch.float8_e4m3fn:
+                raise RuntimeError(f"{name}: an FP8 tensor for a layer the FP8 method does not quantize")
+            self.shards[name] = self.shard_of(tensor).float().clone()
+        self.loaded = True
+
+    @staticmethod
+    def _dequantized(name: str, weight: torch.Tensor, scale_inv) -> torch.Tensor:
+        if weight.dtype != torch.float8_e4m3fn:
+            raise RuntimeError(f"{name}: the FP8 method's weight is float8_e4m3fn, got {weight.dtype} (a copy into "
+                               f"it would cast without a scale)")
+        rows, cols = -(-weight.shape[0] // BLOCK), -(-weight.shape[1] // BLOCK)
+        if scale_inv is None or scale_inv.dtype != torch.float32 or tuple(scale_inv.shape) != (rows, cols):
+            raise RuntimeError(f"{name}: its layer was processed without a float32 weight_scale_inv of shape "
+                               f"{(rows, cols)} (uninitialised scale memory in vLLM)")
+        scale = scale_inv.repeat_interleave(BLOCK, 0).repeat_interleave(BLOCK, 1)[: weight.shape[0], : weight.shape[1]]
+        return weight.float() * scale
 
     def shard_of(self, tensor: torch.Tensor) -> torch.Tensor:
         """This rank's part of a full checkpoint tensor (vLLM's column/row/vocab-parallel loaders narrow
@@ -160,6 +217,8 @@ class FakeLLM:
             raise RuntimeError(f"generate while {sorted(self.asleep)} asleep")
         params = sampling if isinstance(sampling, list) else [sampling] * len(prompts)
         assert len(params) == len(prompts)
+        if not self.loaded:
+            raise RuntimeError("sampling from load_format='dummy' weights: nothing was loaded into the engine")
         if self.tp_group is not None:
             self._check_group_in_step(prompts, params)
         digest = self.weights_digest()
@@ -187,14 +246,20 @@ class FakeLLM:
         return -math.log(11) if processed else -math.log(22)
 
 
-def modules() -> dict[str, types.ModuleType]:
-    """`vllm` and `vllm.inputs` as the engine imports them."""
+def modules(reload: bool = True) -> dict[str, types.ModuleType]:
+    """`vllm` and `vllm.inputs` as the engine imports them; with `reload`, also the layerwise reload
+    package (vLLM 0.16+), whose presence the FP8 path checks."""
     mod = types.ModuleType("vllm")
     mod.LLM = FakeLLM
     mod.SamplingParams = lambda **kw: types.SimpleNamespace(kwargs=kw)
     inputs = types.ModuleType("vllm.inputs")
     inputs.TokensPrompt = lambda prompt_token_ids: {"prompt_token_ids": prompt_token_ids}
-    return {"vllm": mod, "vllm.inputs": inputs}
+    out = {"vllm": mod, "vllm.inputs": inputs}
+    if reload:
+        for name in ("vllm.model_executor", "vllm.model_executor.model_loader",
+                     "vllm.model_executor.model_loader.reload"):
+            out[name] = types.ModuleType(name)
+    return out
 
 
 def allow_on_cpu():

@@ -58,8 +58,9 @@ def fake_vllm(monkeypatch):
         monkeypatch.setitem(sys.modules, name, module)
     from portagrpo.backends import cpu
 
+    # the stand-in's world: the CPU backend may run vLLM, and its FP8 path (a CUDA-only row otherwise)
     monkeypatch.setattr(cpu.CPUBackend, "__init__", lambda self: cpu.BaseBackend.__init__(
-        self, replace(cpu.SPEC, rollout_engines=("hf", "fixed", "vllm"))))
+        self, replace(cpu.SPEC, rollout_engines=("hf", "fixed", "vllm"), vllm_fp8=True)))
     FakeLLM.instances.clear()
     monkeypatch.setattr(FakeLLM, "ascend", None)
     monkeypatch.delenv("VLLM_ASCEND_ENABLE_NZ", raising=False)
@@ -301,3 +302,66 @@ def test_the_stand_in_refuses_what_vllm_refuses_about_tensor_parallelism(fake_vl
     with pytest.raises(ValueError, match="must be divisible by tensor parallel size"):
         VLLMRollout(None, tok, None, model_path=str(tmp_path), world_size=2,
                     tensor_parallel=TensorParallel(2, 0, 0, lambda x: [x]))
+
+
+@pytest.mark.parametrize("shape,dtype", [((256, 384), torch.float32), ((200, 130), torch.float32),
+                                         ((64, 32), torch.bfloat16), ((1, 300), torch.float32)])
+def test_block_fp8_quantization_against_its_reference(shape, dtype):
+    """e4m3 with one float32 scale per 128 x 128 block (ragged edge blocks included): each block's
+    largest magnitude maps to 448 exactly, and every element is within half an e4m3 step of the input
+    (2^-4 relative, or 2^-10 of the scale in the subnormal range)."""
+    from portagrpo.rollout.fp8 import BLOCK, FP8_MAX, block_dequantize, block_quantize
+
+    g = torch.Generator().manual_seed(sum(shape))
+    w = (torch.randn(shape, generator=g) * torch.logspace(-3, 1, shape[1])).to(dtype)
+    if w.numel() > BLOCK * BLOCK:
+        w[: min(shape[0], BLOCK), : min(shape[1], BLOCK)] *= 0  # an all-zero block gets scale 1, not NaN
+    q, scale_inv = block_quantize(w)
+    assert q.dtype == torch.float8_e4m3fn and q.shape == w.shape
+    assert scale_inv.dtype == torch.float32 and scale_inv.shape == (-(-shape[0] // BLOCK), -(-shape[1] // BLOCK))
+    back = block_dequantize(q, scale_inv)
+    exact = w.float()
+    scale = scale_inv.repeat_interleave(BLOCK, 0).repeat_interleave(BLOCK, 1)[: shape[0], : shape[1]]
+    bound = torch.maximum(exact.abs() * 2**-4, scale * 2**-10) * (1 + 1e-6)
+    assert torch.all((back - exact).abs() <= bound)
+    assert torch.isfinite(scale_inv).all() and torch.all(back[exact == 0] == 0)
+    amax = q.float().abs().amax()
+    assert amax == FP8_MAX  # the largest magnitude of some block lands on the top of the range
+
+
+def test_fp8_rollout_reloads_a_block_fp8_checkpoint_after_every_update(tmp_path, fake_vllm):
+    """rollout.precision=fp8: the engine is built FP8 from dummy weights, receives the policy before the
+    first rollout and after each update through vLLM's layerwise reload, the decoder's linear layers as
+    e4m3 + block scales (within FP8 rounding of the trainer's weights) and every other tensor exact."""
+    t = _trainer(tmp_path, "rollout.precision=fp8")
+    (llm,) = fake_vllm.instances
+    assert llm.kwargs["quantization"] == "fp8" and llm.kwargs["load_format"] == "dummy"
+    assert llm.kwargs["hf_overrides"]["quantization_config"]["weight_block_size"] == [128, 128]
+    reloads = [e for e in llm.log if e[0] == "reload"]
+    assert len(reloads) == 1 and any(n.endswith("q_proj.weight_scale_inv") for n in reloads[0][1])
+    t.step()
+    assert [e[0] for e in llm.log].count("reload") == 2 and not any(e[0] == "load" for e in llm.log)
+    state = t.models.policy.state_dict()
+    linear = [n for n in llm.shards if n.endswith("proj.weight")]
+    assert linear and set(llm.shards) == {n for n in state if n != "lm_head.weight"}
+    for name, held in llm.shards.items():
+        if name in linear:  # what the FP8 kernels multiply by: close to the trainer's weight, not equal
+            assert not torch.equal(held, state[name]) and torch.allclose(held, state[name], rtol=2**-4, atol=1e-3)
+        else:
+            assert torch.equal(held, state[name]), name
+
+
+def test_fp8_needs_vllms_layerwise_reload_and_an_nvidia_row(tmp_path, fake_vllm, monkeypatch):
+    from portagrpo.backends import cpu
+    from portagrpo.errors import UserError
+    from portagrpo.rollout.vllm import VLLMRollout, fp8_allowed
+
+    monkeypatch.delitem(sys.modules, "vllm.model_executor.model_loader.reload")
+    monkeypatch.setitem(sys.modules, "vllm.model_executor.model_loader.reload", None)  # a vLLM before 0.16
+    tok = types.SimpleNamespace(eos_token_id=2, pad_token_id=0)
+    with pytest.raises(UserError, match="layerwise reload, which vLLM 0.16 added"):
+        VLLMRollout(None, tok, None, model_path="m", fp8=True)
+    VLLMRollout(None, tok, None, model_path="m", fp8=False)  # bf16 rollout still loads with load_weights
+    with pytest.raises(UserError, match="built for NVIDIA GPUs; on --device cpu use rollout.precision=auto"):
+        fp8_allowed("fp8", cpu.BaseBackend(cpu.SPEC))
+    assert fp8_allowed("auto", cpu.BaseBackend(cpu.SPEC)) is False

@@ -1,0 +1,62 @@
+"""FP8 rollout under vLLM (`rollout.precision=fp8`): the trainer's weights as a block-FP8 checkpoint.
+
+vLLM samples from a model built with a checkpoint-serialized block-FP8 quantization config (e4m3
+weights in 128 x 128 blocks, one float32 `weight_scale_inv` per block, activations quantized per token
+group at run time: DeepSeek-V3's format, which verl's FP8 rollout also uses) and dummy initial weights.
+After every update the trainer quantizes each linear layer's weight here and the engine reloads the
+whole set through vLLM's layerwise reload (`Worker.reload_weights`, vLLM >= 0.16), which restores the
+checkpoint layout, loads, and reruns vLLM's post-load processing per layer. The other tensors
+(embeddings, norms, biases, the LM head) travel unquantized. Training weights are never touched.
+"""
+from __future__ import annotations
+
+from typing import Iterable, Iterator
+
+import torch
+
+BLOCK = 128
+FP8 = torch.float8_e4m3fn
+FP8_MAX = 448.0  # the largest finite e4m3fn value
+QUANTIZATION_CONFIG = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
+                       "weight_block_size": [BLOCK, BLOCK]}
+# The linear layers of a decoder block that vLLM's FP8 method quantizes (Llama/Qwen/Mistral naming);
+# everything else stays in the model dtype.
+LINEAR_SUFFIXES = ("q_proj.weight", "k_proj.weight", "v_proj.weight", "o_proj.weight", "gate_proj.weight",
+                   "up_proj.weight", "down_proj.weight")
+
+
+def is_quantized(name: str, tensor: torch.Tensor) -> bool:
+    return tensor.dim() == 2 and ".layers." in f".{name}" and name.endswith(LINEAR_SUFFIXES)
+
+
+def block_quantize(weight: torch.Tensor, block: int = BLOCK) -> tuple[torch.Tensor, torch.Tensor]:
+    """[out, in] weight -> (e4m3 weight [out, in], float32 scale_inv [ceil(out/block), ceil(in/block)]):
+    each block's largest magnitude maps to 448, and weight ~= q * scale_inv blockwise."""
+    out_dim, in_dim = weight.shape
+    rows, cols = -(-out_dim // block), -(-in_dim // block)
+    w = weight.detach().float()
+    padded = torch.zeros(rows * block, cols * block, dtype=torch.float32, device=w.device)
+    padded[:out_dim, :in_dim] = w
+    blocks = padded.view(rows, block, cols, block)
+    amax = blocks.abs().amax(dim=(1, 3))
+    scale_inv = torch.where(amax > 0, amax / FP8_MAX, torch.ones_like(amax))
+    q = (blocks / scale_inv[:, None, :, None]).clamp(-FP8_MAX, FP8_MAX).to(FP8)
+    return q.view(rows * block, cols * block)[:out_dim, :in_dim].contiguous(), scale_inv
+
+
+def block_dequantize(q: torch.Tensor, scale_inv: torch.Tensor, block: int = BLOCK) -> torch.Tensor:
+    """The float32 weight an FP8 block checkpoint stands for (the reference for block_quantize)."""
+    scale = scale_inv.repeat_interleave(block, dim=0).repeat_interleave(block, dim=1)
+    return q.float() * scale[: q.shape[0], : q.shape[1]]
+
+
+def fp8_checkpoint(named: Iterable[tuple[str, torch.Tensor]], dtype: torch.dtype) -> Iterator[tuple[str, torch.Tensor]]:
+    """The pushed weights as vLLM reads a block-FP8 checkpoint: a linear layer's weight as its e4m3 tensor
+    and `<name>_scale_inv`; every other tensor in the engine's dtype. One tensor quantized at a time."""
+    for name, tensor in named:
+        if is_quantized(name, tensor):
+            q, scale_inv = block_quantize(tensor)
+            yield name, q
+            yield name + "_scale_inv", scale_inv
+        else:
+            yield name, tensor.to(dtype)
