@@ -215,6 +215,11 @@ class BaseBackend:
         if self.device_type == "cpu":
             return "cpu"
         count = self.device_count()
+        if count == 1 and local_world == 1 and sampler_devices:
+            raise UserError(f"rollout.mode=one_step_off needs a second {self.name} device for the sampler process, and "
+                            f"this process sees one (Ray, or a per-rank visible-devices binding, gives each worker "
+                            f"its own); launch with trainer.nproc_per_node or torchrun on the node, or use "
+                            f"rollout.mode=sync.")
         if sampler_devices != local_world:
             raise UserError(f"rollout.mode=one_step_off on --device {self.name} gives each rank's sampler process a "
                             f"device of its own: set rollout.devices={local_world} (one per rank on the node; it is "

@@ -308,6 +308,10 @@ def main(argv: list[str]) -> int:
     unknown = [v for v in args.variants if v not in VARIANTS]
     if unknown or not args.variants:
         p.error(f"--variants: unknown {unknown}; use some of {', '.join(VARIANTS)}")
+    split = [v for v in args.variants if VARIANTS[v][1] > 1]
+    if split and (args.threads < 2 or args.threads % 2):
+        p.error(f"--threads {args.threads}: {', '.join(split)} run two processes that share the threads; give an even "
+                f"--threads of at least 2 so every system gets the same cores")
     if min(args.rounds, args.steps, args.prompts, args.n, args.max_new_tokens, args.threads) < 1 or args.warmup < 0:
         p.error("--rounds, --steps, --prompts, --n, --max-new-tokens and --threads must be >= 1, --warmup >= 0")
     if args.n < 2:

@@ -192,7 +192,8 @@ class HFRollout:
 
     @classmethod
     def from_run(cls, inputs: EngineInputs) -> "HFRollout":
-        if inputs.cfg.rollout.precision != "auto":
+        # with rollout.mode=one_step_off the copy lives in the sampler process; this engine only validates
+        if inputs.cfg.rollout.precision != "auto" and inputs.cfg.rollout.mode == "sync":
             return SamplerCopy.from_run(inputs)
         # a static KV cache where the backend has one, but not under sharded (lockstep) generation
         extra = {} if inputs.generate_kwargs else {"cache": inputs.backend.spec.decode_cache}

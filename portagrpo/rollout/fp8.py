@@ -21,12 +21,31 @@ QUANTIZATION_CONFIG = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme"
                        "weight_block_size": [BLOCK, BLOCK]}
 # The linear layers of a decoder block that vLLM's FP8 method quantizes (Llama/Qwen/Mistral naming);
 # everything else stays in the model dtype.
-LINEAR_SUFFIXES = ("q_proj.weight", "k_proj.weight", "v_proj.weight", "o_proj.weight", "gate_proj.weight",
-                   "up_proj.weight", "down_proj.weight")
+LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
+
+def _linear(name: str) -> bool:
+    parts = name.split(".")
+    return len(parts) >= 2 and parts[-1] == "weight" and parts[-2] in LINEARS  # exact: qkv_proj is not v_proj
 
 
 def is_quantized(name: str, tensor: torch.Tensor) -> bool:
-    return tensor.dim() == 2 and ".layers." in f".{name}" and name.endswith(LINEAR_SUFFIXES)
+    return tensor.dim() == 2 and ".layers." in f".{name}" and _linear(name)
+
+
+def layer_problem(named: Iterable[tuple[str, torch.Tensor]]) -> str | None:
+    """One sentence when the model has decoder weights this path would not quantize as vLLM's FP8 method
+    expects (another architecture's layer names), or a quantized dimension vLLM's block kernels refuse."""
+    for name, tensor in named:
+        if tensor.dim() != 2 or ".layers." not in f".{name}":
+            continue
+        if not _linear(name):
+            return (f"rollout.precision=fp8 quantizes the Llama/Qwen/Mistral layer names ({', '.join(LINEARS)}); "
+                    f"this model has {name}; use rollout.precision=auto.")
+        if tensor.shape[0] % BLOCK or tensor.shape[1] % BLOCK:
+            return (f"rollout.precision=fp8 uses {BLOCK} x {BLOCK} blocks, and {name} is {list(tensor.shape)}: vLLM's "
+                    f"block-FP8 kernels need both dimensions to be multiples of {BLOCK}; use rollout.precision=auto.")
+    return None
 
 
 def block_quantize(weight: torch.Tensor, block: int = BLOCK) -> tuple[torch.Tensor, torch.Tensor]:

@@ -131,13 +131,19 @@ def check_versions(plugin: str | None) -> tuple[dict[str, str], dict[str, Any]]:
     return settings(have)
 
 
-def fp8_allowed(precision: str, backend) -> bool:
-    """rollout.precision=fp8 on this backend: vLLM's block-FP8 path, or one sentence."""
+def fp8_allowed(precision: str, backend, policy=None) -> bool:
+    """rollout.precision=fp8 for this backend and model: vLLM's block-FP8 path, or one sentence."""
     if precision != "fp8":
         return False
     if not backend.spec.vllm_fp8:
         raise UserError(f"rollout.precision=fp8 is vLLM's block-FP8 rollout, built for NVIDIA GPUs; on --device "
                         f"{backend.name} use rollout.precision=auto (model.dtype).")
+    if policy is not None:
+        from portagrpo.rollout.fp8 import layer_problem
+
+        problem = layer_problem(vllm_weight_names(policy.named_parameters(), tied_embeddings=False))
+        if problem:
+            raise UserError(problem)
     return True
 
 
@@ -168,7 +174,8 @@ def _import_vllm():
     return vllm, TokensPrompt
 
 
-def tp_layout(size: int, rank: int, world: int, local_world: int, heads: int) -> tuple[int, int]:
+def tp_layout(size: int, rank: int, world: int, local_world: int, heads: int,
+              kv_heads: int | None = None) -> tuple[int, int]:
     """(engine group, rank within it) of a training rank, as vLLM forms tensor-parallel groups from the
     launcher's ranks: consecutive ranks, `arange(world).reshape(-1, ..., tp)` in
     vllm/distributed/parallel_state.py. One sentence for a layout vLLM would refuse or hang on."""
@@ -183,6 +190,10 @@ def tp_layout(size: int, rank: int, world: int, local_world: int, heads: int) ->
     if heads % size:
         raise UserError(f"{key} does not divide the model's {heads} attention heads, which vLLM splits across the "
                         f"group; use a divisor of {heads}.")
+    kv = kv_heads or heads
+    if size % kv and kv % size:  # vLLM splits the KV heads, or replicates them over ranks
+        raise UserError(f"{key} and the model's {kv} key/value heads must divide one another (vLLM splits or "
+                        f"replicates them across the group); use a divisor or a multiple of {kv}.")
     return rank // size, rank % size
 
 
@@ -245,8 +256,10 @@ class VLLMRollout:
 
         cfg, r = inputs.cfg, inputs.cfg.rollout
         comm = inputs.comm
+        config = inputs.policy.config
         group, tp_rank = tp_layout(r.tensor_model_parallel_size, comm.rank, comm.world_size,
-                                   comm.env.local_world_size, getattr(inputs.policy.config, "num_attention_heads", 1))
+                                   comm.env.local_world_size, getattr(config, "num_attention_heads", 1),
+                                   getattr(config, "num_key_value_heads", None))
         return cls(inputs.scorer, inputs.tokenizer, inputs.autocast, inputs.generate_kwargs,
                    model_path=str(resolve_model_path(cfg.model.path) if cfg.model.path else inputs.init_model_dir),
                    dtype={"fp32": "float32", "bf16": "bfloat16", "fp64": "float32"}[cfg.model.dtype],
@@ -258,7 +271,7 @@ class VLLMRollout:
                    plugin=inputs.backend.spec.vllm_plugin, eos_ids=stop_token_ids(inputs.tokenizer, inputs.policy),
                    tensor_parallel=TensorParallel(r.tensor_model_parallel_size, group, tp_rank,
                                                   comm.all_gather_object),
-                   fp8=fp8_allowed(r.precision, inputs.backend))
+                   fp8=fp8_allowed(r.precision, inputs.backend, inputs.policy))
 
     def __init__(self, model, tokenizer, autocast, generate_kwargs: dict | None = None, *, model_path: str,
                  dtype: str = "bfloat16", seed: int = 0, gpu_memory_utilization: float = 0.5,

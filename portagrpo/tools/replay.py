@@ -58,7 +58,9 @@ def replay(run_dir: str | Path, device: str, steps: int | None, output_dir: str 
     cfg = load_config(run_dir / "config.yaml", [
         f"model.path={base.model.path or run_dir / 'init_model'}", f"trainer.device={device}",
         "trainer.record_rollouts=false", "trainer.save_freq=0", "trainer.test_freq=0", "trainer.tensorboard=false",
-        "trainer.plot=false", "trainer.progress_bar=false", *overrides])
+        "trainer.plot=false", "trainer.progress_bar=false",
+        # a replay never samples: no sampler process, no tensor-parallel engine group
+        "rollout.mode=sync", "rollout.tensor_model_parallel_size=1", *overrides])
     rows, recorded_setting, replayed_setting = replay_steps(cfg, files, out_dir, log)
     loosest = max((DTYPES[base.model.dtype], DTYPES[cfg.model.dtype]), key=lambda d: TOLERANCES[d]["loss"])
     verdict = judge(rows, TOLERANCES[loosest])

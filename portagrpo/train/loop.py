@@ -68,6 +68,7 @@ class Trainer:
         self.logger: MetricsLogger | None = None
         self.run: RunDir | None = None
         self.ahead: OneStepOff | None = None
+        self.pending_prompts: list | None = None  # the first prompts of a resumed run, when already drawn
 
     def setup(self) -> "Trainer":
         self.runtime = make_runtime(self.cfg)
@@ -84,6 +85,8 @@ class Trainer:
         try:
             self._setup_parts()
         except BaseException:
+            if self.parts is not None:  # the reward pool and a sampler process end with the refused setup
+                self.parts.close()
             if comm.is_main and self.own_outputs and self.resume_from is None:
                 self._undo_new_run(existed, before)
             raise
@@ -119,6 +122,10 @@ class Trainer:
                 self.ahead.restore(self.checkpoints.inflight, self.step_done, self.log)
         elif getattr(p.engine, "needs_weights", False):  # an engine built without weights (vLLM FP8: dummy)
             push_weights(p.engine, p.models)
+        if self.ahead is None and self.checkpoints.inflight is not None:
+            # an overlapped run's checkpoint, resumed in sync mode: its loader already handed out the batch
+            # that was in flight, so the next step trains on those prompts (sampled again, now in sync)
+            self.pending_prompts = self.checkpoints.inflight["ranks"][0]["prompts"]
         if rt.comm.is_main and self.own_outputs:
             t = cfg.trainer
             trackers = make_trackers(t.logger, self.run_dir, project=t.project_name, experiment=t.experiment_name,
@@ -158,12 +165,14 @@ class Trainer:
         self.runtime.backend.reset_peak_memory()
         step = self.step_done + 1
         loader = self.parts.data.loader
+        first = self.pending_prompts or None
+        self.pending_prompts = None
         if self.ahead is not None:  # rollout.mode=one_step_off: sampled while the last step updated
             exp = self.ahead.make(step, loader.next_batch)
         elif self.experience.settings.filter_metric is None:
-            exp = self.experience.make(step, loader.next_batch())
+            exp = self.experience.make(step, first or loader.next_batch())
         else:  # DAPO: more prompts until the batch holds groups with a spread only
-            exp = make_filtered(self.experience, step, loader.next_batch(), more=loader.next_batch)
+            exp = make_filtered(self.experience, step, first or loader.next_batch(), more=loader.next_batch)
         out = self._update(step, exp, start)
         if self.cfg.trainer.record_rollouts:
             self.record(out)

@@ -3,9 +3,10 @@
 Weight versions: v0 is the initial policy, v_k the policy after k updates. Step k trains on batch k,
 starting from v_{k-1}. Batch k is requested right after step k-1 took batch k-1, when the sampler holds
 v_{k-2} (v0 for the first two batches), so every batch from the second on is exactly one update stale
-(`rollout_staleness` = 1). The old log-probs come from the trainer's v_{k-1} (a scoring pass always
-runs), so the PPO ratio is the usual one and `algorithm.rollout_correction` (or its metrics alone)
-measures and corrects the sampler's staleness and precision.
+(`rollout_staleness` = 1). The old log-probs come from the trainer's v_{k-1} (a scoring pass runs),
+so the PPO ratio is the usual one and `algorithm.rollout_correction` (or its metrics alone) measures
+and corrects the sampler's staleness and precision; in verl's bypass mode the sampler's log-probs are
+the old ones instead (no scoring pass), and PPO's clip alone bounds the off-policy update.
 
 Checkpoints: the batch in flight at a save is taken (waited for) and saved with the checkpoint, per
 rank (`inflight.pt`), with the version it was sampled with; a resumed run trains on it next, so it
@@ -111,4 +112,10 @@ class OneStepOff:
         mine = saved["ranks"][comm.rank]
         group = self._group(mine["step"], mine["prompts"])
         sampled = Sampled(*(None if t is None else torch.as_tensor(t) for t in mine["sampled"]))
+        want = (group.prompt_ids.shape[0], self.maker.settings.sampling.max_tokens)
+        if tuple(sampled.responses.shape) != want:  # resumed with another rollout.n or response length
+            log(f"note: the checkpoint's in-flight batch has {tuple(sampled.responses.shape)} responses, this run "
+                f"samples {want}; step {step_done + 1} samples its prompts again with the resumed weights")
+            self.submit(mine["step"], mine["prompts"])
+            return
         self.pending = Pending(mine["step"], mine["prompts"], group, mine["version"], sampled)

@@ -158,3 +158,14 @@ def test_a_node_that_dies_ends_the_run_with_one_sentence(tmp_path, two_nodes):
     assert len(message) == 1, stderr[-3000:]
     assert re.search(r"Ray worker rank \d on node .* failed during step.*--resume", message[0]), message[0]
     assert "Traceback" not in stderr
+
+
+def test_ray_workers_each_drive_their_own_sampler_process(tmp_path):
+    """rollout.mode=one_step_off under Ray: each worker starts its sampler process beside itself and the
+    run overlaps as it does under the local launcher (staleness 0, then 1)."""
+    cfg = load_config(None, [*OVERRIDES, "rollout.engine=hf", "rollout.mode=one_step_off", "trainer.total_steps=3",
+                             "trainer.save_freq=0", "trainer.devices_per_node=2"])
+    got = train_with_ray(cfg, tmp_path / "ray", log=lambda m: None)
+    assert [m["world_size"] for m in got] == [2, 2, 2]
+    assert [m["rollout_staleness"] for m in got] == [0, 1, 1]
+    assert all("rollout_corr/kl" in m for m in got)

@@ -91,3 +91,33 @@ def test_refusals_are_one_sentence():
         load_config(None, ["rollout.mode=one_step_off", "rollout.engine=fixed"])
     with pytest.raises(ConfigError, match="with algorithm.filter_groups.enable=true is not built"):
         load_config(None, ["rollout.mode=one_step_off", "algorithm.filter_groups.enable=true"])
+
+
+def test_an_overlapped_checkpoint_resumed_in_sync_mode_trains_on_the_batch_in_flight(tmp_path):
+    """The loader of an overlapped run has handed out the in-flight batch already; a sync resume must
+    train step 3 on those prompts, not skip them."""
+    run = tmp_path / "run"
+    ahead = _trainer(run, "rollout.mode=one_step_off", "trainer.save_freq=2", "trainer.total_steps=3")
+    try:
+        ahead.fit(progress=False)
+    finally:
+        ahead.close()
+    ckpt = run / "checkpoints" / "step_00000002"
+    in_flight = torch.load(ckpt / "inflight.pt", weights_only=False)["ranks"][0]["prompts"]
+    sync = _trainer(run, "trainer.save_freq=2", "trainer.total_steps=3", resume=ckpt)
+    try:
+        assert sync.parts.sampler is None
+        out = sync.step()
+    finally:
+        sync.close()
+    trained = out.experience.batch.rollout.prompt_index[::4].tolist()
+    assert trained == [r.index for r in in_flight]
+
+
+def test_the_copy_in_the_requested_precision_lives_in_the_sampler_process_only(tmp_path):
+    t = _trainer(tmp_path, "rollout.mode=one_step_off", "rollout.precision=int8")
+    try:
+        assert not t.parts.engine.holds_weights  # validation samples with the training model itself
+        assert t.step().metrics["rollout_corr/abs_logp_diff_mean"] > 0
+    finally:
+        t.close()

@@ -252,13 +252,14 @@ def test_supported_versions_pass(fake_vllm, monkeypatch):
     (2, 4, 1, 4, "does not divide the 1 rank(s) per node: a tensor-parallel group must sit on one node"),
     (4, 4, 4, 6, "does not divide the model's 6 attention heads"),
     (2, 1, 1, 4, "does not divide the 1 training rank(s)"),
+    (4, 4, 4, 8, "and the model's 6 key/value heads must divide one another"),
 ])
 def test_impossible_tensor_parallel_layouts_are_one_sentence(size, world, local, heads, expected):
     from portagrpo.errors import UserError
     from portagrpo.rollout.vllm import tp_layout
 
     with pytest.raises(UserError, match=re.escape(f"rollout.tensor_model_parallel_size={size} {expected}")):
-        tp_layout(size, 0, world, local, heads)
+        tp_layout(size, 0, world, local, heads, kv_heads=6 if heads == 8 else None)
 
 
 def test_tensor_parallel_groups_are_consecutive_ranks():
@@ -267,6 +268,7 @@ def test_tensor_parallel_groups_are_consecutive_ranks():
     assert [tp_layout(2, r, 8, 4, 4) for r in range(8)] == [(0, 0), (0, 1), (1, 0), (1, 1), (2, 0), (2, 1), (3, 0),
                                                             (3, 1)]
     assert [tp_layout(4, r, 8, 4, 4)[0] for r in range(8)] == [0, 0, 0, 0, 1, 1, 1, 1]
+    assert tp_layout(4, 1, 4, 4, 8, kv_heads=2) == (0, 1)  # fewer KV heads than ranks: vLLM replicates them
 
 
 def test_a_tensor_parallel_group_submits_the_groups_prompts_and_keeps_its_slice():
@@ -333,7 +335,7 @@ def test_fp8_rollout_reloads_a_block_fp8_checkpoint_after_every_update(tmp_path,
     """rollout.precision=fp8: the engine is built FP8 from dummy weights, receives the policy before the
     first rollout and after each update through vLLM's layerwise reload, the decoder's linear layers as
     e4m3 + block scales (within FP8 rounding of the trainer's weights) and every other tensor exact."""
-    t = _trainer(tmp_path, "rollout.precision=fp8")
+    t = _trainer(tmp_path, "rollout.precision=fp8", "model.tiny.hidden_size=128", "model.tiny.intermediate_size=256")
     (llm,) = fake_vllm.instances
     assert llm.kwargs["quantization"] == "fp8" and llm.kwargs["load_format"] == "dummy"
     assert llm.kwargs["hf_overrides"]["quantization_config"]["weight_block_size"] == [128, 128]
@@ -365,3 +367,9 @@ def test_fp8_needs_vllms_layerwise_reload_and_an_nvidia_row(tmp_path, fake_vllm,
     with pytest.raises(UserError, match="built for NVIDIA GPUs; on --device cpu use rollout.precision=auto"):
         fp8_allowed("fp8", cpu.BaseBackend(cpu.SPEC))
     assert fp8_allowed("auto", cpu.BaseBackend(cpu.SPEC)) is False
+    with pytest.raises(UserError, match=r"self_attn.q_proj.weight is \[64, 64\]: vLLM's block-FP8 kernels need both"):
+        _trainer(tmp_path / "small", "rollout.precision=fp8")  # the tiny default: 64-wide layers
+    from portagrpo.rollout.fp8 import layer_problem
+
+    assert "this model has model.layers.0.self_attn.qkv_proj.weight" in layer_problem(
+        [("model.layers.0.self_attn.qkv_proj.weight", torch.zeros(384, 128))])
