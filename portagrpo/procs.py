@@ -1,6 +1,7 @@
 """Child processes that die with their parent, and signals that end a run with one line."""
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import sys
@@ -18,6 +19,21 @@ def _pid_alive(pid: int) -> bool:
     except PermissionError:
         return True
     return True
+
+
+@contextlib.contextmanager
+def sigint_ignored():
+    """Start child processes inside this: a SIGINT disposition of "ignore" is inherited through exec, so
+    Python in the child never turns the terminal's Ctrl-C (sent to the whole process group) into a
+    traceback of its own; the parent stops its children itself."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    previous = signal.signal(signal.SIGINT, signal.SIG_IGN)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, previous)
 
 
 def set_parent_death_signal(sig: int = signal.SIGKILL) -> None:

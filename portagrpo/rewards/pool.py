@@ -8,14 +8,13 @@ Workers die with the trainer (parent-death signal plus a watcher thread).
 """
 from __future__ import annotations
 
-import contextlib
 import multiprocessing
 import os
 import signal
-import threading
 import time
 from multiprocessing.connection import wait
 
+from portagrpo.procs import sigint_ignored
 from portagrpo.rewards.functions import NOT_SCORED, RewardResult
 
 
@@ -43,23 +42,11 @@ def _worker_main(conn, spec: str, parent_pid: int) -> None:
         conn.send(("result", (index, score_one(resolver, *item))))
 
 
-@contextlib.contextmanager
-def _sigint_ignored():
-    if threading.current_thread() is not threading.main_thread():
-        yield
-        return
-    previous = signal.signal(signal.SIGINT, signal.SIG_IGN)
-    try:
-        yield
-    finally:
-        signal.signal(signal.SIGINT, previous)
-
-
 class _Worker:
     def __init__(self, ctx, spec: str) -> None:
         self.conn, child = ctx.Pipe()
         self.proc = ctx.Process(target=_worker_main, args=(child, spec, os.getpid()), daemon=True)
-        with _sigint_ignored():  # inherited through exec: Python in the child then never turns Ctrl-C into a traceback
+        with sigint_ignored():  # inherited through exec: Python in the child then never turns Ctrl-C into a traceback
             self.proc.start()
         child.close()
         self.ready = False

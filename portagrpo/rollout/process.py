@@ -10,7 +10,9 @@ torch.multiprocessing queues (shared memory); one thread per process unless trai
 """
 from __future__ import annotations
 
+import os
 import queue
+import signal
 import traceback
 from dataclasses import dataclass
 from typing import Any, Iterable
@@ -18,6 +20,7 @@ from typing import Any, Iterable
 import torch
 
 from portagrpo.errors import UserError
+from portagrpo.procs import sigint_ignored
 from portagrpo.rollout.engines import Sampled, SamplingParams
 
 
@@ -35,8 +38,13 @@ class SamplerSpec:
     backend: str = "cpu"  # imported in the process first (a vendor's torch plugin registers its device)
 
 
-def serve(spec: SamplerSpec, inbox, outbox) -> None:
+def serve(spec: SamplerSpec, inbox, outbox, parent_pid: int) -> None:
     """The process's loop: ("weights", {name: tensor}) | ("generate", (ids, mask, params, seed)) | ("stop", None)."""
+    from portagrpo.procs import exit_with_parent, set_parent_death_signal
+
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the trainer's to report; it stops this process
+    set_parent_death_signal()
+    exit_with_parent(parent_pid, "sampler process")
     torch.set_num_threads(spec.threads)
     try:
         from portagrpo.backends import get_backend
@@ -81,9 +89,10 @@ class SamplerProcess:
         ctx = mp.get_context("spawn")  # a fresh interpreter: no forked torch threads or process groups
         self.inbox, self.outbox = ctx.Queue(), ctx.Queue()
         self.pad_id = pad_id
-        self.process = ctx.Process(target=serve, args=(spec, self.inbox, self.outbox), daemon=True,
+        self.process = ctx.Process(target=serve, args=(spec, self.inbox, self.outbox, os.getpid()), daemon=True,
                                    name="portagrpo-sampler")
-        self.process.start()
+        with sigint_ignored():
+            self.process.start()
         self.waiting = False
         self._receive("ready")
 

@@ -172,3 +172,14 @@ def test_ctrl_c_of_a_two_rank_launcher_is_one_line(tmp_path):
     assert "Traceback" not in err and "KeyboardInterrupt" not in err
     stops = [line for line in err.splitlines() if "stopped by" in line]
     assert len(stops) == 1 and "portagrpo: stopped by" in stops[0], err
+
+
+@linux_only
+def test_ctrl_c_of_an_overlapped_run_is_one_line(tmp_path):
+    """rollout.mode=one_step_off: the sampler process ignores the terminal's Ctrl-C and ends with the
+    trainer, which prints the one line."""
+    code, err = _ctrl_c(tmp_path, "rollout.mode=one_step_off", "trainer.total_steps=100000", "trainer.save_freq=0",
+                        started=lambda p: len(children(p.pid)) >= 1 and (tmp_path / "run" / "metrics.jsonl").is_file())
+    assert code == 130
+    assert "Traceback" not in err and "KeyboardInterrupt" not in err
+    assert [line for line in err.splitlines() if "stopped by" in line] == [err.strip().splitlines()[-1]]
