@@ -52,7 +52,7 @@ def serve(spec: SamplerSpec, inbox, outbox, parent_pid: int) -> None:
 
         if spec.device != "cpu":
             get_backend(spec.backend).set_device(torch.device(spec.device).index)
-        from portagrpo.rollout.engines import SamplerCopy
+        from portagrpo.rollout.sampler_copy import SamplerCopy
 
         model = load_model(spec.model_path, spec.attn).to(spec.device)
         engine = SamplerCopy(model, spec.tokenizer, spec.precision, tied_embeddings=spec.tied_embeddings)

@@ -244,7 +244,14 @@ def build_engine(cfg: Config, runtime: Runtime, models: Models, tokenizer, run_d
     if cfg.rollout.tensor_model_parallel_size > 1 and name != "vllm" and log is not None:
         log(f"note: rollout.tensor_model_parallel_size={cfg.rollout.tensor_model_parallel_size} has no effect with "
             f"rollout.engine={name}, which samples on every rank with the training model")
-    return ROLLOUT_ENGINES.get(name, field="rollout.engine").from_run(EngineInputs(
+    engine = ROLLOUT_ENGINES.get(name, field="rollout.engine")
+    if name == "hf" and cfg.rollout.precision != "auto" and cfg.rollout.mode == "sync":
+        # the hf engine on a copy in that precision (with one_step_off the copy lives in the sampler
+        # process, and this engine, on the training model, only validates)
+        from portagrpo.rollout.sampler_copy import SamplerCopy
+
+        engine = SamplerCopy
+    return engine.from_run(EngineInputs(
         cfg=cfg, scorer=models.scorer, policy=models.policy, tokenizer=tokenizer, autocast=runtime.autocast,
         generate_kwargs=models.strategy.generate_kwargs, backend=runtime.backend, rank=runtime.comm.rank,
         world_size=runtime.comm.world_size, init_model_dir=Path(run_dir) / "init_model", comm=runtime.comm))
@@ -254,9 +261,9 @@ def build_sampler_process(cfg: Config, runtime: Runtime, models: Models, tokeniz
     """rollout.mode=one_step_off: this rank's sampler process, holding a copy of the initial policy."""
     if cfg.rollout.mode == "sync":
         return None
-    from portagrpo.paths import resolve_model_path
-    from portagrpo.rollout.engines import int8_refusal, stop_token_ids
+    from portagrpo.rollout.engines import stop_token_ids
     from portagrpo.rollout.process import SamplerProcess, SamplerSpec
+    from portagrpo.rollout.sampler_copy import CopySource, int8_refusal
 
     backend, threads = runtime.backend, torch.get_num_threads()
     env = runtime.comm.env
@@ -265,10 +272,8 @@ def build_sampler_process(cfg: Config, runtime: Runtime, models: Models, tokeniz
         "bf16" if cfg.model.dtype == "bf16" else "fp32")
     if precision == "int8" and not backend.supports_dynamic_quantization():
         raise int8_refusal(backend.name)
-    path = resolve_model_path(cfg.model.path) if cfg.model.path else Path(run_dir) / "init_model"
-    spec = SamplerSpec(str(path), backend.attention_implementation(cfg.model.attn_implementation, torch.float32),
-                       tokenizer, precision, bool(getattr(models.policy.config, "tie_word_embeddings", False)),
-                       threads, device, backend.name)
+    source = CopySource.of(cfg, backend, models.policy, Path(run_dir) / "init_model")
+    spec = SamplerSpec(str(source.path), source.attn, tokenizer, precision, source.tied, threads, device, backend.name)
     eos = stop_token_ids(tokenizer, models.policy)
     return SamplerProcess(spec, tokenizer.pad_token_id if tokenizer.pad_token_id is not None else eos[0])
 

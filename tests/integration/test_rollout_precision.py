@@ -70,7 +70,7 @@ def test_refusals_are_one_sentence():
     with pytest.raises(ConfigError, match="built for rollout.engine=hf"):
         load_config(None, ["rollout.precision=bf16", "rollout.engine=fixed"])
     from portagrpo.errors import UserError
-    from portagrpo.rollout.engines import SamplerCopy
+    from portagrpo.rollout.sampler_copy import SamplerCopy
 
     with pytest.raises(UserError, match="runs on the CPU only; on --device npu use rollout.precision=bf16"):
         SamplerCopy(torch.nn.Linear(2, 2), None, "int8", int8_ok=False, device="npu")
