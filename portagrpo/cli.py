@@ -78,11 +78,12 @@ def _launch_ranks(cfg, argv: list[str]) -> int:
     batch divisions are checked once here instead of once per rank."""
     from portagrpo.config import ConfigError, validate_world
     from portagrpo.launcher import launch_local
+    from portagrpo.procs import portagrpo_command
 
     problems = validate_world(cfg, cfg.trainer.nproc_per_node)
     if problems:
         raise ConfigError(problems)
-    return launch_local(cfg.trainer.nproc_per_node, [sys.executable, "-m", "portagrpo", *argv])
+    return launch_local(cfg.trainer.nproc_per_node, portagrpo_command(*argv))
 
 
 def _resume_from_config(cfg, output_dir):

@@ -11,6 +11,14 @@ import time
 LAUNCHER_ENV = "PORTAGRPO_LAUNCHER_PID"  # set by the local multi-rank launcher for its ranks
 
 
+def portagrpo_command(*args: str) -> list[str]:
+    """`python -m portagrpo ARGS` for a child process, importing the portagrpo this process runs: `-P`
+    (Python 3.11+) keeps the current directory off sys.path, so a source tree there (the images' WORKDIR,
+    a clone) cannot shadow the installed package."""
+    safe_path = ["-P"] if sys.version_info >= (3, 11) else []
+    return [sys.executable, *safe_path, "-m", "portagrpo", *args]
+
+
 def _pid_alive(pid: int) -> bool:
     try:
         os.kill(pid, 0)
