@@ -81,7 +81,8 @@ def convert(kind: str, input_path: str | Path, output_dir: str | Path, *, split:
             on_error: str = "skip", fmt: str = "parquet", log=print) -> tuple[Path, int, list[str]]:
     """Returns (written file, rows written, problems)."""
     input_path, output_dir = Path(input_path), Path(output_dir)
-    split = split or (input_path.stem if input_path.is_file() else input_path.name)
+    split = split if split is not None else (input_path.stem if input_path.is_file() else input_path.name)
+    check_split(split)
     check_output(output_dir, split, fmt)
     rows, problems = [], []
     for where, item in _read_items(input_path):
@@ -116,6 +117,17 @@ def convert(kind: str, input_path: str | Path, output_dir: str | Path, *, split:
 
 
 MARK = b"portagrpo_data"  # Parquet metadata key: a file `portagrpo data` wrote and may replace
+
+
+def check_split(split: str) -> None:
+    """The split names the file written inside --output, so it must be a plain name: no folder part
+    (`../x` or `a/b` would write elsewhere), not hidden, no control characters."""
+    plain = (split and not split.startswith(".") and "/" not in split and "\\" not in split
+             and all(ch.isprintable() for ch in split))
+    if not plain:
+        raise DataError(f"split name {split!r} (--split, or else the input's name) is not a plain name: the file is "
+                        f"written as <split>.<format> inside --output, so it takes no '/', '\\', leading '.' or "
+                        f"control characters; pass e.g. --split train (nothing was written).")
 
 
 def check_output(output_dir: str | Path, split: str, fmt: str) -> None:

@@ -327,6 +327,20 @@ def test_data_never_replaces_a_file_it_did_not_write(tmp_path, capsys):
     assert sorted(p.name for p in out.iterdir()) == ["g.jsonl", "g.parquet"]
 
 
+@pytest.mark.parametrize("split", ["../escaped", "a/b", "..", ".hidden", "", "tab\tname"])
+def test_data_refuses_a_split_that_is_not_a_plain_name_and_writes_nothing(tmp_path, capsys, monkeypatch, split):
+    src = tmp_path / "in" / "g.jsonl"
+    src.parent.mkdir()
+    src.write_text(json.dumps({"question": "1+1?", "answer": "#### 2"}) + "\n")
+    work = tmp_path / "work"
+    work.mkdir()
+    monkeypatch.chdir(work)
+    before = snapshot(tmp_path)
+    assert main(["data", "gsm8k", "--input", str(src), "--output", "ex4", "--split", split]) == 2
+    assert "is not a plain name" in one_error(capsys.readouterr().err)
+    assert snapshot(tmp_path) == before and not (work / "ex4").exists()
+
+
 @pytest.mark.parametrize("steps", ["0", "-1", "3"])
 def test_replay_steps_out_of_range_are_refused_and_write_nothing(recorded_run, steps, capsys):
     before = snapshot(recorded_run)
