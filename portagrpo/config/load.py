@@ -12,7 +12,7 @@ from typing import Any, Literal, Union
 
 import yaml
 
-from portagrpo.config.schema import PRESETS, Config, ConfigError, RolloutConfig
+from portagrpo.config.schema import PRESETS, Config, ConfigError, DataConfig, RolloutConfig
 from portagrpo.fileio import shorten
 
 # ---------------------------------------------------------------- typed construction
@@ -226,7 +226,8 @@ def merge_raw(config_path: str | Path | None, overrides: list[str] | None, notic
     found: list[str] = []
     raw: dict = read_yaml(config_path) if config_path else {}
     pairs = []
-    if is_roll(raw):  # a ROLL YAML as written: its keys become portagrpo overrides, before the real ones
+    roll = is_roll(raw)
+    if roll:  # a ROLL YAML as written: its keys become portagrpo overrides, before the real ones
         roll_pairs, roll_notices, roll_problems = translate_roll(raw)
         raw, found = {}, list(roll_problems)
         pairs += list(roll_pairs.items())
@@ -260,13 +261,37 @@ def merge_raw(config_path: str | Path | None, overrides: list[str] | None, notic
         raise ConfigError(found)
     if problems is not None:
         problems.extend(found)
-    _derived(raw, {k for k, _ in pairs}, mini_prompts, roll_mini)
+    _derived(raw, {k for k, _ in pairs}, mini_prompts)
+    if roll and mini_prompts is None and "actor.ppo_mini_batch_size" not in {k for k, _ in pairs}:
+        _roll_mini_batch(raw, roll_mini, notices)
     return raw
 
 
-def _derived(raw: dict, explicit: set[str], mini_prompts: Any, roll_mini: Any) -> None:
+def _roll_mini_batch(raw: dict, per_rank: Any, notices: list[str] | None) -> None:
+    """ROLL's mini-batch in responses, unless an override set actor.ppo_mini_batch_size: per device x
+    gradient accumulation x data-parallel ranks, or with no per_device_train_batch_size ROLL's own default,
+    one update over the whole rollout batch."""
+    def section(name: str) -> dict:
+        return raw[name] if isinstance(raw.get(name), dict) else {}
+
+    try:
+        if per_rank is not None:
+            size = int(per_rank) * int(section("trainer").get("nproc_per_node", 1))
+        else:
+            size = (int(section("data").get("train_batch_size", DataConfig.train_batch_size))
+                    * int(section("rollout").get("n", RolloutConfig.n)))
+        set_dotted(raw, ["actor", "ppo_mini_batch_size"], size)
+    except (TypeError, ValueError):  # ConfigError too: a size that is no number, or `actor` no section,
+        return  # which the typed construction names
+    if per_rank is None and notices is not None:
+        notices.append(f"ROLL sets no actor_train.training_args.per_device_train_batch_size -> portagrpo "
+                       f"actor.ppo_mini_batch_size={size}, the whole rollout batch (one update per step, ROLL's "
+                       f"default)")
+
+
+def _derived(raw: dict, explicit: set[str], mini_prompts: Any) -> None:
     """Values that follow from what was given: files mean no built-in task, epochs mean no step count,
-    verl's and ROLL's mini-batch counts in responses, and the algorithm preset's defaults."""
+    verl's mini-batch count in responses, and the algorithm preset's defaults."""
     if "data.train_files" in explicit and "data.task" not in explicit:
         set_dotted(raw, ["data", "task"], None)
     if "trainer.total_epochs" in explicit and "trainer.total_steps" not in explicit:
@@ -278,9 +303,6 @@ def _derived(raw: dict, explicit: set[str], mini_prompts: Any, roll_mini: Any) -
         except (TypeError, ValueError):
             raise ConfigError([f"actor_rollout_ref.actor.ppo_mini_batch_size={mini_prompts!r} and rollout.n={n!r} "
                                f"must be integers."]) from None
-    if roll_mini is not None:  # ROLL: per device x gradient accumulation x data-parallel ranks
-        ranks = (raw.get("trainer") or {}).get("nproc_per_node", 1)
-        set_dotted(raw, ["actor", "ppo_mini_batch_size"], int(roll_mini) * int(ranks))
     name = (raw.get("algorithm") or {}).get("name", "grpo") if isinstance(raw.get("algorithm"), dict) else "grpo"
     for section, values in PRESETS.get(name, {}).items():
         sec = raw.setdefault(section, {})

@@ -68,7 +68,10 @@ def translate(raw: dict[str, Any]) -> tuple[dict[str, Any], list[str], list[str]
         if key in TOP:
             put(key, TOP[key], value)
         elif key in ("actor_train", "actor_infer", "validation"):
-            _section(key, value or {}, put, notices, problems)
+            if value is not None and not isinstance(value, dict):
+                problems.append(_not_a_section(key, value))
+            else:
+                _section(key, value or {}, put, notices, problems)
         elif key in NO_EFFECT or key == "num_gpus_per_node":
             pass  # below, with the keys that need the whole file
         elif key not in _SPECIAL:
@@ -95,14 +98,15 @@ def _special(raw: dict, put, notices: list[str], problems: list[str]) -> None:
         put("reward_norm", "algorithm.reward_norm", "batch")
     elif norm not in (None, "group", "none"):
         problems.append(f"ROLL key reward_norm={norm!r} has no portagrpo equivalent; use null, group or batch.")
-    if "dual_clip_loss" in raw:
-        eps = float(raw.get("pg_clip", 0.2))
+    eps = raw.get("pg_clip", 0.2)
+    if "dual_clip_loss" in raw and _number(eps, "pg_clip", []):  # a pg_clip that is no number: actor.clip_ratio says so
         # ROLL bounds the negative-advantage loss at (1 + 2 pg_clip) A; off: a bound that never binds
         put("dual_clip_loss", "actor.clip_ratio_c", 1.0 + 2.0 * eps if raw["dual_clip_loss"] else 1e9,
             "ROLL's bound 1 + 2 x pg_clip" if raw["dual_clip_loss"] else "off: a bound that never binds")
     if raw.get("use_pg_clip_range"):
         for key in ("pg_clip_low", "pg_clip_high"):
-            put(key, f"actor.clip_ratio_{key.rsplit('_', 1)[1]}", float(raw.get(key, 0.2)))
+            if _number(raw.get(key, 0.2), key, problems):
+                put(key, f"actor.clip_ratio_{key.rsplit('_', 1)[1]}", float(raw.get(key, 0.2)))
     if raw.get("add_token_level_kl"):
         put("add_token_level_kl", "algorithm.use_kl_in_reward", True,
             f"k1 KL to the reference, coefficient init_kl_coef={raw.get('init_kl_coef', 0.2)}, summed over the "
@@ -112,7 +116,8 @@ def _special(raw: dict, put, notices: list[str], problems: list[str]) -> None:
     if raw.get("use_kl_loss"):
         put("use_kl_loss", "actor.kl_loss_type", "k3", "ROLL's KL loss is always k3")
     if "track_with" in raw:
-        tracker = {"tensorboard": "tensorboard", "wandb": "wandb", "stdout": None}.get(raw["track_with"], "?")
+        trackers = {"tensorboard": "tensorboard", "wandb": "wandb", "stdout": None}
+        tracker = trackers.get(raw["track_with"], "?") if isinstance(raw["track_with"], str) else "?"
         if tracker == "?":
             problems.append(f"ROLL key track_with={raw['track_with']!r} has no portagrpo equivalent; use "
                             f"tensorboard, wandb or stdout.")
@@ -131,11 +136,35 @@ def _special(raw: dict, put, notices: list[str], problems: list[str]) -> None:
                        f"scores with reward.function): {', '.join(ignored)}")
 
 
+PARTS = ("model_args", "training_args", "generating_args", "data_args")  # the sections inside a worker's section
+
+
+def _number(value: Any, key: str, problems: list[str]) -> bool:
+    """Whether `value` is a number; if not, a sentence naming the ROLL key is added to `problems`."""
+    if isinstance(value, (int, float)) and not isinstance(value, bool):
+        return True
+    problems.append(f"ROLL key {key}={value!r} must be a number.")
+    return False
+
+
+def _count(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 1
+
+
+def _not_a_section(where: str, value: Any) -> str:
+    from portagrpo.config.load import short
+
+    return (f"ROLL key {where} is {type(value).__name__} {short(value)}, not a section of keys; write it as a "
+            f"mapping (as in ROLL's example_grpo.yaml) or remove it.")
+
+
 def _section(name: str, body: dict, put, notices: list[str], problems: list[str]) -> None:
     for part, values in body.items():
         where = f"{name}.{part}"
         if not isinstance(values, dict):
-            if part not in NO_EFFECT:
+            if part in PARTS and values is not None:
+                problems.append(_not_a_section(where, values))
+            elif part not in NO_EFFECT and part not in PARTS:
                 problems.append(f"ROLL key {where} has no portagrpo equivalent; remove it.")
             continue
         for key, value in values.items():
@@ -150,12 +179,17 @@ def _section(name: str, body: dict, put, notices: list[str], problems: list[str]
                     put(full, "actor.lr_schedule", value)
                 else:
                     problems.append(f"ROLL key {full}={value!r}: portagrpo schedules are constant and cosine.")
-            elif part == "training_args" and key in ("per_device_train_batch_size", "gradient_accumulation_steps"):
-                if key == "per_device_train_batch_size":
+            elif part == "training_args" and key == "per_device_train_batch_size":
+                accumulate = values.get("gradient_accumulation_steps", 1)
+                if not (_count(value) and _count(accumulate)):
+                    problems.append(f"ROLL keys {where}.per_device_train_batch_size={value!r} and "
+                                    f"gradient_accumulation_steps={accumulate!r} must be whole numbers of at least 1.")
+                else:
                     put(full, "actor.micro_batch_size", value)
-                    mini = value * values.get("gradient_accumulation_steps", 1)
                     put(f"{where}.per_device_train_batch_size x gradient_accumulation_steps",
-                        "__roll_mini_batch_per_rank", mini, "responses per optimizer step, x the ranks")
+                        "__roll_mini_batch_per_rank", value * accumulate, "responses per optimizer step, x the ranks")
+            elif part == "training_args" and key == "gradient_accumulation_steps":
+                continue  # read with per_device_train_batch_size
             elif part == "generating_args" and key in GENERATING_ARGS and name == "actor_infer":
                 put(full, GENERATING_ARGS[key], value)
             elif part == "generating_args" and key == "temperature" and name == "validation":
@@ -166,8 +200,8 @@ def _section(name: str, body: dict, put, notices: list[str], problems: list[str]
             elif part == "data_args" and key == "messages":
                 put(full, "data.prompt_key", value)
             elif part == "model_args" and key == "dtype":
-                put(full, "model.dtype", {"bf16": "bf16", "fp32": "fp32", "float32": "fp32",
-                                          "bfloat16": "bf16"}.get(value, value))
+                names = {"bf16": "bf16", "fp32": "fp32", "float32": "fp32", "bfloat16": "bf16"}
+                put(full, "model.dtype", names.get(value, value) if isinstance(value, str) else value)
             elif key in NO_EFFECT or part == "strategy_args" or (part == "generating_args" and name == "validation"):
                 continue
             else:

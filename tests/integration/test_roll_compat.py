@@ -72,3 +72,46 @@ def test_unknown_roll_keys_are_sentences(tmp_path, tiny_model_dir):
     assert "ROLL key critic_warmup_steps has no portagrpo equivalent" in problems
     assert "adv_estimator='gae' has no portagrpo equivalent" in problems
     assert "lr_scheduler_type='linear': portagrpo schedules are constant and cosine" in problems
+
+
+@pytest.mark.parametrize("section,value", [("actor_train", 5), ("actor_infer", [1, 2]), ("validation", "x")])
+def test_a_roll_section_that_is_not_a_mapping_is_one_sentence(tmp_path, section, value):
+    path = tmp_path / "rlvr.yaml"
+    path.write_text(yaml.safe_dump({"rollout_batch_size": 4, "num_return_sequences_in_group": 4, section: value}))
+    with pytest.raises(ConfigError) as info:
+        load_config(path, [])
+    assert info.value.problems == [f"ROLL key {section} is {type(value).__name__} {value!r}, not a section of keys; "
+                                   f"write it as a mapping (as in ROLL's example_grpo.yaml) or remove it."]
+
+
+def test_roll_parts_and_sizes_of_the_wrong_kind_are_sentences(tmp_path):
+    path = tmp_path / "rlvr.yaml"
+    path.write_text(yaml.safe_dump({"rollout_batch_size": 4, "num_return_sequences_in_group": 4, "pg_clip_low": "x",
+                                    "use_pg_clip_range": True, "track_with": ["wandb"],
+                                    "actor_infer": {"generating_args": 3},
+                                    "actor_train": {"model_args": {"dtype": ["bf16"]},
+                                                    "training_args": {"per_device_train_batch_size": "2"}}}))
+    with pytest.raises(ConfigError) as info:
+        load_config(path, [])
+    problems = "\n".join(info.value.problems)
+    assert "ROLL key actor_infer.generating_args is int 3, not a section of keys" in problems
+    assert "ROLL keys actor_train.training_args.per_device_train_batch_size='2' and gradient_accumulation_steps=1 " \
+           "must be whole numbers of at least 1." in problems
+    assert "ROLL key pg_clip_low='x' must be a number." in problems
+    assert "ROLL key track_with=['wandb'] has no portagrpo equivalent" in problems
+    assert "model.dtype=['bf16'] is not allowed" in problems
+
+
+def test_a_roll_yaml_without_actor_train_updates_once_over_the_rollout_batch(tmp_path):
+    path = tmp_path / "rlvr.yaml"
+    path.write_text("rollout_batch_size: 4\nnum_return_sequences_in_group: 4\nresponse_length: 8\n")
+    notices: list[str] = []
+    cfg = load_config(path, [], notices=notices)
+    assert cfg.actor.ppo_mini_batch_size == 16  # ROLL's default: one update over 4 x 4 responses
+    assert any("actor.ppo_mini_batch_size=16, the whole rollout batch" in n for n in notices)
+    # an override still wins, and per device x accumulation x ranks when ROLL sets them
+    assert load_config(path, ["actor.ppo_mini_batch_size=8"]).actor.ppo_mini_batch_size == 8
+    path.write_text(path.read_text() + "actor_train:\n  training_args:\n    per_device_train_batch_size: 2\n"
+                                       "    gradient_accumulation_steps: 2\n")
+    assert load_config(path, []).actor.ppo_mini_batch_size == 4
+    assert load_config(path, ["actor.ppo_mini_batch_size=8"]).actor.ppo_mini_batch_size == 8
