@@ -8,6 +8,8 @@ from __future__ import annotations
 
 from typing import Any
 
+from portagrpo.fileio import shorten
+
 # A file is a ROLL config when it has none of portagrpo's sections and one of these.
 MARKERS = {"rollout_batch_size", "num_return_sequences_in_group", "actor_train", "actor_infer", "pretrain"}
 SECTIONS = {"model", "data", "rollout", "reward", "algorithm", "actor", "kernels", "trainer"}
@@ -152,9 +154,7 @@ def _count(value: Any) -> bool:
 
 
 def _not_a_section(where: str, value: Any) -> str:
-    from portagrpo.config.load import short
-
-    return (f"ROLL key {where} is {type(value).__name__} {short(value)}, not a section of keys; write it as a "
+    return (f"ROLL key {where} is {type(value).__name__} {shorten(repr(value))}, not a section of keys; write it as a "
             f"mapping (as in ROLL's example_grpo.yaml) or remove it.")
 
 
