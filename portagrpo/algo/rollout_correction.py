@@ -9,20 +9,22 @@ Semantics are verl 0.9.1's `compute_rollout_correction_and_rejection_mask`
 - `log_ratio = old_logp - rollout_logp` (log pi_train / pi_rollout); every log-ratio that is
   exponentiated is clamped to +-20 first.
 - IS weights, token level: exp(clamped per-token log-ratio); sequence level: exp(clamped *sum*
-  over the sequence's tokens), the same for every token of it. A number as the threshold truncates
-  from above (TIS); "L_U" zeroes weights outside [L, U] (IcePop). Weights are detached; batch
+  over the sequence's tokens), the same for every token of it. A number U as the threshold truncates
+  from above (TIS); a pair (L, U) zeroes weights outside [L, U] (IcePop). Weights are detached; batch
   normalisation divides by their mean over valid tokens (token level) or sequences (sequence level).
 - Rejection options (comma-separated, all must pass): token_k1/k2/k3, seq_sum_k1/k2/k3,
   seq_mean_k1/k2/k3, seq_max_k2/k3, with k1 = -log_ratio, k2 = log_ratio^2 / 2,
   k3 = exp(log_ratio) - 1 - log_ratio. A rejected sequence option removes the whole sequence from
   the loss mask; the response mask (attention) is never touched.
 
-Everything is a pure function of tensors; the trainer composes it in `algo/objective.py`.
+Everything is a pure function of tensors and numbers: verl's threshold strings ("0.5_5.0", "2.0,1.0") are
+parsed, strictly, by the config (`config/rules.py: correction_bounds`), never here.
 """
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import Optional, Union
 
 import torch
 
@@ -32,15 +34,18 @@ RS_OPTIONS = ("token_k1", "token_k2", "token_k3", "seq_sum_k1", "seq_sum_k2", "s
 PREFIX = "rollout_corr/"
 
 
+IsThreshold = Union[float, tuple[float, float]]  # U: TIS upper bound; (L, U): IcePop band
+RsBounds = tuple[tuple[str, Optional[float], float], ...]  # (option, lower, upper); lower None for k2/k3
+
+
 @dataclass(frozen=True)
 class RolloutCorrection:
-    """`algorithm.rollout_correction` (verl's keys and meanings)."""
+    """`algorithm.rollout_correction` (verl's keys and meanings), its bounds parsed into numbers."""
 
     rollout_is: str | None = None  # None | "token" | "sequence"
-    rollout_is_threshold: float | str | None = 2.0  # TIS upper bound, or "L_U" for IcePop
+    rollout_is_threshold: IsThreshold | None = 2.0
     rollout_is_batch_normalize: bool = False
-    rollout_rs: str | None = None  # comma-separated RS_OPTIONS
-    rollout_rs_threshold: float | str | None = None  # one spec, or one per option (comma-separated)
+    rollout_rs: RsBounds = ()  # rejection options (RS_OPTIONS) with their bounds; () is off
     bypass_mode: bool = False  # old log-probs := the sampler's (no separate scoring pass)
 
     @property
@@ -49,7 +54,7 @@ class RolloutCorrection:
 
     @property
     def active(self) -> bool:
-        return self.reweights or self.rollout_rs is not None
+        return self.reweights or bool(self.rollout_rs)
 
 
 def _sum(x: torch.Tensor, mask: torch.Tensor, dim=None) -> torch.Tensor:
@@ -78,82 +83,23 @@ def _fraction(flags: torch.Tensor) -> float:
     return float(flags.float().mean()) if flags.numel() else 0.0
 
 
-def parse_is_threshold(spec) -> tuple[float, float | None]:
-    """(upper, lower): a number is TIS (no lower bound), "L_U" is IcePop."""
-    if isinstance(spec, bool):
-        raise TypeError("algorithm.rollout_correction.rollout_is_threshold must be a number or 'L_U', not a bool.")
-    if isinstance(spec, (int, float)):
-        upper, lower = float(spec), None
-    elif isinstance(spec, str):
-        text = spec.strip()
-        if not text:
-            raise ValueError("algorithm.rollout_correction.rollout_is_threshold is empty; give a number or 'L_U'.")
-        if "_" in text:
-            low_text, high_text = text.split("_", 1)
-            upper, lower = float(high_text), float(low_text)
-        else:
-            upper, lower = float(text), None
-    else:
-        raise TypeError(f"algorithm.rollout_correction.rollout_is_threshold={spec!r} must be a number or 'L_U'.")
-    if upper <= 0 or (lower is not None and not 0 < lower <= upper):
-        raise ValueError(f"algorithm.rollout_correction.rollout_is_threshold={spec!r}: need 0 < L <= U.")
-    return upper, lower
+def _is_bounds(threshold) -> tuple[float, float | None]:
+    """(upper, lower) of an IS threshold: a number U (TIS, no lower bound) or a pair (L, U) (IcePop)."""
+    if isinstance(threshold, tuple) and len(threshold) == 2:
+        return threshold[1], threshold[0]
+    if isinstance(threshold, (int, float)) and not isinstance(threshold, bool):
+        return threshold, None
+    raise TypeError(f"rollout_is_threshold={threshold!r}: pass a number or a (lower, upper) pair (the config parses "
+                    f"verl's strings, config/rules.py: is_threshold).")
 
 
-def parse_rs(options: str) -> list[str]:
-    if not isinstance(options, str):
-        raise ValueError(f"algorithm.rollout_correction.rollout_rs={options!r} must be a comma-separated string.")
-    out = []
-    for name in (o.strip() for o in options.split(",")):
-        if name and name not in out:
-            if name not in RS_OPTIONS:
-                raise ValueError(f"algorithm.rollout_correction.rollout_rs option {name!r} is unknown; use "
-                                 f"{', '.join(RS_OPTIONS)}.")
-            out.append(name)
-    return out
-
-
-def parse_rs_thresholds(options: list[str], spec) -> dict[str, tuple[float | None, float]]:
-    """Per option (lower, upper). k1 takes "L_U" or U (then L = 1/U); k2/k3 take an upper bound only."""
-    if spec is None:
-        raise ValueError("algorithm.rollout_correction.rollout_rs needs rollout_rs_threshold.")
-    if isinstance(spec, (int, float)) and not isinstance(spec, bool):
-        specs = [str(spec)]
-    elif isinstance(spec, str):
-        specs = [p.strip() for p in spec.split(",") if p.strip()]
-    else:
-        raise TypeError(f"algorithm.rollout_correction.rollout_rs_threshold={spec!r} must be a number or a string.")
-    if len(specs) not in (1, len(options)):
-        raise ValueError(f"algorithm.rollout_correction.rollout_rs_threshold has {len(specs)} values for "
-                         f"{len(options)} options; give one, or one per option.")
-    specs = specs * len(options) if len(specs) == 1 else specs
-    out = {}
-    for option, text in zip(options, specs):
-        if option.endswith("k1"):
-            if "_" in text:
-                low_text, high_text = text.split("_", 1)
-                lower, upper = float(low_text), float(high_text)
-            else:
-                upper = float(text)
-                lower = 1.0 / upper if upper > 0 else 0.0
-            if not (lower > 0 and upper > 0 and lower <= upper):
-                raise ValueError(f"rollout_rs_threshold {text!r} for {option}: need 0 < L <= U.")
-        else:
-            if "_" in text:
-                raise ValueError(f"rollout_rs_threshold {text!r} for {option}: k2/k3 take an upper bound only.")
-            lower, upper = None, float(text)
-            if upper <= 0:
-                raise ValueError(f"rollout_rs_threshold {text!r} for {option} must be positive.")
-        out[option] = (lower, upper)
-    return out
-
-
-def is_weights(log_ratio: torch.Tensor, mask: torch.Tensor, level: str, threshold,
+def is_weights(log_ratio: torch.Tensor, mask: torch.Tensor, level: str, threshold: IsThreshold,
                batch_normalize: bool = False) -> tuple[torch.Tensor, dict[str, float]]:
-    """Truncated importance weights [B, T] (detached) and their metrics."""
+    """Truncated importance weights [B, T] (detached) and their metrics; `threshold` U truncates above (TIS),
+    (L, U) zeroes the weights outside [L, U] (IcePop)."""
     if level not in ("token", "sequence"):
         raise ValueError(f"algorithm.rollout_correction.rollout_is={level!r} must be 'token' or 'sequence'.")
-    upper, lower = parse_is_threshold(threshold)
+    upper, lower = _is_bounds(threshold)
     m = mask.to(log_ratio.dtype)
     if level == "token":
         stat = log_ratio
@@ -229,18 +175,20 @@ def _divergence(name: str, lr: torch.Tensor) -> torch.Tensor:
     return torch.exp(lr) - 1.0 - lr
 
 
-def rejection_mask(log_ratio: torch.Tensor, mask: torch.Tensor, options: str,
-                   threshold) -> tuple[torch.Tensor, dict[str, float]]:
-    """The loss mask with rejected tokens (or whole sequences) set to 0, and per-option metrics."""
-    names = parse_rs(options)
-    bounds = parse_rs_thresholds(names, threshold)
+def rejection_mask(log_ratio: torch.Tensor, mask: torch.Tensor,
+                   bounds: RsBounds) -> tuple[torch.Tensor, dict[str, float]]:
+    """The loss mask with rejected tokens (or whole sequences) set to 0, and per-option metrics. `bounds`:
+    (option, lower, upper) per option; k1 options bound the ratio to [lower, upper], k2/k3 options their
+    divergence to at most `upper` (lower None)."""
+    unknown = [b[0] for b in bounds if b[0] not in RS_OPTIONS]
+    if unknown:
+        raise ValueError(f"rejection options {unknown} are unknown; use {', '.join(RS_OPTIONS)}.")
     lr = log_ratio.clamp(-SAFETY_BOUND, SAFETY_BOUND)
     valid = mask.bool()
     valid_rows = valid.any(-1)
     keep_all = torch.ones_like(lr)
     metrics: dict[str, float] = {}
-    for name in names:
-        lower, upper = bounds[name]
+    for name, lower, upper in bounds:
         k1 = name.endswith("k1")
         lo, hi = (math.log(lower), math.log(upper)) if k1 else (0.0, upper)
         div = _divergence(name, lr)
@@ -362,8 +310,8 @@ def correct_rollout(old_logp: torch.Tensor, rollout_logp: torch.Tensor, mask: to
                                 spec.rollout_is_batch_normalize)
         metrics.update(m)
     loss_mask = mask.clone()
-    if spec.rollout_rs is not None:
-        loss_mask, m = rejection_mask(log_ratio, mask, spec.rollout_rs, spec.rollout_rs_threshold)
+    if spec.rollout_rs:
+        loss_mask, m = rejection_mask(log_ratio, mask, spec.rollout_rs)
         metrics.update(m)
     metrics.update(mismatch_metrics(old_logp, rollout_logp, mask))
     metrics.update(gap_metrics(old_logp, rollout_logp, mask))

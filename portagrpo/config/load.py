@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
-import re
 import types
 import typing
 from pathlib import Path
@@ -12,6 +11,7 @@ from typing import Any, Literal, Union
 
 import yaml
 
+from portagrpo.config.rules import NUMBER
 from portagrpo.config.schema import PRESETS, Config, ConfigError, DataConfig, RolloutConfig
 from portagrpo.fileio import shorten
 
@@ -75,7 +75,7 @@ def _coerce(value: Any, tp: Any, where: str) -> Any:
         if isinstance(value, str):
             return value
         if isinstance(value, (int, float)) and not isinstance(value, bool):
-            return str(value)
+            return value.written if isinstance(value, (SpelledInt, SpelledFloat)) else str(value)
     elif dataclasses.is_dataclass(tp):
         return _build(tp, value, where)
     raise ConfigError([f"{where} must be {_type_name(tp)}, got {type(value).__name__} {short(value)}."])
@@ -157,9 +157,6 @@ def _unknown_key(where: str, key: str, names: list[str], prefix: str) -> str:
 # ---------------------------------------------------------------- merging
 
 
-BOUNDS = re.compile(r"[0-9.eE+-]+_[0-9.eE+-]+")
-
-
 def parse_override(item: str) -> tuple[list[str], Any]:
     if "=" not in item:
         raise ConfigError([f"override {item!r} must look like key=value (for example actor.lr=1e-3)."])
@@ -167,10 +164,8 @@ def parse_override(item: str) -> tuple[list[str], Any]:
     key = key.strip().lstrip("+")
     if not key:
         raise ConfigError([f"override {item!r} has an empty key; write key=value."])
-    if BOUNDS.fullmatch(text.strip()):  # "L_U" bounds (rollout correction): YAML would read 1_2 as 12
-        return key.split("."), text.strip()
-    try:
-        value = yaml.safe_load(text) if text.strip() else ""
+    try:  # a SafeLoader that keeps how a number that is no plain decimal was written (see SpelledInt)
+        value = yaml.load(text, Loader=UniqueKeyLoader) if text.strip() else ""  # noqa: S506
     except (yaml.YAMLError, ValueError):  # ValueError: an integer longer than Python converts
         value = text
     return key.split("."), value
@@ -359,14 +354,42 @@ def _mapping(loader: UniqueKeyLoader, node: yaml.MappingNode, deep: bool = False
     return loader.construct_mapping(node, deep=deep)
 
 
+class SpelledInt(int):
+    """A number YAML read from text that is no plain decimal (YAML 1.1 drops "_" as a digit separator, so 1_2 is
+    12 and 0.5_2_3 is 0.523; 0x10 is 16, 1:30 is 90, .nan): a number field takes the number, a text field the text
+    as written (`written`), so a rollout-correction bound "0.5_2_3" is refused by its parser instead of running as
+    0.523."""
+
+    written: str
+
+
+class SpelledFloat(float):
+    __doc__ = SpelledInt.__doc__
+    written: str
+
+
+def _spelled(number: int | float, text: str) -> int | float:
+    if NUMBER.fullmatch(text) and float(text) == number:
+        return number
+    out = SpelledInt(number) if isinstance(number, int) else SpelledFloat(number)
+    out.written = text
+    return out
+
+
 def _int_or_float(loader: UniqueKeyLoader, node: yaml.ScalarNode):
     """An integer too long for Python's conversion limit is read as the float it is (then refused by
     the range rules) instead of ending the load in a ValueError."""
+    text = loader.construct_scalar(node)
     try:
-        return loader.construct_yaml_int(node)
+        return _spelled(loader.construct_yaml_int(node), text)
     except ValueError:
-        return float(loader.construct_scalar(node).replace("_", ""))
+        return _spelled(float(text.replace("_", "")), text)
+
+
+def _float(loader: UniqueKeyLoader, node: yaml.ScalarNode):
+    return _spelled(loader.construct_yaml_float(node), loader.construct_scalar(node))
 
 
 UniqueKeyLoader.add_constructor(yaml.resolver.BaseResolver.DEFAULT_MAPPING_TAG, _mapping)
 UniqueKeyLoader.add_constructor("tag:yaml.org,2002:int", _int_or_float)
+UniqueKeyLoader.add_constructor("tag:yaml.org,2002:float", _float)

@@ -12,7 +12,7 @@ from portagrpo.algo.advantages import overlong_penalty
 from portagrpo.algo.objective import Shaping, shape_and_advantage
 from portagrpo.algo.rollout_correction import RolloutCorrection, correct_rollout, gap_report
 from portagrpo.batch import RolloutBatch, TrainBatch, micro_batches
-from portagrpo.config import Config
+from portagrpo.config import Config, correction_bounds
 from portagrpo.data.records import PromptRecord, tokenize_prompts
 from portagrpo.errors import UserError
 from portagrpo.metrics import pass_at_k
@@ -76,9 +76,10 @@ def solved_of(correct: torch.Tensor) -> torch.Tensor:
 
 def correction_from(cfg: Config) -> RolloutCorrection:
     rc = cfg.algorithm.rollout_correction
-    return RolloutCorrection(rollout_is=rc.rollout_is, rollout_is_threshold=rc.rollout_is_threshold,
-                             rollout_is_batch_normalize=rc.rollout_is_batch_normalize, rollout_rs=rc.rollout_rs,
-                             rollout_rs_threshold=rc.rollout_rs_threshold, bypass_mode=rc.bypass_mode)
+    threshold, rejection = correction_bounds(cfg)  # verl's bound strings, parsed by the config
+    return RolloutCorrection(rollout_is=rc.rollout_is, rollout_is_threshold=threshold,
+                             rollout_is_batch_normalize=rc.rollout_is_batch_normalize, rollout_rs=rejection,
+                             bypass_mode=rc.bypass_mode)
 
 
 def dapo_settings(cfg: Config) -> dict[str, Any]:

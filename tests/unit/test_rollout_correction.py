@@ -18,6 +18,7 @@ from portagrpo.algo.rollout_correction import (
     is_weights,
     rejection_mask,
 )
+from portagrpo.config import ConfigError, correction_bounds, load_config
 
 FIXTURE = Path(__file__).resolve().parents[1] / "fixtures" / "verl_rollout_corr.pt"
 CASES = torch.load(FIXTURE, weights_only=False)["cases"]
@@ -45,9 +46,17 @@ def test_the_fixture_covers_every_option_and_the_adversarial_inputs():
     assert len(options) == 11 and {c["config"]["rollout_is"] for c in CASES} == {None, "token", "sequence"}
 
 
+def _spec(config: dict) -> RolloutCorrection:
+    """verl's keys as the fixture holds them (strings and numbers), parsed by the config as a run parses them."""
+    keys = [f"algorithm.rollout_correction.{k}={'null' if v is None else v}" for k, v in config.items()]
+    threshold, rejection = correction_bounds(load_config(None, keys))
+    return RolloutCorrection(rollout_is=config["rollout_is"], rollout_is_threshold=threshold,
+                             rollout_is_batch_normalize=config["rollout_is_batch_normalize"], rollout_rs=rejection)
+
+
 @pytest.mark.parametrize("case", CASES, ids=_id)
 def test_weights_mask_and_metrics_equal_verl(case):
-    spec = RolloutCorrection(**case["config"])
+    spec = _spec(case["config"])
     if "raises" in case:  # verl refuses these inputs: so must we
         with pytest.raises((ValueError, ZeroDivisionError, TypeError)):
             correct_rollout(case["old"], case["rollout"], case["mask"], spec)
@@ -71,8 +80,8 @@ def test_rejection_never_touches_padding_and_a_sequence_option_drops_whole_rows(
     old = -torch.rand(4, 6, generator=g, dtype=torch.float64)
     rollout = old.clone()
     rollout[1, 1] -= 4.0  # one token far off: seq_max_k2 rejects its whole row, token_k2 only that token
-    seq, _ = rejection_mask(old - rollout, mask, "seq_max_k2", "1.0")
-    tok, _ = rejection_mask(old - rollout, mask, "token_k2", "1.0")
+    seq, _ = rejection_mask(old - rollout, mask, (("seq_max_k2", None, 1.0),))
+    tok, _ = rejection_mask(old - rollout, mask, (("token_k2", None, 1.0),))
     assert seq[1].sum() == 0 and torch.equal(seq[[0, 2, 3]], mask[[0, 2, 3]])
     assert tok[1].tolist() == [1, 0, 1, 0, 0, 0] and torch.equal(tok[[0, 2, 3]], mask[[0, 2, 3]])
 
@@ -81,7 +90,7 @@ def test_icepop_zeroes_outside_the_band_and_tis_only_truncates_above():
     log_ratio = torch.log(torch.tensor([[0.2, 0.8, 1.5, 9.0]], dtype=torch.float64))
     mask = torch.ones(1, 4, dtype=torch.float64)
     tis, _ = is_weights(log_ratio, mask, "token", 2.0)
-    ice, _ = is_weights(log_ratio, mask, "token", "0.5_5.0")
+    ice, _ = is_weights(log_ratio, mask, "token", (0.5, 5.0))
     assert torch.allclose(tis, torch.tensor([[0.2, 0.8, 1.5, 2.0]], dtype=torch.float64))
     assert torch.allclose(ice, torch.tensor([[0.0, 0.8, 1.5, 0.0]], dtype=torch.float64))
 
@@ -94,3 +103,62 @@ def test_gap_metrics_are_zero_for_identical_policies_and_grow_with_the_gap():
     assert same == {"abs_logp_diff_mean": 0.0, "abs_logp_diff_max": 0.0, "eff_sample_size": pytest.approx(1.0)}
     off = gap_metrics(old, old + 0.5 * torch.randn(3, 5, generator=g, dtype=torch.float64), mask)
     assert off["abs_logp_diff_mean"] > 0.1 and off["eff_sample_size"] < 1.0
+
+
+RC = "algorithm.rollout_correction"
+
+
+@pytest.mark.parametrize("spec", ["0.5_2_3", "1_2_3", "nan", ".nan", "inf", ".inf", "1e999", "abc", "''", "2_1",
+                                  "2_2", "0_1", "-1", "0", "0.5_", "_2", "0.5__2", "[1, 2]", "1e3_nan"])
+def test_a_threshold_that_is_not_a_bound_is_one_sentence_naming_the_key(spec):
+    """verl's "L_U": two finite positive numbers, L < U; Python's float() would read 0.5_2_3 as 0.523."""
+    with pytest.raises(ConfigError) as info:
+        load_config(None, [f"{RC}.rollout_is=token", f"{RC}.rollout_is_threshold={spec}"])
+    (problem,) = info.value.problems
+    assert problem.startswith(f"{RC}.rollout_is_threshold") and ("L < U" in problem or "must be str" in problem)
+    with pytest.raises(ConfigError) as info:  # checked even while rollout_is is off: never silently malformed
+        load_config(None, [f"{RC}.rollout_is_threshold={spec}"])
+    assert len(info.value.problems) == 1
+
+
+@pytest.mark.parametrize("rs,spec,part", [("token_k1", "0.5_2_3", "'0.5_2_3'"), ("token_k2", "0.5_2", "'0.5_2'"),
+                                         ("seq_mean_k3", "nan", "'nan'"), ("token_k1", "0.5", "'0.5'"),
+                                         ("token_k1,seq_max_k2", "0.5_2.0,1_0", "'1_0'"),
+                                         ("token_k1,seq_max_k2", "2.0,", "''"), ("seq_sum_k1", "2_0.5", "'2_0.5'")])
+def test_a_rejection_bound_that_is_not_one_is_one_sentence_naming_the_key(rs, spec, part):
+    with pytest.raises(ConfigError) as info:
+        load_config(None, [f"{RC}.rollout_rs={rs}", f"{RC}.rollout_rs_threshold={spec}"])
+    (problem,) = info.value.problems
+    assert problem.startswith(f"{RC}.rollout_rs_threshold=") and f"the bound {part} for " in problem
+
+
+def test_thresholds_reach_the_math_as_the_numbers_written():
+    def bounds(*keys, config=None):
+        return correction_bounds(load_config(config, [f"{RC}.rollout_is=token", *keys]))
+
+    assert bounds() == (2.0, ())
+    assert bounds(f"{RC}.rollout_is_threshold=1.5") == (1.5, ())
+    assert bounds(f"{RC}.rollout_is_threshold=0.5_5") == ((0.5, 5.0), ())
+    assert bounds(f"{RC}.rollout_is_threshold=1e-1_1e1") == ((0.1, 10.0), ())
+    assert bounds(f"{RC}.rollout_rs=token_k1,seq_max_k2", f"{RC}.rollout_rs_threshold=4,0.5") == (
+        2.0, (("token_k1", 0.25, 4.0), ("seq_max_k2", None, 0.5)))
+    assert correction_bounds(load_config(None, []))[0] is None  # rollout_is off: no weights
+
+
+def test_a_yaml_file_threshold_keeps_the_text_as_written(tmp_path):
+    """YAML 1.1 reads 0.5_2 as the float 0.52 and 0.5_2_3 as 0.523; the threshold takes the text as written."""
+    f = tmp_path / "c.yaml"
+    f.write_text("algorithm:\n  rollout_correction:\n    rollout_is: token\n    rollout_is_threshold: 0.5_2\n")
+    assert correction_bounds(load_config(f, []))[0] == (0.5, 2.0)
+    f.write_text(f.read_text().replace("0.5_2", "0.5_2_3"))
+    with pytest.raises(ConfigError, match=r"rollout_is_threshold='0.5_2_3' must be a positive number"):
+        load_config(f, [])
+    f.write_text("actor:\n  lr: 1_0.0e-4\n  ppo_epochs: 1_0\n")  # number fields: YAML's number, as before
+    cfg = load_config(f, [])
+    assert cfg.actor.lr == pytest.approx(1e-3) and cfg.actor.ppo_epochs == 10
+
+
+def test_the_math_takes_numbers_not_strings():
+    log_ratio, mask = torch.zeros(1, 2, dtype=torch.float64), torch.ones(1, 2, dtype=torch.float64)
+    with pytest.raises(TypeError, match="pass a number or a"):
+        is_weights(log_ratio, mask, "token", "0.5_5.0")
