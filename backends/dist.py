@@ -95,7 +95,10 @@ class Collectives:
     def barrier(self) -> None:
         return None
 
-    def close(self) -> None:
+    def close(self, abandon: bool = False) -> None:
+        """Leave the group. `abandon`: this rank is failing, so it neither waits for its peers (they may be
+        blocked in a collective it will never join) nor lets them wait for it: the group is aborted, the
+        peers' next or pending collective fails at once, and the launcher stops the rest."""
         return None
 
 
@@ -165,13 +168,33 @@ class ProcessGroupCollectives(Collectives):
     def barrier(self) -> None:
         self._run("barrier", dist.barrier)
 
-    def close(self) -> None:
-        if dist.is_initialized():
-            try:
-                dist.barrier()  # no rank tears its connections down while a peer still talks to it
-            except (RuntimeError, dist.DistError):
-                pass
+    def close(self, abandon: bool = False) -> None:
+        if not dist.is_initialized():
+            return
+        if abandon:
+            abort_group()
+            return
+        try:
+            dist.barrier()  # no rank tears its connections down while a peer still talks to it
+        except (RuntimeError, dist.DistError):
+            pass
+        dist.destroy_process_group()
+
+
+def abort_group() -> None:
+    """Tear this process's group down without a word to the peers (a failing rank): their collectives
+    with it fail instead of waiting out trainer.dist_timeout_s. torch's abort (2.6+) does not wait for
+    in-flight work, which a plain destroy can (NCCL, HCCL)."""
+    from torch.distributed import distributed_c10d as c10d
+
+    abort = getattr(c10d, "_abort_process_group", None)
+    try:
+        abort() if abort is not None else dist.destroy_process_group()
+    except (RuntimeError, dist.DistError, ValueError, AttributeError, NotImplementedError):
+        try:
             dist.destroy_process_group()
+        except (RuntimeError, dist.DistError, ValueError):
+            pass
 
 
 # Set by portagrpo's launchers (the local one, Ray's) for every rank: the group forms over a store whose

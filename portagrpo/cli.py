@@ -8,6 +8,7 @@ import os
 import signal
 import sys
 import time
+import traceback
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
@@ -16,7 +17,18 @@ from portagrpo.errors import UserError
 
 
 def _fail(err: BaseException) -> int:
-    for line in str(err).splitlines():
+    """One sentence for the user. A rank of a multi-rank run names itself, and under portagrpo's own launcher
+    leaves the sentence to the launcher, which prints the first failing rank's cause once for the run."""
+    from portagrpo.backends.dist import PeerFailure
+    from portagrpo.procs import rank_prefix, report_rank_failure
+
+    text, prefix = str(err), rank_prefix()
+    if prefix:
+        text = text.removeprefix(prefix)
+        if report_rank_failure(" ".join(text.split()), peer=isinstance(err, PeerFailure)):
+            return 2
+        text = prefix + text
+    for line in text.splitlines():
         print(f"portagrpo: error: {line}", file=sys.stderr)
     return 2
 
@@ -149,20 +161,26 @@ def cmd_train(args) -> int:
     trainer = Trainer(cfg, run_dir=run_dir, resume=resume, log=print if main_rank else (lambda message: None))
     start = time.time()
     try:  # close (lock, reward workers, process group) however setup or training ends
-        trainer.setup()
-        if main_rank:
-            print(f"run directory: {trainer.run_dir} (device {trainer.runtime.backend.name}, "
-                  f"{trainer.runtime.comm.world_size} "
-                  f"process(es), {trainer.models.strategy.name} parallel, {trainer.total_steps} steps)")
-        if main_rank and trainer.step_done >= trainer.total_steps:
-            print(f"nothing to do: the run is at step {trainer.step_done} of {trainer.total_steps}; raise "
-                  f"trainer.total_steps (or total_epochs) to train further.")
-        history = trainer.fit()
-    finally:
-        trainer.close()
+        history = _setup_and_fit(trainer, main_rank)
+    except BaseException:
+        trainer.close(failed=True)  # a failing rank leaves the group at once: no peer waits for it
+        raise
+    trainer.close()
     if main_rank:
         _summary(history, trainer.run_dir, time.time() - start)
     return 0
+
+
+def _setup_and_fit(trainer, main_rank: bool) -> list[dict]:
+    trainer.setup()
+    if main_rank:
+        print(f"run directory: {trainer.run_dir} (device {trainer.runtime.backend.name}, "
+              f"{trainer.runtime.comm.world_size} "
+              f"process(es), {trainer.models.strategy.name} parallel, {trainer.total_steps} steps)")
+    if main_rank and trainer.step_done >= trainer.total_steps:
+        print(f"nothing to do: the run is at step {trainer.step_done} of {trainer.total_steps}; raise "
+              f"trainer.total_steps (or total_epochs) to train further.")
+    return trainer.fit()
 
 
 def _summary(history: list[dict], run_dir, seconds: float | None = None) -> None:
@@ -282,6 +300,17 @@ def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     try:
         return _dispatch(parser, argv)
+    except Exception as err:  # a bug, not the user's error: its traceback, and on a rank the rank's sentence
+        from portagrpo.procs import rank_prefix, report_rank_failure
+
+        if not rank_prefix():
+            raise
+        traceback.print_exc()
+        first = str(err).strip().splitlines()[0] if str(err).strip() else ""
+        sentence = f"{type(err).__name__}: {first} (its traceback is printed above)"
+        if not report_rank_failure(sentence, peer=False):
+            print(f"portagrpo: error: {rank_prefix()}{sentence}", file=sys.stderr)
+        return 1
     except (KeyboardInterrupt, Stopped) as err:
         what = "Ctrl-C" if isinstance(err, KeyboardInterrupt) else "SIGTERM"
         if _speaks_for_the_run():

@@ -14,14 +14,16 @@ from __future__ import annotations
 
 import argparse
 import os
+import shutil
 import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 
 from portagrpo.backends.dist import RENDEZVOUS_ENV, STORE_FD_ENV
-from portagrpo.procs import LAUNCHER_ENV
+from portagrpo.procs import LAUNCHER_ENV, RANK_REPORTS_ENV, RankFailure, read_rank_failures
 
 STOP_GRACE_S = 30.0
 
@@ -35,9 +37,18 @@ _SIGNAL_CAUSES = {
 }
 
 
-def describe_rank_failures(codes: dict[int, int], nproc: int) -> str:
-    """One sentence for the ranks that ended badly ({rank: exit status, negative for a signal}). Ranks
-    the launcher itself stopped (SIGTERM) after another failed are named last, as stopped."""
+def describe_rank_failures(codes: dict[int, int], nproc: int, reports: list[RankFailure] = ()) -> str:
+    """One sentence for the ranks that ended badly ({rank: exit status, negative for a signal}). A rank that
+    left a report (`procs.report_rank_failure`) is named with its cause: the first rank that failed on its
+    own, before those that failed only because it was gone. Ranks the launcher itself stopped (SIGTERM)
+    after another failed are named last, as stopped."""
+    if reports:
+        first = reports[0]
+        others = sorted(r for r in codes if r != first.rank)
+        rest = (f" The other rank{'s' if len(others) > 1 else ''} ({', '.join(map(str, others))}) "
+                f"{'were' if len(others) > 1 else 'was'} stopped with it;" if others else "")
+        return (f"rank {first.rank} of {nproc} failed: {first.message.rstrip('.')}.{rest} every checkpoint written "
+                f"so far is whole: continue with --resume.")
     # SIGTERM kills a rank (-15) or, once portagrpo's handler is installed, ends it with 128 + 15
     stopped = sorted(r for r, c in codes.items() if c in (-signal.SIGTERM, 128 + signal.SIGTERM))
     # ranks ended by a signal first: the likeliest cause (a peer then fails its collective and exits)
@@ -72,8 +83,17 @@ def launch_local(nproc: int, command: list[str], grace_s: float = STOP_GRACE_S) 
     listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
     listener.bind(("127.0.0.1", 0))
     listener.listen(max(128, 4 * nproc))
+    reports = tempfile.mkdtemp(prefix="portagrpo-ranks-")
+    try:
+        return _launch(nproc, command, grace_s, listener, reports)
+    finally:
+        shutil.rmtree(reports, ignore_errors=True)
+
+
+def _launch(nproc: int, command: list[str], grace_s: float, listener: socket.socket, reports: str) -> int:
     base = {**os.environ, LAUNCHER_ENV: str(os.getpid()), RENDEZVOUS_ENV: "1", "MASTER_ADDR": "127.0.0.1",
-            "MASTER_PORT": str(listener.getsockname()[1]), "WORLD_SIZE": str(nproc), "LOCAL_WORLD_SIZE": str(nproc)}
+            "MASTER_PORT": str(listener.getsockname()[1]), "WORLD_SIZE": str(nproc), "LOCAL_WORLD_SIZE": str(nproc),
+            RANK_REPORTS_ENV: reports}
     # as torchrun: ranks sharing the cores must not each start a thread per core
     base.setdefault("OMP_NUM_THREADS", "1")
     procs: list[subprocess.Popen] = []
@@ -100,7 +120,8 @@ def launch_local(nproc: int, command: list[str], grace_s: float = STOP_GRACE_S) 
     failed = {rank: code for rank, code in codes.items() if code != 0}
     if not failed:
         return 0
-    print(f"portagrpo: error: {describe_rank_failures(failed, nproc)}", file=sys.stderr)
+    print(f"portagrpo: error: {describe_rank_failures(failed, nproc, read_rank_failures(reports))}",
+          file=sys.stderr)
     return 1
 
 

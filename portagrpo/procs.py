@@ -2,11 +2,13 @@
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import signal
 import sys
 import threading
 import time
+from dataclasses import asdict, dataclass
 
 LAUNCHER_ENV = "PORTAGRPO_LAUNCHER_PID"  # set by the local multi-rank launcher for its ranks
 
@@ -89,3 +91,67 @@ def stop_on_sigterm():
         raise Stopped()
 
     return signal.signal(signal.SIGTERM, handler)
+
+
+# Set by the local launcher for its ranks: a folder where a failing rank leaves one line on why it failed, so
+# the launcher ends the run with one sentence naming the rank and the cause instead of one message per rank.
+RANK_REPORTS_ENV = "PORTAGRPO_RANK_REPORTS"
+
+
+@dataclass(frozen=True)
+class RankFailure:
+    """Why one rank of a multi-rank run failed. `peer`: it failed only because another rank was gone."""
+
+    rank: int
+    world_size: int
+    message: str
+    peer: bool
+    time: float
+
+
+def rank_prefix() -> str:
+    """'rank R of W: ' for a rank of a multi-rank run, else ''."""
+    world = os.environ.get("WORLD_SIZE", "1")
+    return f"rank {os.environ.get('RANK', '?')} of {world}: " if world not in ("", "1") else ""
+
+
+def report_rank_failure(message: str, peer: bool) -> bool:
+    """Leave this rank's failure for whoever launched it: the local launcher's report folder, and torchrun's
+    error file (TORCHELASTIC_ERROR_FILE, shown as the root cause in its summary). True if the local launcher
+    will print it (so the rank need not)."""
+    rank, world = int(os.environ.get("RANK", "0") or 0), int(os.environ.get("WORLD_SIZE", "1") or 1)
+    failure = RankFailure(rank, world, message.strip(), peer, time.time())
+    told = False
+    folder = os.environ.get(RANK_REPORTS_ENV)
+    if folder:
+        told = _write_json(os.path.join(folder, f"rank{rank}.json"), asdict(failure))
+    error_file = os.environ.get("TORCHELASTIC_ERROR_FILE")
+    if error_file:  # torchrun names the failure with the smallest whole-second timestamp as the root cause:
+        # a rank that failed only because a peer was gone failed after it, so it never wins a tie
+        sentence = f"{rank_prefix()}{failure.message}"
+        _write_json(error_file, {"message": {"message": sentence, "extraInfo": {
+            "py_callstack": sentence, "timestamp": str(int(failure.time) + int(peer))}}})
+    return told
+
+
+def read_rank_failures(folder: str) -> list[RankFailure]:
+    """The reports left in `folder`, first failure first."""
+    out = []
+    for name in sorted(os.listdir(folder)) if os.path.isdir(folder) else []:
+        try:
+            with open(os.path.join(folder, name), encoding="utf-8") as fh:
+                out.append(RankFailure(**json.load(fh)))
+        except (OSError, ValueError, TypeError):
+            continue  # a rank killed while writing: the launcher falls back to its exit status
+    return sorted(out, key=lambda f: (f.peer, f.time, f.rank))
+
+
+def _write_json(path: str, data: dict) -> bool:
+    tmp = f"{path}.{os.getpid()}.tmp"
+    try:
+        with open(tmp, "w", encoding="utf-8") as fh:
+            json.dump(data, fh)
+        os.replace(tmp, path)
+        return True
+    except OSError:
+        return False

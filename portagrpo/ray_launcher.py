@@ -11,6 +11,7 @@ rank and node, and the run resumes from its last checkpoint with `--resume`.
 """
 from __future__ import annotations
 
+import contextlib
 import os
 import socket
 from dataclasses import replace
@@ -70,18 +71,43 @@ class TrainWorker:
                 "strategy": self.trainer.models.strategy.name, "backend": self.trainer.runtime.backend.name}
 
     def step(self, validate: bool) -> dict[str, Any]:
-        return self.trainer.advance(validate)
+        with self._leaving_on_failure():
+            return self.trainer.advance(validate)
 
     def validate(self) -> dict[str, float]:
-        return self.trainer.validate()
+        with self._leaving_on_failure():
+            return self.trainer.validate()
 
     def save(self) -> str | None:
-        path = self.trainer.save()
+        with self._leaving_on_failure():
+            path = self.trainer.save()
         return None if path is None else str(path)
+
+    @contextlib.contextmanager
+    def _leaving_on_failure(self):
+        """A failing worker leaves the process group at once, so its peers' collectives fail instead of
+        waiting out trainer.dist_timeout_s (the driver then stops them all)."""
+        try:
+            yield
+        except BaseException:
+            self.trainer.runtime.comm.close(abandon=True)
+            raise
 
     def close(self) -> None:
         if self.trainer is not None:
             self.trainer.close()
+
+
+def _cause(err: Exception) -> str:
+    """The worker's own error in one line: a user error's sentence, else its type and first line."""
+    cause = getattr(err, "cause", None)
+    if isinstance(cause, UserError):
+        return " ".join(str(cause).split()).rstrip(".")
+    if isinstance(cause, BaseException):
+        first = str(cause).strip().splitlines()[0] if str(cause).strip() else ""
+        return f"{type(cause).__name__}: {first}"
+    text = str(err).strip()
+    return text.splitlines()[0] if text else type(err).__name__
 
 
 def _bundle(resource: str) -> dict[str, float]:
@@ -168,16 +194,34 @@ class RayRun:
         import ray
 
         refs = [getattr(w, method).remote(*(per_rank(i) if per_rank else args)) for i, w in enumerate(self.workers)]
-        results = []
-        for i, ref in enumerate(refs):
+        rank_of = {ref: i for i, ref in enumerate(refs)}
+        results: dict[int, Any] = {}
+        pending = list(refs)
+        while pending:  # as each finishes: the first worker to fail ends the call, whichever rank it is
+            done, pending = ray.wait(pending, num_returns=1)
+            i = rank_of[done[0]]
             try:
-                results.append(ray.get(ref))
+                results[i] = ray.get(done[0])
             except (ray.exceptions.RayActorError, ray.exceptions.RayTaskError) as err:
-                node = self.nodes[i] if i < len(self.nodes) else {"ip": "?", "host": "?"}
-                first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
-                raise UserError(f"Ray worker rank {i} on node {node['host']} ({node['ip']}) failed during {method}: "
-                                f"{first}; resume from the last checkpoint with --resume {self.run_dir}.") from err
-        return results
+                self._stop_workers()  # the others may wait in a collective for the failed one
+                raise UserError(f"Ray worker rank {i} on node {self._node_name(i)} failed during {method}: "
+                                f"{_cause(err)}; resume from the last checkpoint with --resume {self.run_dir}."
+                                ) from err
+        return [results[i] for i in range(len(refs))]
+
+    def _node_name(self, i: int) -> str:
+        node = self.nodes[i] if i < len(self.nodes) else {"ip": "?", "host": "?"}
+        return f"{node['host']} ({node['ip']})"
+
+    def _stop_workers(self) -> None:
+        import ray
+
+        for worker in self.workers:
+            try:
+                ray.kill(worker, no_restart=True)
+            except Exception:  # noqa: BLE001 - a worker already gone is what we want
+                pass
+        self.workers = []
 
     # The driver loop's view of the run (`portagrpo.train.driver.Steps`): every worker takes part, rank 0 answers.
     def advance(self, validate: bool) -> dict[str, Any]:

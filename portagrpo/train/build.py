@@ -118,7 +118,7 @@ def make_runtime(cfg: Config) -> Runtime:
         backend.seed(cfg.trainer.seed)
         return Runtime(backend, comm, backend.device(comm.env.local_rank), dtype)
     except BaseException:
-        comm.close()
+        comm.close(abandon=True)  # a rank refused alone must not wait at a barrier for peers that went on
         raise
 
 

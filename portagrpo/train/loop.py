@@ -214,7 +214,9 @@ class Trainer:
             record_of(exp.batch.rollout, exp.raw_scores, exp.correct, out.metrics, fingerprint,
                       setting).save(self.run_dir / "rollouts")
 
-    def close(self) -> None:
+    def close(self, failed: bool = False) -> None:
+        """`failed`: this rank is ending on an error, so it leaves the process group without waiting for
+        its peers (backends/dist.py: `Collectives.close(abandon=True)`); they fail fast instead of hanging."""
         if self.parts is not None:
             self.parts.close()
         if self.logger is not None:
@@ -222,6 +224,6 @@ class Trainer:
                 self.logger.plot()
             self.logger.close()
         if self.runtime is not None:
-            self.runtime.comm.close()
+            self.runtime.comm.close(abandon=failed)
         if self.run is not None:
             self.run.unlock()

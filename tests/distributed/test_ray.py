@@ -169,3 +169,28 @@ def test_ray_workers_each_drive_their_own_sampler_process(tmp_path):
     assert [m["world_size"] for m in got] == [2, 2, 2]
     assert [m["rollout_staleness"] for m in got] == [0, 1, 1]
     assert all("rollout_corr/kl" in m for m in got)
+
+
+def test_an_error_on_one_worker_stops_every_worker_with_its_cause(tmp_path):
+    """Rank 1's reward raises at step 2 while rank 0 waits in a collective for it: the run ends at once, not
+    after trainer.dist_timeout_s (400 s here, which the old driver waited out on rank 0), with one sentence
+    naming rank 1 and the cause; step 1's checkpoint is whole."""
+    from portagrpo.checkpoint import list_checkpoints, verify_checkpoint
+
+    marker = tmp_path / "ray" / "checkpoints" / "step_00000001" / "manifest.json"
+    reward = tmp_path / "reward.py"
+    reward.write_text("import os\ndef score(data_source, solution_str, ground_truth, extra_info=None):\n"
+                      f"    if os.environ.get('RANK') == '1' and os.path.exists({str(marker)!r}):\n"
+                      "        raise ValueError('injected failure in the reward phase')\n"
+                      "    return 0.5\n")
+    cfg = load_config(None, [*COMMON, "trainer.total_steps=4", "trainer.save_freq=1", "trainer.devices_per_node=2",
+                             "trainer.dist_timeout_s=400", "reward.num_workers=0", f"reward.function={reward}:score"])
+    start = time.monotonic()
+    with pytest.raises(UserError, match=r"Ray worker rank 1 on node .* failed during step: the reward function "
+                                        r"failed .*injected failure in the reward phase.*--resume") as err:
+        train_with_ray(cfg, tmp_path / "ray", log=lambda m: None)
+    assert time.monotonic() - start < 300, "ended by the collective timeout, not by the failure"
+    assert "\n" not in str(err.value)
+    saved = list_checkpoints(tmp_path / "ray")
+    assert saved and all(verify_checkpoint(c) == [] for c in saved)
+    assert not ray.is_initialized()
