@@ -41,14 +41,28 @@ def _round(maker: ExperienceMaker, step: int, round_: int, prompts: list[PromptR
     return maker.gather(rb, maker.local_scored(step, rb, maker.score(rb)))
 
 
+NOTICE_EVERY = 10  # sampling rounds between two notices while a step's batch is still not full
+
+
+def round_notice(step: int, rounds: int, kept: int, dropped: int, groups: int, metric: str, limit: int) -> str:
+    """The line that says a step is still sampling (a reward without spread can keep it going for ever)."""
+    key = f"algorithm.filter_groups.max_num_gen_batches={limit}"
+    bound = (f"{key} sets no limit, so this goes on until {groups} groups differ (set it to stop after that many "
+             f"rounds)" if not limit else f"{key} stops the step after {limit} rounds")
+    return (f"step {step}: still sampling after gen_rounds={rounds}: {kept} of {groups} prompt groups kept, "
+            f"{dropped} dropped (the same {metric} for every response); {bound}.")
+
+
 def make_filtered(maker: ExperienceMaker, step: int, prompts: list[PromptRecord],
                   more: Callable[[], list[PromptRecord]]) -> Experience:
     s, comm = maker.settings, maker.runtime.comm
     target = len(prompts) * s.n  # responses
     kept_rb: list[RolloutBatch] = []
     kept: list[Scored] = []
-    have, round_, errors = 0, 0, 0.0
+    have, round_, errors, dropped = 0, 0, 0.0, 0
     while have < target:
+        if round_ and round_ % NOTICE_EVERY == 0 and comm.rank == 0 and round_ != s.max_rounds:
+            maker.log(round_notice(step, round_, have // s.n, dropped, len(prompts), s.filter_metric, s.max_rounds))
         if s.max_rounds and round_ >= s.max_rounds:
             raise UserError(f"step {step}: after {round_} sampling rounds (algorithm.filter_groups."
                             f"max_num_gen_batches={s.max_rounds}) only {have // s.n} of {len(prompts)} prompt groups "
@@ -58,6 +72,7 @@ def make_filtered(maker: ExperienceMaker, step: int, prompts: list[PromptRecord]
         values = g.correct if s.filter_metric == "acc" else g.scores
         rows = torch.nonzero(groups_with_spread(values, full_rb.uid)).flatten().cpu()  # the same on every rank
         errors += float(g.errors.sum())
+        dropped += (full_rb.size - rows.numel()) // s.n
         if rows.numel():
             kept_rb.append(full_rb.select(rows))
             kept.append(Scored(g.scores[rows.to(g.scores.device)], g.correct[rows.to(g.scores.device)],

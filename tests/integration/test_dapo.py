@@ -55,6 +55,31 @@ def test_dynamic_sampling_stops_with_a_sentence_after_its_limit(tmp_path, capsys
     assert "after 2 sampling rounds (algorithm.filter_groups.max_num_gen_batches=2) only 0 of 4 prompt groups" in err
 
 
+def test_unlimited_dynamic_sampling_says_it_is_still_sampling(tmp_path, capsys):
+    """max_num_gen_batches=0 (no limit) with a reward without spread samples on, as verl does, but never in
+    silence: every NOTICE_EVERY rounds a line with the rounds so far, the groups kept and dropped and the key
+    that bounds it. The reward here is constant for the first 25 rounds (16 responses each), then spreads,
+    so the run ends by itself."""
+    from portagrpo.train.dapo import NOTICE_EVERY
+
+    reward = tmp_path / "flat_then_spread.py"
+    reward.write_text("calls = 0\n\ndef score(data_source, solution_str, ground_truth, extra_info=None):\n"
+                      "    global calls\n    calls += 1\n"
+                      "    return 1.0 if calls <= 25 * 16 else float(calls % 2)\n")
+    run = tmp_path / "run"
+    assert main(["train", "--config", DAPO, "--output-dir", str(run), *FAST, "trainer.total_steps=1",
+                 f"reward.function={reward}:score", "algorithm.filter_groups.max_num_gen_batches=0",
+                 "reward.overlong_buffer.enable=false"]) == 0
+    out = capsys.readouterr().out
+    notices = [line for line in out.splitlines() if "still sampling" in line]
+    assert NOTICE_EVERY == 10 and len(notices) == 2
+    assert "step 1: still sampling after gen_rounds=10: 0 of 4 prompt groups kept, 40 dropped (the same score " \
+           "for every response); algorithm.filter_groups.max_num_gen_batches=0 sets no limit" in notices[0]
+    assert "gen_rounds=20: 0 of 4 prompt groups kept, 80 dropped" in notices[1]
+    (row,) = read_metrics(run / "metrics.jsonl")
+    assert row["gen_rounds"] > 25 and row["zero_std_group_frac"] == 0.0
+
+
 def test_dynamic_sampling_on_two_ranks(tmp_path):
     run = tmp_path / "run"
     assert main(["train", "--device", "cpu", "--config", DAPO, "--output-dir", str(run), *FAST,
