@@ -157,6 +157,9 @@ class RolloutEngine(Protocol):
     # True when the engine keeps its own copy of the weights (vLLM): the trainer pushes them after each
     # update; False when it samples with the training model itself (a sharded one is gathered for it).
     holds_weights: ClassVar[bool]
+    # True while an engine that holds its own weights was built without real ones (vLLM's FP8 path starts from
+    # dummy weights): the trainer pushes the policy before the first rollout.
+    needs_weights: bool
 
     @classmethod
     def from_run(cls, inputs: EngineInputs) -> "RolloutEngine":
@@ -167,6 +170,9 @@ class RolloutEngine(Protocol):
     ) -> Sampled:
         """prompt_ids, prompt_mask: [B, P] -> responses, response mask and sampler log-probs, [B, T] with
         T = max_tokens."""
+
+    def update_weights(self, named_tensors) -> None:
+        """The policy's (name, tensor) pairs after an update; called only on an engine that `holds_weights`."""
 
 
 ROLLOUT_ENGINES: Registry[type] = Registry("rollout engine")
@@ -188,6 +194,7 @@ class HFRollout:
     """transformers `generate` with sampling; runs wherever the model runs."""
 
     holds_weights = False
+    needs_weights = False
 
     @classmethod
     def from_run(cls, inputs: EngineInputs) -> "HFRollout":
@@ -309,6 +316,7 @@ class FixedRollout:
     """
 
     holds_weights = False
+    needs_weights = False
 
     @classmethod
     def from_run(cls, inputs: EngineInputs) -> "FixedRollout":

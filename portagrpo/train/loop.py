@@ -1,7 +1,7 @@
 """The GRPO training loop, top-down: setup, fit, step. One step's route:
 
-    prompts = loader.next_batch()                          data/records.py
-    exp     = experience.make(step, prompts)               experience.py  (rollout, reward, log-probs, advantages)
+    scored  = source.next(step)                            sources/       (prompts, rollout, reward, log-probs)
+    exp     = experience.prepare(scored)                   experience.py  (rollout correction, advantages)
     stats   = updater.update(exp.batch, step)              update.py      (mini/micro-batches, optimizer, schedule)
     push_weights(engine, models)                           build.py       (engines with their own weights)
     metrics = step_metrics(step, exp, stats, times, rt)    report.py
@@ -25,13 +25,13 @@ from portagrpo.config import Config, to_dict, to_yaml
 from portagrpo.fileio import write_text_atomic
 from portagrpo.metrics import MetricsLogger, make_trackers
 from portagrpo.train.build import Models, Parts, Runtime, build, make_runtime, push_weights
-from portagrpo.train.dapo import make_filtered
 from portagrpo.train.driver import Cadence, drive
 from portagrpo.train.experience import Experience, ExperienceMaker, ExperienceSettings
-from portagrpo.train.overlap import OneStepOff
 from portagrpo.train.record import StepRecord, param_fingerprint, record_of
 from portagrpo.train.report import StepTimes, step_metrics
 from portagrpo.train.run_dir import RunDir
+from portagrpo.train.sampling import Sampling
+from portagrpo.train.sources import BatchSource, SourceInputs, make_source
 from portagrpo.train.state import Checkpointer
 from portagrpo.train.update import Updater, UpdateSettings
 
@@ -67,8 +67,9 @@ class Trainer:
         self.parts: Parts | None = None
         self.logger: MetricsLogger | None = None
         self.run: RunDir | None = None
-        self.ahead: OneStepOff | None = None
-        self.pending_prompts: list | None = None  # the first prompts of a resumed run, when already drawn
+        self.sampling: Sampling | None = None
+        self.experience: ExperienceMaker | None = None
+        self.source: BatchSource | None = None
 
     def setup(self) -> "Trainer":
         self.runtime = make_runtime(self.cfg)
@@ -106,26 +107,23 @@ class Trainer:
     def _setup_parts(self) -> None:
         cfg, rt = self.cfg, self.runtime
         self.parts = p = build(cfg, rt, self.run_dir, self.log)
-        world = rt.comm.world_size
-        self.experience = ExperienceMaker(ExperienceSettings.from_config(cfg, world), rt, p.data, p.models, p.engine,
-                                          p.shaping, self.log)
-        self.updater = Updater(UpdateSettings.from_config(cfg, world), rt, p.models, p.optim, p.objective, self.log)
+        settings = ExperienceSettings.from_config(cfg, rt.comm.world_size)
+        self.sampling = Sampling(settings, rt, p.data, p.models, p.engine, self.log)
+        self.experience = ExperienceMaker(settings, p.shaping)
+        self.source = make_source(SourceInputs(settings, self.sampling, p.data.loader, p.sampler, p.total_steps,
+                                               self.log))
+        self.updater = Updater(UpdateSettings.from_config(cfg, rt.comm.world_size), rt, p.models, p.optim,
+                               p.objective, self.log)
         self.checkpoints = Checkpointer(self.run_dir, rt, p.models, p.optim, p.data.loader, p.data.tokenizer,
                                         keep=cfg.trainer.max_ckpt_to_keep, lora_rank=cfg.model.lora.rank, log=self.log)
-        self.ahead = OneStepOff(self.experience, p.sampler, p.total_steps) if p.sampler is not None else None
-        self.checkpoints.ahead = self.ahead
+        self.checkpoints.source = self.source
         if self.resume_from is not None:
             self.step_done = self.checkpoints.resume(self.resume_from)
             push_weights(p.engine, p.models)  # the engine loaded the initial weights
-            if self.ahead is not None:
-                push_weights(p.sampler, p.models)
-                self.ahead.restore(self.checkpoints.inflight, self.step_done, self.log)
-        elif getattr(p.engine, "needs_weights", False):  # an engine built without weights (vLLM FP8: dummy)
+            self.source.push(p.models)
+            self.source.restore(self.checkpoints.inflight, self.step_done)
+        elif p.engine.needs_weights:  # an engine built without weights (vLLM FP8: dummy)
             push_weights(p.engine, p.models)
-        if self.ahead is None and self.checkpoints.inflight is not None:
-            # an overlapped run's checkpoint, resumed in sync mode: its loader already handed out the batch
-            # that was in flight, so the next step trains on those prompts (sampled again, now in sync)
-            self.pending_prompts = self.checkpoints.inflight["ranks"][0]["prompts"]
         if rt.comm.is_main and self.own_outputs:
             t = cfg.trainer
             trackers = make_trackers(t.logger, self.run_dir, project=t.project_name, experiment=t.experiment_name,
@@ -164,16 +162,7 @@ class Trainer:
         start = time.perf_counter()
         self.runtime.backend.reset_peak_memory()
         step = self.step_done + 1
-        loader = self.parts.data.loader
-        first = self.pending_prompts or None
-        self.pending_prompts = None
-        if self.ahead is not None:  # rollout.mode=one_step_off: sampled while the last step updated
-            exp = self.ahead.make(step, loader.next_batch)
-        elif self.experience.settings.filter_metric is None:
-            exp = self.experience.make(step, first or loader.next_batch())
-        else:  # DAPO: more prompts until the batch holds groups with a spread only
-            exp = make_filtered(self.experience, step, first or loader.next_batch(), more=loader.next_batch)
-        out = self._update(step, exp, start)
+        out = self._update(step, self.experience.prepare(self.source.next(step)), start)
         if self.cfg.trainer.record_rollouts:
             self.record(out)
         return out
@@ -181,22 +170,21 @@ class Trainer:
     def replay(self, record: StepRecord) -> StepOutput:
         """Update on a recorded step's rollout instead of sampling one (`portagrpo replay`)."""
         start = time.perf_counter()
-        return self._update(self.step_done + 1, self.experience.from_record(record), start)
+        return self._update(self.step_done + 1, self.experience.prepare(self.sampling.from_record(record)), start)
 
     def _update(self, step: int, exp: Experience, start: float) -> StepOutput:
         t_update = time.perf_counter()
         stats = self.updater.update(exp.batch, step)
         with self.runtime.backend.region("push weights"):
             push_weights(self.parts.engine, self.parts.models)
-            if self.ahead is not None:
-                self.ahead.push(self.parts.models)
+            self.source.push(self.parts.models)
         self.runtime.backend.synchronize()
         times = StepTimes(start, exp.t_gen, exp.t_scored, t_update, time.perf_counter())
         self.step_done = step
         return StepOutput(step_metrics(step, exp, stats, times, self.runtime).as_dict(), exp)
 
     def validate(self) -> dict[str, float]:
-        return self.experience.validate(self.step_done, self.parts.data.val_records)
+        return self.sampling.validate(self.step_done, self.parts.data.val_records)
 
     def save(self) -> Path | None:
         return self.checkpoints.save(self.step_done)

@@ -19,6 +19,7 @@ from portagrpo.checkpoint import (
 from portagrpo.data.records import PromptLoader
 from portagrpo.fileio import WriteError
 from portagrpo.train.build import Models, Optimization, Runtime
+from portagrpo.train.sources import BatchSource, SourceState
 
 
 class Checkpointer:
@@ -29,15 +30,16 @@ class Checkpointer:
                  tokenizer: Any, *, keep: int, lora_rank: int, log: Callable[[str], None]) -> None:
         self.run_dir, self.runtime, self.models, self.optim = Path(run_dir), runtime, models, optim
         self.loader, self.tokenizer, self.keep, self.lora_rank, self.log = loader, tokenizer, keep, lora_rank, log
-        self.ahead = None  # rollout.mode=one_step_off: train/overlap.py's OneStepOff, whose in-flight batch is saved
-        self.inflight: dict[str, Any] | None = None  # what the last resume found in flight
+        self.source: BatchSource | None = None  # the run's batch source, whose state (a batch in flight) is saved
+        self.inflight: SourceState | None = None  # what the last resume found in flight
 
     def save(self, step: int) -> Path | None:
         """The checkpoint of `step` (a collective: every rank calls it); its path on rank 0."""
         m, comm = self.models, self.runtime.comm
         model_state = m.strategy.model_state(m.scorer)
         optimizer_state = m.strategy.optimizer_state(m.scorer, self.optim.optimizer)
-        inflight = self.ahead.state() if self.ahead is not None else None  # a collective
+        state = self.source.state() if self.source is not None else None  # a collective
+        inflight = None if state is None else state.to_saved()
         path = None
         if comm.is_main:
             path = self._write(step, model_state, optimizer_state, inflight)
@@ -86,7 +88,7 @@ class Checkpointer:
         self.optim.scheduler.load_state_dict(parts["scheduler"])
         self.loader.load_state_dict(parts["state"]["loader"])
         set_rng_state(self.runtime.backend, parts["rng"])
-        self.inflight = parts["inflight"]
+        self.inflight = SourceState.from_saved(parts["inflight"])
         step = int(parts["state"]["step"])
         self.log(f"resumed from {ckpt} at step {step}")
         return step

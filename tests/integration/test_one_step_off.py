@@ -49,7 +49,7 @@ def test_each_batch_is_sampled_with_the_weights_before_the_previous_update(tmp_p
         rb3 = outs[2].experience.batch.rollout
         by_index = {r.index: r for r in sync.parts.data.loader.records}
         records = [by_index[i] for i in rb3.prompt_index[::4].tolist()]
-        exp = sync.experience
+        exp = sync.sampling
         group = group_prompts(exp.tokenizer, records, 4, exp.engine.pad_id, "cpu",
                               prompt_width=rb3.prompt_ids.shape[1])
         sync.runtime.backend.seed(seed_for(sync.cfg.trainer.seed, 3, 1))

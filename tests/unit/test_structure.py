@@ -100,10 +100,48 @@ def test_no_class_over_300_lines_and_no_function_over_60():
 def test_experience_maker_and_updater_read_no_config():
     """Every input of `ExperienceMaker.make` and `Updater.update` comes through their constructors'
     and their own signatures: outside the settings' `from_config`, neither module touches a Config."""
-    for rel in ("portagrpo/train/experience.py", "portagrpo/train/update.py"):
+    for rel in ("portagrpo/train/experience.py", "portagrpo/train/update.py", "portagrpo/train/sampling.py",
+                *(f"portagrpo/train/sources/{p.name}" for p in (ROOT / "portagrpo/train/sources").glob("*.py"))):
         tree = ast.parse((ROOT / rel).read_text())
         for cls in [n for n in tree.body if isinstance(n, ast.ClassDef)]:
             for fn in [n for n in cls.body if isinstance(n, ast.FunctionDef) and n.name != "from_config"]:
                 names = {n.id for n in ast.walk(fn) if isinstance(n, ast.Name)}
                 attrs = {n.attr for n in ast.walk(fn) if isinstance(n, ast.Attribute)}
                 assert "cfg" not in names | attrs, f"{rel}: {cls.name}.{fn.name} reads the config"
+
+
+def test_the_loop_has_no_rollout_mode_branch():
+    """The loop asks its one batch source for the next batch; how the batch was sampled (sync, one_step_off,
+    DAPO's filtered rounds) is the source's business, never an `if` in the loop."""
+    tree = ast.parse((ROOT / "portagrpo/train/loop.py").read_text())
+    modes = {"mode", "filter_metric", "ahead", "sampler", "pending_prompts", "inflight"}
+    for node in ast.walk(tree):
+        if isinstance(node, (ast.If, ast.IfExp)):
+            names = {n.attr for n in ast.walk(node.test) if isinstance(n, ast.Attribute)}
+            names |= {n.id for n in ast.walk(node.test) if isinstance(n, ast.Name)}
+            assert not names & modes, f"loop.py line {node.lineno} branches on {sorted(names & modes)}"
+    text = (ROOT / "portagrpo/train/loop.py").read_text()
+    for source_module in ("sources.filtered", "sources.one_step_off", "sources.sync"):
+        assert source_module not in text, f"the loop names a source ({source_module}) instead of asking make_source"
+
+
+def test_no_module_reads_another_objects_private_members():
+    """Phases talk through their public methods: `obj._member` appears only as `self._member` (or `cls.`)."""
+    found = []
+    for name, path in modules().items():
+        if not name.startswith("portagrpo.train"):
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            if (isinstance(node, ast.Attribute) and node.attr.startswith("_") and not node.attr.startswith("__")
+                    and not (isinstance(node.value, ast.Name) and node.value.id in ("self", "cls"))):
+                found.append(f"{name}:{node.lineno} .{node.attr}")
+    assert found == []
+
+
+def test_a_batch_source_is_one_module_that_registers_itself():
+    """Every module in train/sources/ registers one source, found by make_source without being named elsewhere."""
+    from portagrpo.train.sources import SOURCES, _discover
+
+    _discover()
+    files = sorted(p.stem for p in (ROOT / "portagrpo/train/sources").glob("*.py") if p.stem != "__init__")
+    assert sorted(SOURCES.names()) == files

@@ -110,7 +110,7 @@ def test_samples_of_a_group_differ(tmp_path, fake_vllm):
     """The trainer repeats each prompt n times; with one seed for all requests vLLM returns n identical
     samples and GRPO sees zero advantage. Each request now carries its own seed."""
     t = _trainer(tmp_path)
-    rb = t.experience.rollout(t.parts.data.loader.next_batch(), 4, SamplingParams(8, 0.8), uid_base=0)
+    rb = t.sampling.rollout(t.parts.data.loader.next_batch(), 4, SamplingParams(8, 0.8), uid_base=0)
     groups = rb.responses.view(4, 4, -1)
     for g in groups:
         assert len({tuple(r.tolist()) for r in g}) > 1
@@ -123,7 +123,7 @@ def test_sampler_logprobs_are_the_processed_ones_vllm_drew_with(tmp_path, fake_v
     t = _trainer(tmp_path)
     llm = fake_vllm.instances[-1]
     assert llm.kwargs["logprobs_mode"] == "processed_logprobs"
-    rb = t.experience.rollout(t.parts.data.loader.next_batch(), 4, SamplingParams(8, 0.8), uid_base=0)
+    rb = t.sampling.rollout(t.parts.data.loader.next_batch(), 4, SamplingParams(8, 0.8), uid_base=0)
     mask = rb.response_mask.bool()
     assert torch.allclose(rb.rollout_logp[mask], torch.full_like(rb.rollout_logp[mask], -math.log(11)))
     assert torch.all(rb.rollout_logp[~mask] == 0)
