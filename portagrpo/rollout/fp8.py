@@ -33,18 +33,51 @@ def is_quantized(name: str, tensor: torch.Tensor) -> bool:
     return tensor.dim() == 2 and ".layers." in f".{name}" and _linear(name)
 
 
-def layer_problem(named: Iterable[tuple[str, torch.Tensor]]) -> str | None:
+# How vLLM splits each of them over a tensor-parallel group (vllm/model_executor/layers/linear.py): the
+# column-parallel layers (q/k/v in QKVParallelLinear, gate/up in MergedColumnParallelLinear) split their output
+# rows, the row-parallel ones (RowParallelLinear) their input columns.
+COLUMN_PARALLEL = ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj")
+ROW_PARALLEL = ("o_proj", "down_proj")
+
+
+def shard_shape(name: str, shape: tuple[int, int], tp: int, kv_heads: int | None = None) -> tuple[int, int] | None:
+    """[out, in] of one TP rank's part of a decoder linear weight, or None where vLLM cannot split it evenly.
+    With more ranks than key/value heads vLLM gives every rank one whole head (replicated), not a slice."""
+    out_dim, in_dim = shape
+    if tp == 1:
+        return out_dim, in_dim
+    layer = name.split(".")[-2]
+    if layer in ROW_PARALLEL:
+        return (out_dim, in_dim // tp) if in_dim % tp == 0 else None
+    parts = kv_heads if layer in ("k_proj", "v_proj") and kv_heads and tp >= kv_heads else tp
+    return (out_dim // parts, in_dim) if out_dim % parts == 0 else None
+
+
+def layer_problem(named: Iterable[tuple[str, torch.Tensor]], tp: int = 1, kv_heads: int | None = None,
+                  fits: Iterable[int] = ()) -> str | None:
     """One sentence when the model has decoder weights this path would not quantize as vLLM's FP8 method
-    expects (another architecture's layer names), or a quantized dimension vLLM's block kernels refuse."""
+    expects (another architecture's layer names), or a quantized dimension vLLM's block kernels refuse: with
+    tensor parallelism, vLLM checks every rank's shard against the block (validate_fp8_block_shape in
+    quantization/utils/fp8_utils.py; its ValueError comes only once the engine is being built). `fits`: the
+    group sizes to suggest instead."""
     for name, tensor in named:
         if tensor.dim() != 2 or ".layers." not in f".{name}":
             continue
         if not _linear(name):
             return (f"rollout.precision=fp8 quantizes the Llama/Qwen/Mistral layer names ({', '.join(LINEARS)}); "
                     f"this model has {name}; use rollout.precision=auto.")
-        if tensor.shape[0] % BLOCK or tensor.shape[1] % BLOCK:
-            return (f"rollout.precision=fp8 uses {BLOCK} x {BLOCK} blocks, and {name} is {list(tensor.shape)}: vLLM's "
+        full = tuple(tensor.shape)
+        if full[0] % BLOCK or full[1] % BLOCK:
+            return (f"rollout.precision=fp8 uses {BLOCK} x {BLOCK} blocks, and {name} is {list(full)}: vLLM's "
                     f"block-FP8 kernels need both dimensions to be multiples of {BLOCK}; use rollout.precision=auto.")
+        shard = shard_shape(name, full, tp, kv_heads)
+        if shard is None or shard[0] % BLOCK or shard[1] % BLOCK:
+            what = "cannot be split evenly" if shard is None else f"leaves each rank a {list(shard)} shard"
+            sizes = " or ".join(str(t) for t in fits)
+            instead = f"rollout.tensor_model_parallel_size={sizes}, or " if sizes else ""
+            return (f"rollout.precision=fp8 with rollout.tensor_model_parallel_size={tp}: {name} ({list(full)}) "
+                    f"{what}, and vLLM's block-FP8 kernels need both dimensions of every rank's shard to be "
+                    f"multiples of {BLOCK}; use {instead}rollout.precision=auto.")
     return None
 
 

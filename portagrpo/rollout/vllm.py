@@ -1,23 +1,27 @@
 """The vLLM rollout engine (`rollout.engine: vllm`; on Ascend through the vllm-ascend plugin).
 
-vLLM runs colocated with training: it sleeps (weights offloaded, KV cache dropped) while the
-trainer updates the policy, wakes before generation, and receives the updated weights after
-every optimizer step, gathered from the (possibly sharded) policy and streamed in buckets
-without touching the disk. vLLM is imported only when this engine is chosen.
+vLLM runs colocated with training: it sleeps (weights and KV cache discarded) while the trainer
+updates the policy, and receives the policy's weights before it generates again, gathered from the
+(possibly sharded) policy and streamed in buckets without touching the disk. vLLM is imported only
+when this engine is chosen.
 
-Written against vLLM's V1 engine (`LLM`, `SamplingParams`, `TokensPrompt`, `LLM.sleep`/`wake_up` with
-tags, the in-process model runner), read in the sources of vLLM 0.11.0 to 0.33.0 and vllm-ascend 0.11.0 and
-0.23.0: every call below exists with the same meaning in all of them (SUPPORTED_VLLM, the range of
-ci/matrix.yaml's stacks, checked before the engine is built). Not yet run against a real vLLM: the tests use
-a stand-in that models the semantics that decide correctness (per-request seeds, sleep/wake pool states,
-in-process model access, device placement, vllm-ascend's refusal to wake with its NZ weight format on),
-read from those sources.
+Written against vLLM's V1 engine (`LLM`, `SamplingParams` with `n`, `TokensPrompt`, `LLM.sleep(level=2)` /
+`wake_up` with tags, the in-process model runner), read in the sources of vLLM 0.11.0 to 0.33.0 and
+vllm-ascend 0.11.0 and 0.23.0: every call below exists with the same meaning in all of them (SUPPORTED_VLLM,
+the range of ci/matrix.yaml's stacks, checked before the engine is built). Not yet run against a real vLLM:
+the tests use a stand-in that models the semantics that decide correctness (n samples per request, the
+engine's random streams, sleep levels and pool states, in-process model access, device placement,
+vllm-ascend's refusal to wake with its NZ weight format on and its raw log-probs), read from those sources.
 """
 from __future__ import annotations
 
+import contextlib
 import os
-from typing import Any, Iterable, Iterator
+import random
+from dataclasses import dataclass
+from typing import Any, Callable, Iterable, Iterator
 
+import numpy as np
 import torch
 
 from portagrpo.errors import UserError
@@ -58,6 +62,15 @@ def sampling_kwargs(
 LOGPROBS_MODE = "processed_logprobs"
 
 
+def raw_is_processed(params: SamplingParams) -> bool:
+    """Whether vLLM's raw log-probs (the model's softmax, before penalties and temperature) equal the processed
+    ones for these settings: no repetition penalty, and greedy or temperature 1 without truncation."""
+    if params.repetition_penalty != 1.0:
+        return False
+    plain = params.temperature == 1.0 and params.top_k <= 0 and params.top_p >= 1.0 and params.min_p <= 0.0
+    return params.temperature <= 0 or plain
+
+
 def sampled_logprobs(output, count: int) -> list[float]:
     """The sampled tokens' log-probs of one vLLM completion (`CompletionOutput.logprobs`: per token, a
     dict from token id to Logprob that always holds the sampled token)."""
@@ -95,9 +108,44 @@ def _nz_off(version: str) -> tuple[dict[str, str], dict[str, Any]]:
     return {"VLLM_ASCEND_ENABLE_NZ": "0"}, {"weight_nz_mode": 0}
 
 
-# Per vLLM platform plugin (a backend row names its plugin): installed-version range, and the settings
-# (environment, additional_config) the colocated RL engine needs, applied before the engine is built.
-PLUGIN_SETTINGS = {"vllm-ascend": (SUPPORTED_VLLM_ASCEND, _nz_off)}
+@dataclass(frozen=True)
+class Plugin:
+    """What the colocated RL engine needs to know about a vLLM platform plugin (a backend row names its plugin):
+    the installed-version range, and the settings (environment, additional_config) applied before the engine
+    is built."""
+
+    supported: str
+    settings: Callable[[str], tuple[dict[str, str], dict[str, Any]]]
+    # Whether its sampler honours the engine's `logprobs_mode`. vllm-ascend's model runner builds `AscendSampler()`
+    # with the default "raw_logprobs" whatever the engine asks ("TODO: support logprobs_mode in vllm-ascend";
+    # worker/model_runner_v1.py and sample/sampler.py in v0.11.0, v0.23.0, v0.24.0rc1).
+    processed_logprobs: bool = True
+
+
+PLUGIN_SETTINGS = {"vllm-ascend": Plugin(SUPPORTED_VLLM_ASCEND, _nz_off, processed_logprobs=False)}
+
+
+def processed_logprobs(plugin: str | None) -> bool:
+    return plugin is None or PLUGIN_SETTINGS[plugin].processed_logprobs
+
+
+def check_sampler_logprobs(plugin: str | None, params: SamplingParams, correction) -> None:
+    """One sentence when the rollout correction or bypass mode would weigh the loss with log-probs this plugin
+    reports wrongly (raw ones, where the sampling settings make them differ from the distribution drawn
+    from). Without either, the engine returns no sampler log-probs for such settings (the mismatch metrics are
+    then left out) rather than wrong ones."""
+    if processed_logprobs(plugin) or raw_is_processed(params):
+        return
+    used = [k for k, on in (("rollout_is", correction.rollout_is is not None),
+                            ("rollout_rs", correction.rollout_rs is not None),
+                            ("bypass_mode", correction.bypass_mode)) if on]
+    if used:
+        raise UserError(f"algorithm.rollout_correction.{used[0]} needs the sampler's log-probs under the distribution "
+                        f"it drew from, but {plugin} reports raw ones (its sampler ignores vLLM's logprobs_mode), "
+                        f"which differ from them at rollout.temperature={params.temperature:g}, top_k={params.top_k}, "
+                        f"top_p={params.top_p:g}, min_p={params.min_p:g}, repetition_penalty="
+                        f"{params.repetition_penalty:g}; sample at temperature 1 with top_k/top_p/min_p/"
+                        f"repetition_penalty off, turn the correction off, or use rollout.engine=hf.")
 
 
 def _installed(dist: str) -> str | None:
@@ -120,7 +168,7 @@ def check_versions(plugin: str | None) -> tuple[dict[str, str], dict[str, Any]]:
                         f"(docs/backends.md lists the stacks); install one of those, or use rollout.engine=hf.")
     if plugin is None:
         return {}, {}
-    supported, settings = PLUGIN_SETTINGS[plugin]
+    supported, settings = PLUGIN_SETTINGS[plugin].supported, PLUGIN_SETTINGS[plugin].settings
     have = _installed(plugin)
     if have is None:
         raise UserError(f"rollout.engine=vllm on this device runs through {plugin}, which is not installed; install "
@@ -131,8 +179,9 @@ def check_versions(plugin: str | None) -> tuple[dict[str, str], dict[str, Any]]:
     return settings(have)
 
 
-def fp8_allowed(precision: str, backend, policy=None) -> bool:
-    """rollout.precision=fp8 for this backend and model: vLLM's block-FP8 path, or one sentence."""
+def fp8_allowed(precision: str, backend, policy=None, tp: int = 1) -> bool:
+    """rollout.precision=fp8 for this backend, model and tensor-parallel size: vLLM's block-FP8 path, or one
+    sentence (before vLLM is built, where vLLM's own refusal would come from inside the engine's build)."""
     if precision != "fp8":
         return False
     if not backend.spec.vllm_fp8:
@@ -141,7 +190,11 @@ def fp8_allowed(precision: str, backend, policy=None) -> bool:
     if policy is not None:
         from portagrpo.rollout.fp8 import layer_problem
 
-        problem = layer_problem(vllm_weight_names(policy.named_parameters(), tied_embeddings=False))
+        shapes = list(vllm_weight_names(policy.named_parameters(), tied_embeddings=False))  # a DTensor: whole shape
+        kv = getattr(policy.config, "num_key_value_heads", None)
+        fits = [t for t in range(1, tp) if tp % t == 0 and not (kv and t % kv and kv % t)
+                and layer_problem(shapes, t, kv) is None]
+        problem = layer_problem(shapes, tp, kv, fits=fits[::-1])
         if problem:
             raise UserError(problem)
     return True
@@ -200,27 +253,52 @@ def tp_layout(size: int, rank: int, world: int, local_world: int, heads: int,
 class TensorParallel:
     """This rank's place in its vLLM tensor-parallel group. vLLM's external launcher runs one engine per
     rank and expects every rank of a group to submit the same requests (vllm/v1/executor/uniproc_executor.py:
-    "all these engines work together to process the same prompts"), in the same order and with the same
-    seeds, so that deterministic scheduling keeps them in step. Each training rank has its own prompts: the
-    group's requests are gathered, every rank submits all of them, and each keeps its own slice."""
+    "all these engines work together to process the same prompts"), in the same order, and to draw the same
+    random numbers (each rank samples for itself; vLLM's torchrun example seeds every rank alike "so that
+    sampling can be deterministic across ranks"), so that deterministic scheduling keeps them in step. Each
+    training rank has its own prompts and its own random streams: the group's requests are gathered with one
+    seed per rank, every rank submits all of them after seeding its streams with the group's first seed, and
+    each keeps its own slice."""
 
     def __init__(self, size: int = 1, group: int = 0, rank: int = 0, all_gather_object=None) -> None:
         if size > 1 and all_gather_object is None:
             raise ValueError("tensor parallel engines need the training ranks' all_gather_object")
         self.size, self.group, self.rank, self.all_gather_object = size, group, rank, all_gather_object
 
-    def requests(self, local: list[list[int]]) -> tuple[list[list[int]], slice]:
-        """The group's prompts in rank order, and the slice of the outputs that are this rank's."""
+    def requests(self, local: list[list[int]]) -> tuple[list[list[int]], slice, int | None]:
+        """The group's prompts in rank order, the slice of the outputs that are this rank's, and the seed the
+        group's ranks sample with (None for one rank: it samples from its streams as they are)."""
         if self.size == 1:
-            return local, slice(0, len(local))
-        everyone = self.all_gather_object(local)  # every rank of the world takes part: groups step together
+            return local, slice(0, len(local)), None
+        draw = int(torch.randint(0, 2**62, (1,)))  # from this rank's stream, which the trainer seeds per step
+        everyone = self.all_gather_object((local, draw))  # every rank of the world takes part: groups step together
         group = everyone[self.group * self.size:(self.group + 1) * self.size]
-        start = sum(len(part) for part in group[: self.rank])
-        return [p for part in group for p in part], slice(start, start + len(local))
+        start = sum(len(part) for part, _ in group[: self.rank])
+        return [p for part, _ in group for p in part], slice(start, start + len(local)), group[0][1]
+
+
+def seed_streams(seed: int) -> None:
+    """Python's, NumPy's and torch's global generators (torch's on every device), as vLLM's `set_random_seed`
+    seeds them; the run's backend seeds them its way (`Backend.seed`), this is for an engine built bare."""
+    random.seed(seed)
+    np.random.seed(seed % 2**32)
+    torch.manual_seed(seed)
+
+
+def request_groups(requests: list[list[int]], greedy: bool) -> list[tuple[list[int], int]]:
+    """Consecutive copies of one prompt (a group's n samples) as one request for that many samples. vLLM refuses
+    n > 1 for greedy sampling, whose copies would be identical anyway: one request each there."""
+    out: list[tuple[list[int], int]] = []
+    for ids in requests:
+        if out and not greedy and out[-1][0] == ids:
+            out[-1] = (ids, out[-1][1] + 1)
+        else:
+            out.append((ids, 1))
+    return out
 
 
 class SleepState:
-    """Which of vLLM's memory pools are offloaded. vLLM's executor ignores `sleep` while any pool still
+    """Which of vLLM's memory pools are asleep. vLLM's executor ignores `sleep` while any pool still
     sleeps, and a tag-less `wake_up` remaps every pool, mapped or not; so every call here names exactly
     the pools that are asleep, and `sleep` is only called when all of them are awake."""
 
@@ -233,6 +311,27 @@ class SleepState:
         return [p for p in wanted if p in self.asleep]
 
 
+class PolicyWeights:
+    """The policy's current weights as the trainer pushes them (train/build.py: push_weights): a LoRA adapter
+    merged for the while, each tensor gathered when asked (a sharded policy's gather is a collective, which every
+    rank reaches together: ranks generate in step), the tied LM head left out. The engine reloads from it when
+    it must generate after a level-2 sleep without a push in between (validation, DAPO's extra rounds)."""
+
+    def __init__(self, scorer: torch.nn.Module, policy: torch.nn.Module, *, lora: bool, tied: bool) -> None:
+        self.scorer, self.policy, self.lora, self.tied = scorer, policy, lora, tied
+
+    @contextlib.contextmanager
+    def __call__(self) -> Iterator[Iterator[tuple[str, torch.Tensor]]]:
+        if self.lora:
+            self.policy.merge_adapter()
+        try:
+            named = vllm_weight_names(self.scorer.state_dict().items(), tied_embeddings=self.tied)
+            yield ((n, (t.full_tensor() if hasattr(t, "full_tensor") else t).detach()) for n, t in named)
+        finally:
+            if self.lora:
+                self.policy.unmerge_adapter()
+
+
 @ROLLOUT_ENGINES.register("vllm")
 class VLLMRollout:
     """Colocated vLLM (V1) engine, one per training rank, or one per tensor-parallel group of ranks.
@@ -240,10 +339,21 @@ class VLLMRollout:
     Under torchrun each rank's engine is built with `distributed_executor_backend="external_launcher"`, which
     places it on the rank's own device (LOCAL_RANK) and reuses the launcher's process group; a single process
     uses the in-process uni executor. With `rollout.tensor_model_parallel_size` = k, k consecutive ranks hold
-    one engine's shards (TensorParallel): they sample the same requests with one seed stream, and every rank
-    pushes the full weights, of which vLLM's loaders keep the rank's shard.
-    Lifecycle per step: generate (weights and KV cache awake) -> sleep(1) ->
-    training -> weights pushed (weights pool woken, KV cache still asleep) -> next generate wakes the KV cache.
+    one engine's shards (TensorParallel): they sample the same requests with the same random numbers, and every
+    rank pushes the full weights, of which vLLM's loaders keep the rank's shard.
+
+    Lifecycle: built with dummy weights and asleep; the trainer pushes the policy (`needs_weights`). Per step:
+    generate (the weights pool and the KV cache awake) -> sleep(level=2): both discarded, nothing copied to the
+    host (vLLM's mode for updating the model; level 1 would back the weights up to host memory every step only
+    for the push to overwrite them) -> training -> weights pushed (weights pool woken, loaded; KV cache still
+    asleep) -> the next generate wakes the KV cache. A generate with no push since the last sleep (validation,
+    DAPO's extra rounds) first reloads the policy's weights itself (PolicyWeights), never samples discarded ones.
+
+    Sampling: a group's n copies of a prompt go to vLLM as one request for n samples, without a seed, so they are
+    distinct draws sampled in one batch (a per-request seed puts vLLM's sampler into its request-by-request
+    loop). The random numbers come from the process's generators, which the trainer seeds before every rollout
+    (run seed, step, rank) and saves in checkpoints, and a tensor-parallel group reseeds alike: the same seeds,
+    weights and requests in the same order give the same tokens, and a resumed run continues the stream.
     """
 
     holds_weights = True
@@ -260,25 +370,32 @@ class VLLMRollout:
         group, tp_rank = tp_layout(r.tensor_model_parallel_size, comm.rank, comm.world_size,
                                    comm.env.local_world_size, getattr(config, "num_attention_heads", 1),
                                    getattr(config, "num_key_value_heads", None))
+        plugin = inputs.backend.spec.vllm_plugin
+        check_sampler_logprobs(plugin, SamplingParams(cfg.data.max_response_length, r.temperature, r.top_p, r.top_k,
+                                                      r.min_p, r.repetition_penalty),
+                               cfg.algorithm.rollout_correction)
+        tied = bool(getattr(config, "tie_word_embeddings", False))
         return cls(inputs.scorer, inputs.tokenizer, inputs.autocast, inputs.generate_kwargs,
                    model_path=str(resolve_model_path(cfg.model.path) if cfg.model.path else inputs.init_model_dir),
                    dtype={"fp32": "float32", "bf16": "bfloat16", "fp64": "float32"}[cfg.model.dtype],
-                   seed=cfg.trainer.seed + 7919 * group,  # one stream per engine: the ranks of a TP group share it
+                   seed=cfg.trainer.seed + 7919 * group,  # one per engine: vLLM needs a TP group's ranks seeded alike
                    gpu_memory_utilization=r.vllm_gpu_memory_utilization, bucket_mb=r.vllm_weight_bucket_mb,
                    max_model_len=r.vllm_max_model_len or cfg.data.max_prompt_length + cfg.data.max_response_length,
-                   tied_embeddings=bool(getattr(inputs.policy.config, "tie_word_embeddings", False)),
-                   empty_cache=inputs.backend.empty_cache, world_size=comm.world_size,
-                   plugin=inputs.backend.spec.vllm_plugin, eos_ids=stop_token_ids(inputs.tokenizer, inputs.policy),
+                   tied_embeddings=tied, empty_cache=inputs.backend.empty_cache, world_size=comm.world_size,
+                   plugin=plugin, eos_ids=stop_token_ids(inputs.tokenizer, inputs.policy),
                    tensor_parallel=TensorParallel(r.tensor_model_parallel_size, group, tp_rank,
                                                   comm.all_gather_object),
-                   fp8=fp8_allowed(r.precision, inputs.backend, inputs.policy))
+                   fp8=fp8_allowed(r.precision, inputs.backend, inputs.policy, r.tensor_model_parallel_size),
+                   reseed=inputs.backend.seed,
+                   weights=PolicyWeights(inputs.scorer, inputs.policy, lora=cfg.model.lora.rank > 0, tied=tied))
 
     def __init__(self, model, tokenizer, autocast, generate_kwargs: dict | None = None, *, model_path: str,
                  dtype: str = "bfloat16", seed: int = 0, gpu_memory_utilization: float = 0.5,
                  bucket_mb: int = 512, max_model_len: int | None = None, tied_embeddings: bool = False,
                  eos_ids: list[int] | None = None, empty_cache=None, world_size: int = 1,
                  plugin: str | None = None, tensor_parallel: "TensorParallel | None" = None,
-                 fp8: bool = False) -> None:
+                 fp8: bool = False, reseed: Callable[[int], None] | None = None,
+                 weights: Callable[[], Any] | None = None) -> None:
         vllm, self._tokens_prompt = _import_vllm()
         env, additional = check_versions(plugin)
         if fp8:
@@ -292,16 +409,20 @@ class VLLMRollout:
         self.seed, self.bucket_bytes, self.tied = seed, bucket_mb * 2**20, tied_embeddings
         self.empty_cache = empty_cache or (lambda: None)
         self.tp = tensor_parallel or TensorParallel()
-        self.calls = 0
+        self.reseed = reseed or seed_streams
+        self.weights = weights
+        self.processed_logprobs = processed_logprobs(plugin)
         self.fp8, self.dtype = fp8, getattr(torch, dtype)
-        # an FP8 engine starts from dummy weights: the trainer pushes the policy before the first rollout
-        self.needs_weights = fp8
-        extra = {"distributed_executor_backend": "external_launcher"} if world_size > 1 else {}
+        # built from dummy weights, which the first sleep discards anyway: the trainer pushes the policy before
+        # the first rollout (and a generate without weights reloads them from `weights`)
+        self.needs_weights = True
+        extra: dict[str, Any] = {"load_format": "dummy"}
+        if world_size > 1:
+            extra["distributed_executor_backend"] = "external_launcher"
         if fp8:
             from portagrpo.rollout.fp8 import QUANTIZATION_CONFIG
 
-            extra.update(quantization="fp8", load_format="dummy",
-                         hf_overrides={"quantization_config": dict(QUANTIZATION_CONFIG)})
+            extra.update(quantization="fp8", hf_overrides={"quantization_config": dict(QUANTIZATION_CONFIG)})
         self.llm = vllm.LLM(model=model_path, tokenizer=model_path, dtype=dtype, seed=seed,
                             gpu_memory_utilization=gpu_memory_utilization, enable_sleep_mode=True,
                             max_model_len=max_model_len, tensor_parallel_size=self.tp.size,
@@ -312,8 +433,9 @@ class VLLMRollout:
         self._sleep()  # hand the memory to training until the first rollout
 
     def _sleep(self) -> None:
-        self.llm.sleep(level=1)
+        self.llm.sleep(level=2)  # weights and KV cache discarded: the next weights come from a push
         self.state.asleep = set(SleepState.POOLS)
+        self.needs_weights = True
 
     def _wake(self, pools: tuple[str, ...]) -> None:
         tags = self.state.to_wake(pools)
@@ -334,15 +456,17 @@ class VLLMRollout:
         gathers each tensor when asked, a bucket's tensors are freed once loaded, so at most one bucket of
         gathered weights exists at a time. Returns the bucket count. The weights stay mapped (the next
         thing the engine does is generate); the KV cache stays asleep."""
-        self._wake(("weights",))
+        self._wake(("weights",))  # after a level-2 sleep: mapped again, contents undefined until loaded
         named = vllm_weight_names(state, tied_embeddings=self.tied)
         if self.fp8:
-            return self._reload_fp8(named)
-        model, count = self._model(), 0
-        for bucket in bucket_tensors(named, self.bucket_bytes):
-            model.load_weights(bucket)  # positional: one model class names the argument all_weights
-            count += 1
-            bucket.clear()  # drop this bucket's gathered tensors before the next ones are gathered
+            count = self._reload_fp8(named)
+        else:
+            model, count = self._model(), 0
+            for bucket in bucket_tensors(named, self.bucket_bytes):
+                model.load_weights(bucket)  # positional: one model class names the argument all_weights
+                count += 1
+                bucket.clear()  # drop this bucket's gathered tensors before the next ones are gathered
+        self.needs_weights = False
         return count
 
     def _reload_fp8(self, named) -> int:
@@ -360,37 +484,49 @@ class VLLMRollout:
 
         self.llm.llm_engine.model_executor.driver_worker.worker.reload_weights(
             weights_iterator=counted(), is_checkpoint_format=True)
-        self.needs_weights = False
         return count
 
-    def request_seeds(self, count: int) -> list[int]:
-        """One seed per request: a group's n copies of a prompt must be independent draws, and vLLM seeds
-        each request's sampler from its own SamplingParams.seed."""
-        base = (self.seed * 1_000_003 + self.calls * 2**20) % 2**31
-        self.calls += 1
-        return [(base + i) % 2**31 for i in range(count)]
+    def _reload(self) -> None:
+        """The policy's weights again, for a generate with none loaded since the last sleep discarded them."""
+        if self.weights is None:
+            raise RuntimeError("the vLLM engine holds no weights (a level-2 sleep discarded them, or it was built "
+                               "with dummy ones) and was given no source to load them from: push them first")
+        with self.weights() as named:
+            self.update_weights(named)
+
+    def _sampling(self, params: SamplingParams, n: int):
+        return self._sampling_cls(**sampling_kwargs(params, seed=None, stop_token_ids=self.eos_ids, n=n))
 
     @torch.no_grad()
     def generate(self, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, params: SamplingParams) -> Sampled:
         local = [[t for t, m in zip(ids, mask) if m] for ids, mask in zip(prompt_ids.tolist(), prompt_mask.tolist())]
-        requests, mine = self.tp.requests(local)
+        requests, mine, group_seed = self.tp.requests(local)
+        if self.needs_weights:
+            self._reload()
         self._wake(SleepState.POOLS)
         try:
-            prompts = [self._tokens_prompt(prompt_token_ids=ids) for ids in requests]
-            sampling = [self._sampling_cls(**sampling_kwargs(params, seed=s, stop_token_ids=self.eos_ids))
-                        for s in self.request_seeds(len(prompts))]
-            outputs = self.llm.generate(prompts, sampling, use_tqdm=False)[mine]
+            if group_seed is not None:
+                self.reseed(group_seed)  # the group's ranks draw the same random numbers
+            groups = request_groups(requests, greedy=params.temperature <= 0)
+            prompts = [self._tokens_prompt(prompt_token_ids=ids) for ids, _ in groups]
+            answers = self.llm.generate(prompts, [self._sampling(params, n) for _, n in groups], use_tqdm=False)
         finally:
             self._sleep()
+        completions = [c for answer in answers for c in sorted(answer.outputs, key=lambda c: c.index)]
+        if len(completions) != len(requests):
+            raise RuntimeError(f"vLLM answered {len(completions)} samples for {len(requests)} requested")
+        outputs = completions[mine]
         rows, logps = [], []
         for out in outputs:
-            tokens = list(out.outputs[0].token_ids)[: params.max_tokens]
+            tokens = list(out.token_ids)[: params.max_tokens]
             rows.append(tokens + [self.pad_id] * (params.max_tokens - len(tokens)))
-            lp = sampled_logprobs(out.outputs[0], params.max_tokens)
+            lp = sampled_logprobs(out, params.max_tokens)
             logps.append(lp + [0.0] * (params.max_tokens - len(lp)))
         responses = torch.tensor(rows, dtype=torch.long, device=prompt_ids.device)
         mask = response_mask_from_tokens(responses, self.eos_ids)
-        lengths = torch.tensor([len(o.outputs[0].token_ids) for o in outputs], device=prompt_ids.device)
+        lengths = torch.tensor([len(o.token_ids) for o in outputs], device=prompt_ids.device)
         mask = mask * (torch.arange(params.max_tokens, device=mask.device).unsqueeze(0) < lengths.unsqueeze(1)).float()
-        logp = torch.tensor(logps, dtype=torch.float32, device=prompt_ids.device) * mask
+        # the log-prob each token was drawn with, unless the plugin reports raw ones that differ from it here
+        exact = self.processed_logprobs or raw_is_processed(params)
+        logp = torch.tensor(logps, dtype=torch.float32, device=prompt_ids.device) * mask if exact else None
         return Sampled(torch.where(mask.bool(), responses, torch.full_like(responses, self.pad_id)), mask, logp)

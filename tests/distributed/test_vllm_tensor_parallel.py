@@ -23,18 +23,22 @@ def four_ranks(tmp_path_factory):
 
 
 def test_ranks_of_a_group_sample_the_same_and_groups_differ(four_ranks):
+    """The trainer seeds each rank's generators differently (per run seed, step and rank); the ranks of a group
+    sample with their first rank's seed, so they draw the same tokens (the stand-in raises otherwise, where
+    vLLM's collectives would fall out of step), while the two groups draw different ones."""
     r0, r1, r2, r3 = four_ranks
     assert [r["tp_ranks"] for r in four_ranks] == [[0, 1], [0, 1], [2, 3], [2, 3]]
     assert r0["engine_seed"] == r1["engine_seed"] != r2["engine_seed"] == r3["engine_seed"]
-    # two training rollouts, then validation (2 prompts per rank, one per batch)
-    assert len(r0["generate"]) == len(r0["returned"]) == 2 + 2
-    # within a group: identical seeds, requests and tokens on every call
+    # two training rollouts, validation (2 prompts per rank, one per batch), a third training rollout
+    assert len(r0["generate"]) == len(r0["returned"]) == 2 + 2 + 1
+    # within a group: identical requests and tokens on every call
     assert r0["generate"] == r1["generate"] and r2["generate"] == r3["generate"]
     for a, b in zip(r0["generate"], r2["generate"]):
         seeds_a, prompts_a, tokens_a = a
         seeds_b, prompts_b, tokens_b = b
-        assert not set(seeds_a) & set(seeds_b)  # the two engines draw from different streams
+        assert seeds_a == [None] * len(prompts_a) == seeds_b[:len(prompts_a)]  # batched: no per-request seed
         assert prompts_a != prompts_b and tokens_a != tokens_b
+    assert all(r["per_request_draws"] == 0 and r["host_bytes_peak"] == 0 for r in four_ranks)
 
 
 def test_each_rank_trains_on_its_own_slice_of_its_groups_samples(four_ranks):
@@ -42,12 +46,15 @@ def test_each_rank_trains_on_its_own_slice_of_its_groups_samples(four_ranks):
         for call, (_, _, tokens) in enumerate(group[0]["generate"]):
             mine = [rank["returned"][call] for rank in group]
             assert len(mine[0]) == len(mine[1]) and mine[0] + mine[1] == [list(t) for t in tokens]
-    assert all(len(r["metrics"]) == 3 and r["metrics"][-1]["val/reward_mean"] >= 0 for r in four_ranks)
+    assert all(len(r["metrics"]) == 4 and r["metrics"][2]["val/reward_mean"] >= 0 for r in four_ranks)
 
 
 def test_every_rank_loads_its_shard_of_the_updated_weights(four_ranks):
     for rank in four_ranks:
-        assert rank["loads"] == 2 * len(rank["shards"])  # every tensor after each of the two updates
+        # every tensor: before the first rollout, after each of the three updates, and again for each rollout
+        # that follows another without an update (a level-2 sleep discarded them): validation's second batch
+        # and the third training rollout
+        assert rank["loads"] == 6 * len(rank["shards"])
     for name, full in four_ranks[0]["full"].items():
         if name not in four_ranks[0]["shards"]:
             continue  # tied lm_head: not pushed

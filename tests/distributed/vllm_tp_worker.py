@@ -2,9 +2,10 @@
 
 vLLM is the stand-in of tests/standins/fake_vllm.py, which forms TP groups from the launcher's ranks as
 vLLM does. The rank trains two steps and validates with `rollout.engine=vllm` and
-`rollout.tensor_model_parallel_size=TP`, then writes `rank<R>.pt`: what its engine was asked and
-answered (the group's requests, seeds and tokens), what the trainer received back, and the weights its
-engine holds. Usage: vllm_tp_worker.py OUT TP.
+`rollout.tensor_model_parallel_size=TP`, then trains a third step (whose rollout reloads the weights
+that validation's level-2 sleep discarded), and writes `rank<R>.pt`: what its engine was asked and answered
+(the group's requests, seeds and tokens), what the trainer received back, and the weights its engine holds.
+Usage: vllm_tp_worker.py OUT TP.
 """
 import sys
 from pathlib import Path
@@ -41,9 +42,11 @@ def main() -> None:
     engine.generate = recording
     metrics = [trainer.step().metrics for _ in range(2)]
     metrics.append(trainer.validate())
+    metrics.append(trainer.step().metrics)
     llm, rank = engine.llm, trainer.runtime.comm.rank
     torch.save({"generate": [e[3:] for e in llm.log if e[0] == "generate"], "returned": returned,
                 "loads": sum(1 for e in llm.log if e[0] == "load"), "tp_ranks": llm.tp_ranks,
+                "per_request_draws": llm.per_request_draws, "host_bytes_peak": llm.host_bytes_peak,
                 "shards": llm.shards, "engine_seed": llm.kwargs["seed"], "metrics": metrics,
                 "full": {k: v.detach().clone() for k, v in trainer.models.policy.state_dict().items()}},
                out / f"rank{rank}.pt")

@@ -3,11 +3,22 @@
 vLLM cannot be installed on these CPU machines. Every behaviour below is read from vLLM's (and
 vllm-ascend's) sources, and the stand-in fails where vLLM would fail or silently go wrong:
 
-- sleep mode (vllm/v1/executor/abstract.py + device_allocator/cumem.py): `sleep` while any pool is
-  still asleep is ignored ("Executor is already sleeping"); `wake_up(tags)` remaps exactly those pools,
-  and a tag-less `wake_up()` remaps every pool, so waking a pool that is mapped faults;
-- sampling: each request's generator is seeded from its own SamplingParams.seed (same seed, same
-  prompt, same weights -> same tokens); seed=None draws from the engine's generator seeded by LLM(seed=);
+- sleep mode (vllm/v1/executor/abstract.py + device_allocator/cumem.py, v1/worker/gpu_worker.py, LLM.sleep):
+  `sleep` while any pool is still asleep is ignored ("Executor is already sleeping"); `wake_up(tags)` remaps
+  exactly those pools, and a tag-less `wake_up()` remaps every pool, so waking a pool that is mapped faults.
+  Level 1 copies the weights to host memory and back (the stand-in counts the bytes it holds there); level 2
+  keeps no copy: the weights pool comes back with undefined contents, which vLLM would sample from silently
+  and the stand-in refuses to until weights were loaded. Level 2 also saves the model's buffers to the host and
+  0.11 copies them back on the next `wake_up` whatever its tags (0.33 only when it wakes the weights): a first
+  wake of the KV cache alone would write into the unmapped weights pool, which faults;
+- sampling (SamplingParams, v1/engine/parallel_sampling.py, v1/sample/ops/topk_topp_sampler.py): a request
+  with `n` > 1 becomes n child requests (one output each, `CompletionOutput.index` 0..n-1); `n` must be 1 for
+  greedy sampling. A child of a seeded request gets seed + index and its own generator, which the V1 model
+  runner's sampler (vLLM 0.11, 0.24 for Qwen2; vllm-ascend) serves request by request (the stand-in counts
+  those draws); unseeded children draw, batched, from the process's default generator, which `LLM(seed=)`
+  seeds once when the worker is built (`set_random_seed`, in the trainer's process under the in-process
+  engine) and which anyone else in the process may reseed or draw from. Tokens depend on the draw, the prompt
+  and the weights;
 - V1 multiprocessing (the default) keeps the model in another process: `apply_model` with a closure
   fails in msgpack, and the model runner is reachable only with VLLM_ENABLE_V1_MULTIPROCESSING=0;
 - placement: the uni executor uses device 0; external_launcher uses the launcher's LOCAL_RANK;
@@ -18,8 +29,9 @@ vllm-ascend's) sources, and the stand-in fails where vLLM would fail or silently
   (`arange(world).reshape(-1, tp)`, so the world must divide); the attention heads must divide by tp;
   `load_weights` takes full checkpoint tensors and keeps this rank's shard; a forward step needs every
   shard of the group (its all-reduces), so the tokens depend on the whole group's weights; and every
-  rank of a group must submit the same requests in the same order with the same seeds, or the engines'
-  collectives fall out of step (the stand-in raises where vLLM would hang or mix up requests);
+  rank of a group must submit the same requests in the same order and draw the same random numbers (each
+  rank samples for itself), or the engines' collectives fall out of step (the stand-in raises where vLLM would
+  hang or mix up requests);
 - block-FP8 rollout (vllm/model_executor/layers/quantization/fp8.py, model_loader/reload/, read in 0.11 to
   0.33): `quantization="fp8"` with a serialized block config (hf_overrides quantization_config,
   weight_block_size [128, 128]) makes each decoder linear layer's `weight` float8_e4m3fn [out, in] and
@@ -31,23 +43,26 @@ vllm-ascend's) sources, and the stand-in fails where vLLM would fail or silently
   uninitialised). `load_format="dummy"` fills the weights with noise that vLLM samples from without
   complaint; the stand-in refuses to sample before weights were loaded. Tokens depend on the
   dequantized weights;
-- vllm-ascend (when `ascend` names its version): `wake_up` raises ValueError while the FRACTAL_NZ
-  weight format is on. 0.11.0 (worker_v1.py: `is_enable_nz()`, utils.py) reads VLLM_ASCEND_ENABLE_NZ
-  (int, default 1) once when the worker is built; 0.20+ (worker.py: `get_ascend_config().weight_nz_mode`,
-  ascend_config.py) read additional_config["weight_nz_mode"] and fall back to that variable.
+- vllm-ascend (when `ascend` names its version): its sampler reports raw log-probs whatever `logprobs_mode`
+  says; `wake_up` raises ValueError while the FRACTAL_NZ weight format is on. 0.11.0 (worker_v1.py:
+  `is_enable_nz()`, utils.py) reads VLLM_ASCEND_ENABLE_NZ (int, default 1) once when the worker is built;
+  0.20+ (worker.py: `get_ascend_config().weight_nz_mode`, ascend_config.py) read
+  additional_config["weight_nz_mode"] and fall back to that variable.
 
-Token choice: a request's tokens are drawn uniformly from 11 kept ids (5..14 and EOS=2) of a 22-token
-distribution, by a generator seeded from (request seed, prompt, weights digest).
+Token choice: a sample's tokens are drawn uniformly from 11 kept ids (5..14 and EOS=2) of a 22-token
+distribution, by a generator seeded from (the sample's draw or seed, prompt, weights digest).
 """
 from __future__ import annotations
 
 import json
 import math
 import os
+import random
 import sys
 import types
 from pathlib import Path
 
+import numpy as np
 import torch
 
 BLOCK = 128
@@ -73,6 +88,17 @@ class FakeModel:
         self.llm.log.append(("load", [(n, t.clone()) for n, t in weights]))
         for name, tensor in weights:
             self.llm.shards[name] = self.llm.shard_of(tensor).clone()
+        self.llm.loaded = True
+
+
+def sampling_params(**kwargs):
+    """vllm.SamplingParams: its checks of `n` (sampling_params.py `_verify_args`, `_verify_greedy_sampling`)."""
+    n = kwargs.get("n", 1)
+    if not isinstance(n, int) or n < 1:
+        raise ValueError(f"n must be at least 1, got {n}.")
+    if kwargs.get("temperature", 1.0) < 1e-5 and n > 1:
+        raise ValueError(f"n must be 1 when using greedy sampling, got {n}.")
+    return types.SimpleNamespace(kwargs=kwargs)
 
 
 class FakeLLM:
@@ -86,7 +112,14 @@ class FakeLLM:
         self.multiprocessing = os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING", "1") != "0"
         launcher = kwargs.get("distributed_executor_backend") == "external_launcher"
         self.device_index = int(os.environ.get("LOCAL_RANK", "0")) if launcher else 0
-        self.rng = torch.Generator().manual_seed(kwargs.get("seed", 0))
+        seed = kwargs.get("seed", 0)  # the worker's set_random_seed: the process's generators, once
+        random.seed(seed)
+        np.random.seed(seed % 2**32)
+        torch.manual_seed(seed)
+        self.host_bytes = 0  # weights backed up in host memory by a level-1 sleep
+        self.host_bytes_peak = 0
+        self.saved_buffers = False  # a level-2 sleep's copy of the model's buffers, restored on the next wake_up
+        self.per_request_draws = 0  # samples drawn in vLLM's V1 request-by-request loop (seeded requests)
         quant = (kwargs.get("hf_overrides") or {}).get("quantization_config") or {}
         self.fp8 = kwargs.get("quantization") == "fp8" and quant.get("weight_block_size") == [BLOCK, BLOCK]
         self.loaded = kwargs.get("load_format") != "dummy"
@@ -179,11 +212,18 @@ class FakeLLM:
             dist.all_gather_object(parts, local, group=self.tp_group)  # the forward's all-reduce
         return int(sum(parts) * 1e3) % 2**31
 
-    def sleep(self, level):
+    def sleep(self, level=1):
         if self.asleep:
             self.log.append(("sleep-ignored", level))
             return
         self.asleep = {"weights", "kv_cache"}
+        if level == 1:  # the weights pool is copied to host memory and back on wake_up
+            self.host_bytes = sum(t.numel() * t.element_size() for t in self.shards.values())
+            self.host_bytes_peak = max(self.host_bytes_peak, self.host_bytes)
+        else:  # discarded: what comes back on wake_up is whatever the memory holds
+            self.shards = {name: torch.rand_like(t.float()) for name, t in self.shards.items()}
+            self.loaded = False
+            self.saved_buffers = True
         self.log.append(("sleep", level))
 
     def wake_up(self, tags=None):
@@ -195,6 +235,13 @@ class FakeLLM:
         if mapped:
             raise RuntimeError(f"cuMemMap on already-mapped memory ({sorted(mapped)})")
         self.asleep -= wanted
+        if self.saved_buffers:  # 0.11 restores them on any wake_up: into the weights pool, which must be mapped
+            if "weights" in self.asleep:
+                raise RuntimeError("an illegal memory access: the model's saved buffers copied back into the weights "
+                                   "pool, which is still asleep (wake the weights first after a level-2 sleep)")
+            self.saved_buffers = False
+        if "weights" in wanted:
+            self.host_bytes = 0
         self.log.append(("wake", tuple(tags) if tags else None))
 
     def apply_model(self, fn):
@@ -212,37 +259,64 @@ class FakeLLM:
             raise RuntimeError(f"TP group {self.tp_ranks}: the ranks submitted different requests; under the "
                                f"external launcher every rank of a group must process the same prompts")
 
+    def _check_group_drew_alike(self, tokens) -> None:
+        import torch.distributed as dist
+
+        seen = [None] * self.tp
+        dist.all_gather_object(seen, tokens, group=self.tp_group)
+        if any(other != tokens for other in seen):
+            raise RuntimeError(f"TP group {self.tp_ranks}: the ranks sampled different tokens (their random "
+                               f"generators differ), so their next forwards differ and the collectives fall out of "
+                               f"step")
+
+    def _sample(self, prompt: list[int], seed, digest: int) -> list[int]:
+        """One sample: its draw from the process's default generator (batched), or its own seed's generator."""
+        if seed is None:
+            draw = int(torch.randint(0, 2**62, (1,)))
+        else:
+            self.per_request_draws += 1
+            draw = seed
+        g = torch.Generator().manual_seed((draw + sum(prompt) + digest) % 2**62)
+        n = int(torch.randint(1, 6, (1,), generator=g))
+        return torch.randint(5, 15, (n,), generator=g).tolist() + [2]
+
     def generate(self, prompts, sampling, use_tqdm=False):
         if self.asleep:
             raise RuntimeError(f"generate while {sorted(self.asleep)} asleep")
         params = sampling if isinstance(sampling, list) else [sampling] * len(prompts)
         assert len(params) == len(prompts)
         if not self.loaded:
-            raise RuntimeError("sampling from load_format='dummy' weights: nothing was loaded into the engine")
+            raise RuntimeError("sampling from weights nothing was loaded into (load_format='dummy', or discarded by "
+                               "sleep(level=2)): vLLM would answer from garbage")
         if self.tp_group is not None:
             self._check_group_in_step(prompts, params)
         digest = self.weights_digest()
-        out = []
-        for p, sp in zip(prompts, params):
-            seed = sp.kwargs["seed"]
-            g = self.rng if seed is None else torch.Generator().manual_seed(
-                (seed + sum(p["prompt_token_ids"]) + digest) % 2**62)
-            n = int(torch.randint(1, 6, (1,), generator=g))
-            ids = torch.randint(5, 15, (n,), generator=g).tolist() + [2]
-            logprobs = None
-            if sp.kwargs.get("logprobs") is not None:  # the sampled token is always among the returned ones
-                lp = self._logprob()
-                logprobs = [{t: types.SimpleNamespace(logprob=lp, rank=1)} for t in ids]
-            out.append(types.SimpleNamespace(outputs=[types.SimpleNamespace(token_ids=ids, logprobs=logprobs)]))
+        out, rows = [], []
+        for request_id, (p, sp) in enumerate(zip(prompts, params)):
+            seed, children = sp.kwargs["seed"], []
+            for index in range(sp.kwargs.get("n", 1)):  # parallel_sampling.py: child seed = seed + index
+                ids = self._sample(p["prompt_token_ids"], None if seed is None else seed + index, digest)
+                logprobs = None
+                if sp.kwargs.get("logprobs") is not None:  # the sampled token is always among the returned ones
+                    lp = self._logprob()
+                    logprobs = [{t: types.SimpleNamespace(logprob=lp, rank=1)} for t in ids]
+                children.append(types.SimpleNamespace(index=index, token_ids=ids, logprobs=logprobs))
+                rows.append(ids)
+            out.append(types.SimpleNamespace(request_id=str(request_id), outputs=children))
+        if self.tp_group is not None:
+            self._check_group_drew_alike(rows)
         self.log.append(("generate", len(prompts), params[0].kwargs, [p.kwargs["seed"] for p in params],
-                         [p["prompt_token_ids"] for p in prompts], [o.outputs[0].token_ids for o in out]))
+                         [p["prompt_token_ids"] for p in prompts], rows))
         return out
 
     def _logprob(self) -> float:
         """vLLM's default logprobs_mode reports the raw distribution's log-prob (uniform over 22 ids),
         "processed_logprobs" the one the token was drawn from (uniform over the 11 kept ids;
-        vllm/v1/sample/sampler.py)."""
+        vllm/v1/sample/sampler.py); vllm-ascend's sampler always the raw one (its model runner builds
+        `AscendSampler()` without the engine's logprobs_mode, v0.11.0 to v0.23.0)."""
         processed = self.kwargs.get("logprobs_mode", "raw_logprobs") == "processed_logprobs"
+        if FakeLLM.ascend is not None:  # AscendSampler() is built with the default whatever the engine asks
+            processed = False
         return -math.log(11) if processed else -math.log(22)
 
 
@@ -251,7 +325,7 @@ def modules(reload: bool = True) -> dict[str, types.ModuleType]:
     package (vLLM 0.16+), whose presence the FP8 path checks."""
     mod = types.ModuleType("vllm")
     mod.LLM = FakeLLM
-    mod.SamplingParams = lambda **kw: types.SimpleNamespace(kwargs=kw)
+    mod.SamplingParams = sampling_params
     inputs = types.ModuleType("vllm.inputs")
     inputs.TokensPrompt = lambda prompt_token_ids: {"prompt_token_ids": prompt_token_ids}
     out = {"vllm": mod, "vllm.inputs": inputs}

@@ -77,6 +77,14 @@ def _trainer(tmp_path, *extra):
     return Trainer(cfg, run_dir=tmp_path, log=lambda m: None).setup()
 
 
+def _rollout(t, n, params):
+    """The trainer's prompt -> responses path (rollout_groups) on its next prompt batch."""
+    from portagrpo.rollout.engines import rollout_groups
+
+    data = t.parts.data
+    return rollout_groups(t.parts.engine, data.tokenizer, data.loader.next_batch(), n, params, torch.device("cpu"))
+
+
 def test_trainer_drives_the_engine(tmp_path, fake_vllm, monkeypatch):
     monkeypatch.delenv("VLLM_ENABLE_V1_MULTIPROCESSING", raising=False)
     t = _trainer(tmp_path)
@@ -84,16 +92,18 @@ def test_trainer_drives_the_engine(tmp_path, fake_vllm, monkeypatch):
     assert llm.kwargs["model"] == str(tmp_path / "init_model") and llm.kwargs["enable_sleep_mode"] is True
     assert not llm.multiprocessing  # the engine core runs in-process, so weights can be loaded directly
     assert llm.kwargs["max_model_len"] == t.cfg.data.max_prompt_length + t.cfg.data.max_response_length
-    assert llm.log == [("sleep", 1)]  # asleep until the first rollout
+    # built from dummy weights and put to sleep; the trainer pushes the policy into the weights pool alone
+    assert llm.kwargs["load_format"] == "dummy" and llm.log[:2] == [("sleep", 2), ("wake", ("weights",))]
+    setup = len(llm.log)
     metrics = t.step().metrics
-    kinds = [e[0] for e in llm.log]
-    # wake everything, generate, sleep; after the optimizer step the weights pool alone wakes and is loaded
-    assert kinds[:4] == ["sleep", "wake", "generate", "sleep"] and llm.log[4] == ("wake", ("weights",))
-    assert "sleep-ignored" not in kinds
-    gen = next(e for e in llm.log if e[0] == "generate")
-    assert gen[1] == 16 and gen[2]["temperature"] == 0.8 and gen[2]["top_k"] == 20 and gen[2]["max_tokens"] == 10
-    assert len(set(gen[3])) == 16  # one seed per request
-    loads = [e[1] for e in llm.log if e[0] == "load"]
+    step = llm.log[setup:]
+    kinds = [e[0] for e in step]
+    # the KV cache wakes, generate, both pools discarded; after the optimizer step the weights pool wakes and loads
+    assert kinds[:3] == ["wake", "generate", "sleep"] and step[0] == ("wake", ("kv_cache",)) and step[2] == ("sleep", 2)
+    assert step[3] == ("wake", ("weights",)) and "sleep-ignored" not in kinds
+    gen = step[1]
+    assert gen[2]["temperature"] == 0.8 and gen[2]["top_k"] == 20 and gen[2]["max_tokens"] == 10
+    loads = [e[1] for e in step if e[0] == "load"]
     assert all(len(b) == 1 for b in loads)  # 0 MiB buckets: one tensor each
     pushed = dict(pair for b in loads for pair in b)
     state = t.models.policy.state_dict()
@@ -101,19 +111,66 @@ def test_trainer_drives_the_engine(tmp_path, fake_vllm, monkeypatch):
     for name, tensor in pushed.items():
         assert torch.equal(tensor, state[name]), name  # the weights after the update
     assert llm.asleep == {"kv_cache"} and metrics["response_len_mean"] > 1
-    t.step()  # the next rollout wakes only the KV cache (a tag-less wake would remap the weights and fault)
-    assert [e for e in llm.log if e[0] == "wake"][2] == ("wake", ("kv_cache",))
+    t.step()
     assert sum(1 for e in llm.log if e[0] == "generate") == 2
+    assert llm.host_bytes_peak == 0  # level 2: no copy of the weights in host memory, ever
 
 
-def test_samples_of_a_group_differ(tmp_path, fake_vllm):
-    """The trainer repeats each prompt n times; with one seed for all requests vLLM returns n identical
-    samples and GRPO sees zero advantage. Each request now carries its own seed."""
+def test_a_groups_samples_are_one_batched_request(tmp_path, fake_vllm):
+    """A group's n copies of a prompt are one request for n samples, without a seed: distinct draws that
+    vLLM samples in one batch (a seeded request goes through its V1 sampler's request-by-request loop)."""
     t = _trainer(tmp_path)
+    (llm,) = fake_vllm.instances
     rb = t.sampling.rollout(t.parts.data.loader.next_batch(), 4, SamplingParams(8, 0.8), uid_base=0)
-    groups = rb.responses.view(4, 4, -1)
-    for g in groups:
+    gen = next(e for e in llm.log if e[0] == "generate")
+    assert gen[1] == 4 and gen[2]["n"] == 4 and gen[3] == [None] * 4  # 4 prompts x 4 samples
+    assert llm.per_request_draws == 0
+    assert [list(r[m.bool()]) for r, m in zip(rb.responses, rb.response_mask)] == gen[5]  # in the trainer's order
+    for g in rb.responses.view(4, 4, -1):
         assert len({tuple(r.tolist()) for r in g}) > 1
+
+
+def _engine(fake_vllm, **kw):
+    from portagrpo.rollout.vllm import VLLMRollout
+
+    engine = VLLMRollout(None, types.SimpleNamespace(eos_token_id=2, pad_token_id=0), None, model_path="m", **kw)
+    engine.update_weights({"model.embed_tokens.weight": torch.arange(6.0)})
+    return engine
+
+
+def test_tokens_come_from_the_callers_seeded_streams_not_a_call_count(fake_vllm):
+    """Reproducibility rests on the process's generators, which the trainer seeds before every rollout (run
+    seed, step, rank) and checkpoints: the same seed and requests give the same tokens on any call, and a
+    resumed run continues exactly."""
+    engine = _engine(fake_vllm)
+    ids, mask = torch.tensor([[3, 4], [3, 4], [5, 6], [5, 6]]), torch.ones(4, 2)
+    params = SamplingParams(8, 0.9)
+    draws = []
+    for seed in (11, 11, 12):
+        torch.manual_seed(seed)
+        draws.append(engine.generate(ids, mask, params).responses)
+        engine.update_weights({"model.embed_tokens.weight": torch.arange(6.0)})  # the same weights again
+    assert torch.equal(draws[0], draws[1]) and not torch.equal(draws[0], draws[2])
+    greedy = engine.generate(ids, mask, SamplingParams(8, 0.0))  # vLLM refuses n > 1 when greedy: one each
+    assert greedy.responses.shape == (4, 8)
+
+
+def test_a_generate_after_validation_reloads_the_policy_first(tmp_path, fake_vllm):
+    """sleep(level=2) discards the weights; validation, then the next step's rollout, generate twice without a
+    push in between: the second reloads the policy's weights rather than sample the discarded ones."""
+    t = _trainer(tmp_path, "data.val_size=8")
+    (llm,) = fake_vllm.instances
+    t.step()
+    assert t.validate()
+    at = len(llm.log)
+    policy = {k: v.clone() for k, v in t.models.policy.state_dict().items()}
+    t.step()
+    events = llm.log[at:]
+    first_generate = [e[0] for e in events].index("generate")
+    assert events[0] == ("wake", ("weights",))
+    reloaded = dict(pair for e in events[:first_generate] if e[0] == "load" for pair in e[1])
+    assert set(reloaded) == set(policy) - {"lm_head.weight"}  # tied: vLLM ties the head itself
+    assert all(torch.equal(v, policy[n]) for n, v in reloaded.items())  # the policy the step samples from
 
 
 def test_sampler_logprobs_are_the_processed_ones_vllm_drew_with(tmp_path, fake_vllm):
@@ -213,8 +270,8 @@ def test_vllm_ascend_wakes_because_nz_is_turned_off_its_way(fake_vllm, monkeypat
     engine.update_weights({"model.embed_tokens.weight": torch.zeros(2)})  # wakes the weights pool
     assert ("wake", ("weights",)) in engine.llm.log
     # without the plugin's settings the same stand-in refuses, as vllm-ascend does
-    monkeypatch.setattr(engine_mod, "PLUGIN_SETTINGS", {"vllm-ascend": (engine_mod.SUPPORTED_VLLM_ASCEND,
-                                                                        lambda version: ({}, {}))})
+    monkeypatch.setattr(engine_mod, "PLUGIN_SETTINGS", {"vllm-ascend": engine_mod.Plugin(
+        engine_mod.SUPPORTED_VLLM_ASCEND, lambda version: ({}, {}), processed_logprobs=False)})
     monkeypatch.delenv("VLLM_ASCEND_ENABLE_NZ", raising=False)
     bare = engine_mod.VLLMRollout(None, tok, None, model_path="m", plugin="vllm-ascend")
     with pytest.raises(ValueError, match="FRACTAL_NZ mode is enabled"):
@@ -277,16 +334,18 @@ def test_a_tensor_parallel_group_submits_the_groups_prompts_and_keeps_its_slice(
     from portagrpo.rollout.vllm import TensorParallel
 
     prompts = [[[1, 2], [3]], [[4], [5, 6], [7]], [[8]], [[9, 9]]]  # per rank
-    gather = lambda local: prompts  # noqa: E731 - what all_gather_object returns on every rank
+    gathered = [(p, 100 + rank) for rank, p in enumerate(prompts)]  # with each rank's draw from its stream
+    gather = lambda local: gathered  # noqa: E731 - what all_gather_object returns on every rank
     seen = []
     for rank in range(4):
         tp = TensorParallel(2, rank // 2, rank % 2, gather)
-        requests, mine = tp.requests(prompts[rank])
-        seen.append(requests)
+        requests, mine, seed = tp.requests(prompts[rank])
+        seen.append((requests, seed))
         assert requests[mine] == prompts[rank]
-    assert seen[0] == seen[1] == [[1, 2], [3], [4], [5, 6], [7]] and seen[2] == seen[3] == [[8], [9, 9]]
+    assert seen[0] == seen[1] == ([[1, 2], [3], [4], [5, 6], [7]], 100)  # the group samples with its first seed
+    assert seen[2] == seen[3] == ([[8], [9, 9]], 102)
     one = TensorParallel()
-    assert one.requests(prompts[1]) == (prompts[1], slice(0, 3))
+    assert one.requests(prompts[1]) == (prompts[1], slice(0, 3), None)  # alone: its streams as they are
 
 
 def test_the_stand_in_refuses_what_vllm_refuses_about_tensor_parallelism(fake_vllm, tmp_path):
@@ -373,3 +432,111 @@ def test_fp8_needs_vllms_layerwise_reload_and_an_nvidia_row(tmp_path, fake_vllm,
 
     assert "this model has model.layers.0.self_attn.qkv_proj.weight" in layer_problem(
         [("model.layers.0.self_attn.qkv_proj.weight", torch.zeros(384, 128))])
+
+
+def _qwen_on_meta(hidden, heads, kv_heads, intermediate):
+    """A one-layer Qwen2 of a real model's shapes, without memory (meta tensors)."""
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    config = Qwen2Config(hidden_size=hidden, num_attention_heads=heads, num_key_value_heads=kv_heads,
+                         intermediate_size=intermediate, num_hidden_layers=1, vocab_size=256)
+    with torch.device("meta"):
+        return Qwen2ForCausalLM(config)
+
+
+@pytest.mark.parametrize("model,tp,expected", [
+    # Qwen2.5-0.5B: 14 heads of 64, 2 KV heads: at TP=2 the q shard is 448 rows, k and v 64
+    ((896, 14, 2, 4864), 2, "q_proj.weight ([896, 896]) leaves each rank a [448, 896] shard"),
+    # Qwen2.5-3B: 16 heads of 128, 2 KV heads (one per rank at TP=4, replicated), MLP 11008: 2752 per rank
+    ((2048, 16, 2, 11008), 4, "gate_proj.weight ([11008, 2048]) leaves each rank a [2752, 2048] shard"),
+])
+def test_fp8_refuses_tensor_parallel_shards_vllms_block_kernels_refuse(fake_vllm, model, tp, expected):
+    """vLLM checks every rank's shard against the 128 block (validate_fp8_block_shape) only while it builds
+    the engine; the same check comes first here, in one sentence with the sizes that do fit."""
+    from portagrpo.backends import cpu
+    from portagrpo.errors import UserError
+    from portagrpo.rollout.vllm import fp8_allowed
+
+    policy, backend = _qwen_on_meta(*model), cpu.CPUBackend()
+    assert fp8_allowed("fp8", backend, policy, tp=1)  # whole, every dimension is a multiple of 128
+    with pytest.raises(UserError, match=re.escape(f"rollout.tensor_model_parallel_size={tp}: model.layers.0.")) as err:
+        fp8_allowed("fp8", backend, policy, tp=tp)
+    assert expected in str(err.value) and "multiples of 128" in str(err.value)
+    fits = "2 or 1" if tp == 4 else "1"  # 3B fits at TP=2 (5504 = 43 x 128); 0.5B only whole
+    assert str(err.value).endswith(f"use rollout.tensor_model_parallel_size={fits}, or rollout.precision=auto.")
+    assert not fake_vllm.instances
+
+
+def test_fp8_tensor_parallel_shards_as_vllm_splits_them():
+    from portagrpo.rollout.fp8 import layer_problem, shard_shape
+
+    assert shard_shape("model.layers.0.self_attn.o_proj.weight", (896, 896), 2) == (896, 448)  # row parallel
+    assert shard_shape("model.layers.0.mlp.down_proj.weight", (2048, 11008), 4) == (2048, 2752)
+    assert shard_shape("model.layers.0.self_attn.k_proj.weight", (256, 2048), 4, kv_heads=2) == (128, 2048)
+    assert shard_shape("model.layers.0.self_attn.k_proj.weight", (1024, 2048), 4, kv_heads=8) == (256, 2048)
+    assert shard_shape("model.layers.0.mlp.up_proj.weight", (4864, 896), 3) is None
+    # Qwen2.5-7B (28 heads of 128, 4 KV heads, MLP 18944) fits at TP=2 and TP=4
+    shapes = {"q_proj": (3584, 3584), "k_proj": (512, 3584), "v_proj": (512, 3584), "o_proj": (3584, 3584),
+              "gate_proj": (18944, 3584), "up_proj": (18944, 3584), "down_proj": (3584, 18944)}
+    named = [(f"model.layers.0.{'mlp' if 'p_proj' in k or 'down' in k else 'self_attn'}.{k}.weight",
+              torch.empty(v, device="meta")) for k, v in shapes.items()]
+    assert layer_problem(named, 2, kv_heads=4) is None and layer_problem(named, 4, kv_heads=4) is None
+
+
+def test_the_stand_in_models_a_level_two_sleep():
+    """What vLLM does silently after sleep(level=2) (the weights pool comes back with undefined contents;
+    0.11 restores the saved buffers into the weights pool on the next wake_up), the stand-in refuses."""
+    llm = FakeLLM(model="m", seed=0)
+    llm.sleep(level=2)
+    with pytest.raises(RuntimeError, match="illegal memory access"):
+        llm.wake_up(tags=["kv_cache"])  # before the weights
+    llm = FakeLLM(model="m", seed=0)
+    llm.sleep(level=2)
+    llm.wake_up(tags=["weights"])
+    llm.wake_up(tags=["kv_cache"])
+    sampling = fake_vllm_modules()["vllm"].SamplingParams
+    with pytest.raises(RuntimeError, match="discarded by sleep"):
+        llm.generate([{"prompt_token_ids": [1]}], sampling(n=2, seed=None, temperature=1.0))
+    with pytest.raises(ValueError, match="n must be 1 when using greedy sampling"):
+        sampling(n=2, seed=None, temperature=0.0)
+
+
+def _ascend(fake_vllm, monkeypatch):
+    """The stand-in as vllm-ascend 0.23, on a CPU row that names that plugin."""
+    import portagrpo.rollout.vllm as engine_mod
+    from portagrpo.backends import cpu
+
+    monkeypatch.setattr(fake_vllm, "ascend", "0.23.0")
+    monkeypatch.setattr(engine_mod, "_installed", _installed({"vllm": "0.23.0", "vllm-ascend": "0.23.0"}))
+    monkeypatch.setattr(cpu.CPUBackend, "__init__", lambda self: cpu.BaseBackend.__init__(
+        self, replace(cpu.SPEC, rollout_engines=("hf", "fixed", "vllm"), vllm_plugin="vllm-ascend")))
+
+
+@pytest.mark.parametrize("correction", ["bypass_mode=true", "rollout_is=token", "rollout_rs=token_k1 rs_bound"])
+def test_vllm_ascends_raw_logprobs_refuse_a_correction_that_would_use_them(tmp_path, fake_vllm, monkeypatch,
+                                                                          correction):
+    """vllm-ascend's sampler reports raw log-probs whatever logprobs_mode asks: at temperature 0.8 with top-k
+    they are not those of the distribution drawn from, so a correction or bypass mode would use wrong ratios."""
+    from portagrpo.errors import UserError
+
+    _ascend(fake_vllm, monkeypatch)
+    with pytest.raises(UserError, match=re.escape(f"algorithm.rollout_correction.{correction.split('=')[0]} needs "
+                                                  f"the sampler's log-probs") + ".*vllm-ascend reports raw ones"):
+        extra = ["algorithm.rollout_correction.rollout_rs_threshold=2.0"] if correction.endswith("rs_bound") else []
+        _trainer(tmp_path, f"algorithm.rollout_correction.{correction.split()[0]}", *extra)
+    assert not fake_vllm.instances  # refused before vLLM was built
+
+
+def test_vllm_ascends_raw_logprobs_are_returned_only_where_they_are_the_sampled_ones(tmp_path, fake_vllm,
+                                                                                   monkeypatch):
+    """Without a correction the run goes on with no sampler log-probs at temperature 0.8 / top-k 20 (so no
+    mismatch metrics, rather than wrong ones); at temperature 1 without truncation the raw ones are exact."""
+    _ascend(fake_vllm, monkeypatch)
+    t = _trainer(tmp_path)
+    metrics = t.step().metrics
+    assert "rollout_corr/abs_logp_diff_mean" not in metrics and "rollout_corr/kl" not in metrics
+    engine = t.parts.engine
+    ids, mask = torch.tensor([[3, 4], [3, 4]]), torch.ones(2, 2)
+    assert engine.generate(ids, mask, SamplingParams(8, 0.8, top_k=20)).logp is None
+    plain = engine.generate(ids, mask, SamplingParams(8, 1.0))
+    assert plain.logp is not None and torch.all(plain.logp[plain.mask.bool()] == -math.log(22))
