@@ -26,8 +26,8 @@ ADV_ESTIMATORS: Registry[AdvantageEstimator] = Registry("advantage estimator")
 
 def _groups(scores: torch.Tensor, uid: torch.Tensor) -> tuple[torch.Tensor, int, torch.Tensor]:
     """(group index [B], number of groups, tied [G]: whether a group's scores are all equal)."""
-    _, group = torch.unique(uid, return_inverse=True)
-    num_groups = int(group.max()) + 1 if group.numel() else 0
+    ids, group = torch.unique(uid, return_inverse=True)
+    num_groups = ids.shape[0]  # group indices are 0..G-1, every one used: no read of group.max() needed
     gmax = torch.full((num_groups,), float("-inf"), dtype=scores.dtype, device=scores.device)
     gmin = torch.full((num_groups,), float("inf"), dtype=scores.dtype, device=scores.device)
     gmax = gmax.scatter_reduce(0, group, scores, reduce="amax")

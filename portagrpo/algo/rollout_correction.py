@@ -18,13 +18,15 @@ Semantics are verl 0.9.1's `compute_rollout_correction_and_rejection_mask`
   the loss mask; the response mask (attention) is never touched.
 
 Everything is a pure function of tensors and numbers: verl's threshold strings ("0.5_5.0", "2.0,1.0") are
-parsed, strictly, by the config (`config/rules.py: correction_bounds`), never here.
+parsed, strictly, by the config (`config/rules.py: correction_bounds`), never here. Metrics come back as detached
+0-dim tensors and nothing here reads a value to the host (STYLE rule 1): the caller reads a batch's metrics once
+and hands them to `refusal`, which says why a batch cannot be corrected (verl raises there).
 """
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Optional, Union
+from typing import Mapping, Optional, Union
 
 import torch
 
@@ -54,7 +56,18 @@ class RolloutCorrection:
 
     @property
     def active(self) -> bool:
-        return self.reweights or bool(self.rollout_rs)
+        return self.reweights or len(self.rollout_rs) > 0
+
+
+Metrics = dict[str, torch.Tensor]  # name -> detached 0-dim tensor
+
+
+def _detached(metrics: Metrics) -> Metrics:
+    return {k: v.detach() for k, v in metrics.items()}
+
+
+def _zero(like: torch.Tensor) -> torch.Tensor:
+    return torch.zeros((), dtype=like.dtype, device=like.device)
 
 
 def _sum(x: torch.Tensor, mask: torch.Tensor, dim=None) -> torch.Tensor:
@@ -70,17 +83,40 @@ def _mean(x: torch.Tensor, mask: torch.Tensor, dim=None) -> torch.Tensor:
     return _sum(x, mask, dim) / ((m.sum() if dim is None else m.sum(dim)) + 1e-8)
 
 
-def _spread(values: torch.Tensor, mask: torch.Tensor, low: float, high: float) -> float:
+# Statistics over the entries a bool `valid` selects, each 0 where it selects none: what indexing `x[valid]` and
+# asking `.numel()` gave, without a data-dependent shape (no host sync).
+def _masked_mean(x: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
+    n = valid.sum()
+    return torch.where(n > 0, _sum(x, valid) / n.clamp(min=1), _zero(x))
+
+
+def _masked_std(x: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
+    """The unbiased standard deviation (0 for <= 1 entry)."""
+    n = valid.sum()
+    centered = torch.where(valid, x - _masked_mean(x, valid), torch.zeros_like(x))
+    return torch.where(n > 1, (centered.square().sum() / (n - 1).clamp(min=1)).sqrt(), _zero(x))
+
+
+def _masked_max(x: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
+    top = torch.where(valid, x, torch.full_like(x, -float("inf"))).max()
+    return torch.where(valid.any(), top, _zero(x))
+
+
+def _masked_min(x: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
+    bottom = torch.where(valid, x, torch.full_like(x, float("inf"))).min()
+    return torch.where(valid.any(), bottom, _zero(x))
+
+
+def _spread(values: torch.Tensor, mask: torch.Tensor, low: float, high: float) -> torch.Tensor:
     """Population standard deviation of `values` clamped to [low, high] over valid entries (0 for <= 1 entry)."""
-    if mask.sum() <= 1:
-        return 0.0
     c = values.clamp(min=low, max=high)
-    return float(torch.sqrt(torch.clamp(_mean(c.square(), mask) - _mean(c, mask).square(), min=0.0)))
+    std = torch.sqrt(torch.clamp(_mean(c.square(), mask) - _mean(c, mask).square(), min=0.0))
+    return torch.where(mask.sum() <= 1, _zero(std), std)
 
 
-def _fraction(flags: torch.Tensor) -> float:
-    """The share of True entries, averaged in fp32 as verl's `.float().mean()` does."""
-    return float(flags.float().mean()) if flags.numel() else 0.0
+def _fraction(flags: torch.Tensor) -> torch.Tensor:
+    """The share of True entries, averaged in fp32 as verl's `.float().mean()` does (0 of none)."""
+    return flags.float().mean() if flags.numel() else torch.zeros((), device=flags.device)
 
 
 def _is_bounds(threshold) -> tuple[float, float | None]:
@@ -94,7 +130,7 @@ def _is_bounds(threshold) -> tuple[float, float | None]:
 
 
 def is_weights(log_ratio: torch.Tensor, mask: torch.Tensor, level: str, threshold: IsThreshold,
-               batch_normalize: bool = False) -> tuple[torch.Tensor, dict[str, float]]:
+               batch_normalize: bool = False) -> tuple[torch.Tensor, Metrics]:
     """Truncated importance weights [B, T] (detached) and their metrics; `threshold` U truncates above (TIS),
     (L, U) zeroes the weights outside [L, U] (IcePop)."""
     if level not in ("token", "sequence"):
@@ -114,7 +150,7 @@ def is_weights(log_ratio: torch.Tensor, mask: torch.Tensor, level: str, threshol
         weights = torch.where((raw >= lower) & (raw <= upper), raw, torch.zeros_like(raw))
     metrics = _is_metrics(weights, raw, stat, mask, level, upper, lower)
     if lower is not None:
-        metrics["rollout_is_oob_ratio"] = float(_mean(((raw < lower) | (raw > upper)).to(raw.dtype), mask))
+        metrics["rollout_is_oob_ratio"] = _mean(((raw < lower) | (raw > upper)).to(raw.dtype), mask)
     weights = weights.detach()
     if batch_normalize:
         if level == "token":
@@ -123,44 +159,39 @@ def is_weights(log_ratio: torch.Tensor, mask: torch.Tensor, level: str, threshol
             per_seq = _mean(weights, mask, -1)
             valid = (m.sum(-1) > 0).to(weights.dtype)
             mean = (per_seq * valid).sum() / valid.sum().clamp(min=1e-8)
-        if mean > 1e-8:  # NaN is not: then the weights stay as they are
-            weights = weights / mean
-            metrics["rollout_is_batch_norm_factor"] = float(mean)
-        else:
-            metrics["rollout_is_batch_norm_factor"] = 1.0
-    return weights, metrics
+        factor = torch.where(mean > 1e-8, mean, torch.ones_like(mean))  # NaN is not: the weights stay as they are
+        weights = weights / factor
+        metrics["rollout_is_batch_norm_factor"] = factor
+    return weights, _detached(metrics)
 
 
 def _is_metrics(w: torch.Tensor, raw: torch.Tensor, stat: torch.Tensor, mask: torch.Tensor, level: str,
-                upper: float, lower: float | None) -> dict[str, float]:
+                upper: float, lower: float | None) -> Metrics:
     low = lower if lower is not None else 1.0 / upper
     valid = mask.bool()
-    out = {"rollout_is_mean": float(_mean(w, mask))}
+    out = {"rollout_is_mean": _mean(w, mask)}
     if level == "token":
-        out["rollout_is_max"] = float(w[valid].max())
-        out["rollout_is_min"] = float(w[valid].min())
-        out["rollout_is_ratio_fraction_high"] = float(_mean((raw > upper).to(w.dtype), mask))
-        out["rollout_is_ratio_fraction_low"] = float(_mean((raw < low).to(w.dtype), mask))
+        out["rollout_is_max"] = _masked_max(w, valid)
+        out["rollout_is_min"] = _masked_min(w, valid)
+        out["rollout_is_ratio_fraction_high"] = _mean((raw > upper).to(w.dtype), mask)
+        out["rollout_is_ratio_fraction_low"] = _mean((raw < low).to(w.dtype), mask)
     else:
         s = stat.squeeze(-1)
-        out["rollout_is_max"] = float(torch.exp(s.max().clamp(max=SAFETY_BOUND)))
-        out["rollout_is_min"] = float(torch.exp(s.min()))
+        out["rollout_is_max"] = torch.exp(s.max().clamp(max=SAFETY_BOUND))
+        out["rollout_is_min"] = torch.exp(s.min())
         out["rollout_is_ratio_fraction_high"] = _fraction(s > math.log(upper))
         out["rollout_is_ratio_fraction_low"] = _fraction(s < math.log(low))
     out["rollout_is_std"] = _spread(w, mask, 0.0, upper)
     c = w.clamp(min=0.0, max=upper)
     normalized = c / (_mean(c, mask) + 1e-8)
-    spread = float(_mean(normalized.square(), mask))
-    if spread == 0.0:  # verl divides by it regardless (ZeroDivisionError); say why instead
-        raise ValueError(f"algorithm.rollout_correction.rollout_is_threshold: every importance weight of the batch "
-                         f"is outside [{lower}, {upper}] (IcePop set them all to 0); widen the bounds.")
-    out["rollout_is_eff_sample_size"] = 1.0 / spread
+    # in fp64, as the host read it: 1 / 0 = inf where IcePop zeroed every weight (verl divides by zero; `refusal`)
+    out["rollout_is_eff_sample_size"] = 1.0 / _mean(normalized.square(), mask).double()
     seq = _mean(w, mask, -1)
-    out["rollout_is_seq_mean"] = float(seq.mean())
-    out["rollout_is_seq_std"] = float(seq.std()) if seq.numel() > 1 else 0.0
-    out["rollout_is_seq_max"] = float(seq.max())
-    out["rollout_is_seq_min"] = float(seq.min())
-    out["rollout_is_seq_max_deviation"] = float((seq - 1.0).abs().max())
+    out["rollout_is_seq_mean"] = seq.mean()
+    out["rollout_is_seq_std"] = seq.std() if seq.numel() > 1 else _zero(seq)
+    out["rollout_is_seq_max"] = seq.max()
+    out["rollout_is_seq_min"] = seq.min()
+    out["rollout_is_seq_max_deviation"] = (seq - 1.0).abs().max()
     raw_seq = _mean(raw, mask, -1)
     out["rollout_is_seq_fraction_high"] = _fraction(raw_seq > upper)
     out["rollout_is_seq_fraction_low"] = _fraction(raw_seq < low)
@@ -175,8 +206,7 @@ def _divergence(name: str, lr: torch.Tensor) -> torch.Tensor:
     return torch.exp(lr) - 1.0 - lr
 
 
-def rejection_mask(log_ratio: torch.Tensor, mask: torch.Tensor,
-                   bounds: RsBounds) -> tuple[torch.Tensor, dict[str, float]]:
+def rejection_mask(log_ratio: torch.Tensor, mask: torch.Tensor, bounds: RsBounds) -> tuple[torch.Tensor, Metrics]:
     """The loss mask with rejected tokens (or whole sequences) set to 0, and per-option metrics. `bounds`:
     (option, lower, upper) per option; k1 options bound the ratio to [lower, upper], k2/k3 options their
     divergence to at most `upper` (lower None)."""
@@ -187,7 +217,7 @@ def rejection_mask(log_ratio: torch.Tensor, mask: torch.Tensor,
     valid = mask.bool()
     valid_rows = valid.any(-1)
     keep_all = torch.ones_like(lr)
-    metrics: dict[str, float] = {}
+    metrics: Metrics = {}
     for name, lower, upper in bounds:
         k1 = name.endswith("k1")
         lo, hi = (math.log(lower), math.log(upper)) if k1 else (0.0, upper)
@@ -206,72 +236,65 @@ def rejection_mask(log_ratio: torch.Tensor, mask: torch.Tensor,
         keep = (stat >= lo) & (stat <= hi) if k1 else stat <= hi
         keep_all = keep_all * keep.to(lr.dtype)
         metrics.update(_rs_metrics(f"rollout_rs_{name}", stat, per_seq, keep, mask, lo, hi, k1))
-    metrics["rollout_rs_masked_fraction"] = float(_mean(1.0 - keep_all, mask))
+    metrics["rollout_rs_masked_fraction"] = _mean(1.0 - keep_all, mask)
     rejected_row = ((keep_all == 0) & valid).any(-1)
     metrics["rollout_rs_seq_masked_fraction"] = _fraction(rejected_row)
-    return (mask * keep_all).to(mask.dtype), metrics
+    return (mask * keep_all).to(mask.dtype), _detached(metrics)
 
 
 def _rs_metrics(p: str, stat: torch.Tensor, per_seq: torch.Tensor | None, keep: torch.Tensor, mask: torch.Tensor,
-                lo: float, hi: float, k1: bool) -> dict[str, float]:
+                lo: float, hi: float, k1: bool) -> Metrics:
     valid = mask.bool()
-    valid_rows = valid.any(-1)
-    seqv = (_mean(stat, mask, -1) if per_seq is None else per_seq)[valid_rows]
-    level = stat[valid] if per_seq is None else seqv
-    if per_seq is None:  # token level: means over valid tokens
-        high, low = float(_mean((stat > hi).float(), mask)), float(_mean((stat < lo).float(), mask)) if k1 else 0.0
+    rows = valid.any(-1)  # the `_seq_*` statistics are over the sequences with a valid token
+    seq = _mean(stat, mask, -1) if per_seq is None else per_seq
+    if per_seq is None:  # token level: over valid tokens
+        high, low = _mean((stat > hi).float(), mask), _mean((stat < lo).float(), mask) if k1 else None
+        top, bottom = _masked_max(stat, valid), _masked_min(stat, valid)
     else:
-        high, low = _fraction(seqv > hi), _fraction(seqv < lo) if k1 else 0.0
-    out = {f"{p}_mean": float(_mean(stat, mask)),
-           f"{p}_max": float(level.max()) if level.numel() else 0.0,
-           f"{p}_min": float(level.min()) if level.numel() else 0.0,
-           f"{p}_fraction_high": high, f"{p}_fraction_low": low,
-           f"{p}_std": _spread(stat, mask, lo if k1 else 0.0, hi)}
-    if seqv.numel():
-        out.update({f"{p}_seq_mean": float(seqv.mean()), f"{p}_seq_std": float(seqv.std()) if seqv.numel() > 1 else 0.0,
-                    f"{p}_seq_max": float(seqv.max()), f"{p}_seq_min": float(seqv.min()),
-                    f"{p}_seq_max_deviation": float(seqv.abs().max()),
-                    f"{p}_seq_fraction_high": _fraction(seqv > hi)})
-        if k1:
-            out[f"{p}_seq_fraction_low"] = _fraction(seqv < lo)
-    else:
-        out.update({f"{p}_seq_{k}": 0.0 for k in ("mean", "std", "max", "min", "max_deviation", "fraction_high")})
-        if k1:
-            out[f"{p}_seq_fraction_low"] = 0.0
-    rejected = (~keep).to(stat.dtype)
-    out[f"{p}_masked_fraction"] = float(_mean(rejected, mask))
+        high, low = _masked_mean((seq > hi).float(), rows), _masked_mean((seq < lo).float(), rows) if k1 else None
+        top, bottom = _masked_max(seq, rows), _masked_min(seq, rows)
+    out = {f"{p}_mean": _mean(stat, mask), f"{p}_max": top, f"{p}_min": bottom, f"{p}_fraction_high": high,
+           f"{p}_fraction_low": _zero(high) if low is None else low,
+           f"{p}_std": _spread(stat, mask, lo if k1 else 0.0, hi),
+           f"{p}_seq_mean": _masked_mean(seq, rows), f"{p}_seq_std": _masked_std(seq, rows),
+           f"{p}_seq_max": _masked_max(seq, rows), f"{p}_seq_min": _masked_min(seq, rows),
+           f"{p}_seq_max_deviation": _masked_max(seq.abs(), rows),
+           f"{p}_seq_fraction_high": _masked_mean((seq > hi).float(), rows)}
+    if k1:
+        out[f"{p}_seq_fraction_low"] = _masked_mean((seq < lo).float(), rows)
+    out[f"{p}_masked_fraction"] = _mean((~keep).to(stat.dtype), mask)
     rows_hit = ((~keep) & valid).any(-1)
-    out[f"{p}_seq_masked_fraction"] = float(rows_hit[valid_rows].to(stat.dtype).mean()) if valid_rows.any() else 0.0
+    out[f"{p}_seq_masked_fraction"] = _masked_mean(rows_hit.to(stat.dtype), rows)
     return out
 
 
-def mismatch_metrics(old_logp: torch.Tensor, rollout_logp: torch.Tensor | None,
-                     mask: torch.Tensor) -> dict[str, float]:
+def mismatch_metrics(old_logp: torch.Tensor, rollout_logp: torch.Tensor | None, mask: torch.Tensor) -> Metrics:
     """How far the sampler's policy is from the trainer's (verl's off-policy metrics, unprefixed)."""
     lp_t = old_logp
     mlp_t = _mean(lp_t, mask, -1)
-    out = {"training_ppl": float(torch.exp(-mlp_t).mean()), "training_log_ppl": float((-mlp_t).mean())}
+    out = {"training_ppl": torch.exp(-mlp_t).mean(), "training_log_ppl": (-mlp_t).mean()}
     if rollout_logp is None:
-        return out
+        return _detached(out)
     lp_r = rollout_logp
     mlp_r = _mean(lp_r, mask, -1)
     lr = lp_t - lp_r
     diff = mlp_r - mlp_t
     lrc = lr.clamp(-SAFETY_BOUND, SAFETY_BOUND)
     out.update({
-        "kl": float(_mean(lp_r - lp_t, mask)),
-        "k3_kl": float(_mean(torch.exp(lr) - lr - 1.0, mask)),
-        "rollout_ppl": float(torch.exp(-mlp_r).mean()),
-        "rollout_log_ppl": float((-mlp_r).mean()),
-        "log_ppl_diff": float(diff.mean()),
-        "log_ppl_abs_diff": float(diff.abs().mean()),
-        "log_ppl_diff_max": float(diff.max()),
-        "log_ppl_diff_min": float(diff.min()),
-        "ppl_ratio": float(torch.exp(diff).mean()),
-        "chi2_token": float(_mean(torch.exp(lrc).square(), mask)) - 1.0,
-        "chi2_seq": float(torch.exp(2.0 * _sum(lr, mask, -1).clamp(-SAFETY_BOUND, SAFETY_BOUND)).mean()) - 1.0,
+        "kl": _mean(lp_r - lp_t, mask),
+        "k3_kl": _mean(torch.exp(lr) - lr - 1.0, mask),
+        "rollout_ppl": torch.exp(-mlp_r).mean(),
+        "rollout_log_ppl": (-mlp_r).mean(),
+        "log_ppl_diff": diff.mean(),
+        "log_ppl_abs_diff": diff.abs().mean(),
+        "log_ppl_diff_max": diff.max(),
+        "log_ppl_diff_min": diff.min(),
+        "ppl_ratio": torch.exp(diff).mean(),
+        # the "- 1" in fp64, as verl takes it on the host
+        "chi2_token": _mean(torch.exp(lrc).square(), mask).double() - 1.0,
+        "chi2_seq": torch.exp(2.0 * _sum(lr, mask, -1).clamp(-SAFETY_BOUND, SAFETY_BOUND)).mean().double() - 1.0,
     })
-    return out
+    return _detached(out)
 
 
 # portagrpo's own, beside verl's: the plain per-token gap and an effective sample size that exists
@@ -279,31 +302,31 @@ def mismatch_metrics(old_logp: torch.Tensor, rollout_logp: torch.Tensor | None,
 GAP_KEYS = ("abs_logp_diff_mean", "abs_logp_diff_max", "eff_sample_size")
 
 
-def gap_metrics(old_logp: torch.Tensor, rollout_logp: torch.Tensor, mask: torch.Tensor) -> dict[str, float]:
-    """|old - rollout| log-prob per token (mean, max) and the normalised ESS of the token ratios, in (0, 1]."""
+def gap_metrics(old_logp: torch.Tensor, rollout_logp: torch.Tensor, mask: torch.Tensor) -> Metrics:
+    """|old - rollout| log-prob per token (mean, max) and the normalised ESS of the token ratios, in (0, 1]
+    (inf, 1 / 0 in fp64, for a batch without a valid token)."""
     gap = torch.where(mask.bool(), (old_logp - rollout_logp).abs(), torch.zeros_like(old_logp))
     ratio = torch.exp((old_logp - rollout_logp).clamp(-SAFETY_BOUND, SAFETY_BOUND))
     normalized = ratio / (_mean(ratio, mask) + 1e-8)
-    return {"abs_logp_diff_mean": float(_mean(gap, mask)), "abs_logp_diff_max": float(gap.max()),
-            "eff_sample_size": 1.0 / float(_mean(normalized.square(), mask))}
+    return _detached({"abs_logp_diff_mean": _mean(gap, mask), "abs_logp_diff_max": gap.max(),
+                      "eff_sample_size": 1.0 / _mean(normalized.square(), mask).double()})
 
 
-def gap_report(old_logp: torch.Tensor, rollout_logp: torch.Tensor, mask: torch.Tensor) -> dict[str, float]:
+def gap_report(old_logp: torch.Tensor, rollout_logp: torch.Tensor, mask: torch.Tensor) -> Metrics:
     """The `rollout_corr/*` metrics of a batch without correction: verl's off-policy set and the gap."""
     out = {**mismatch_metrics(old_logp, rollout_logp, mask), **gap_metrics(old_logp, rollout_logp, mask)}
     return {PREFIX + k: v for k, v in out.items()}
 
 
 def correct_rollout(old_logp: torch.Tensor, rollout_logp: torch.Tensor, mask: torch.Tensor,
-                    spec: RolloutCorrection) -> tuple[torch.Tensor | None, torch.Tensor, dict[str, float]]:
-    """(IS weights [B, T] or None, loss mask [B, T], `rollout_corr/*` metrics) for one batch."""
-    if not mask.bool().any():
-        raise ValueError("rollout correction needs at least one valid token.")
+                    spec: RolloutCorrection) -> tuple[torch.Tensor | None, torch.Tensor, Metrics]:
+    """(IS weights [B, T] or None, loss mask [B, T], `rollout_corr/*` metrics) for one batch. Whether the batch
+    can be corrected at all is read from the metrics on the host: `refusal`."""
     if old_logp.shape != rollout_logp.shape or old_logp.shape != mask.shape:
         raise ValueError(f"rollout correction: shapes differ ({tuple(old_logp.shape)}, {tuple(rollout_logp.shape)}, "
                          f"{tuple(mask.shape)}).")
     log_ratio = old_logp - rollout_logp
-    metrics: dict[str, float] = {}
+    metrics: Metrics = {}
     weights = None
     if spec.reweights:
         weights, m = is_weights(log_ratio, mask, spec.rollout_is, spec.rollout_is_threshold,
@@ -316,3 +339,19 @@ def correct_rollout(old_logp: torch.Tensor, rollout_logp: torch.Tensor, mask: to
     metrics.update(mismatch_metrics(old_logp, rollout_logp, mask))
     metrics.update(gap_metrics(old_logp, rollout_logp, mask))
     return weights, loss_mask, {PREFIX + k: v for k, v in metrics.items()}
+
+
+def refusal(metrics: Mapping[str, float], spec: RolloutCorrection) -> str | None:
+    """Why a corrected batch cannot be trained on, read from its `rollout_corr/*` metrics once the caller has them
+    on the host; None when it can (and always for a batch only measured, `spec` inactive). An infinite effective
+    sample size is a batch with no weight left: no valid token, or every importance weight outside IcePop's band
+    (where verl divides by zero)."""
+    if not spec.active:
+        return None
+    if metrics.get(PREFIX + "eff_sample_size") == math.inf:
+        return "rollout correction needs at least one valid token."
+    if metrics.get(PREFIX + "rollout_is_eff_sample_size") == math.inf:
+        upper, lower = _is_bounds(spec.rollout_is_threshold)
+        return (f"algorithm.rollout_correction.rollout_is_threshold: every importance weight of the batch is outside "
+                f"[{lower}, {upper}] (IcePop set them all to 0); widen the bounds.")
+    return None

@@ -8,7 +8,7 @@ from typing import Any
 import torch
 
 from portagrpo.algo.objective import Shaping, shape_and_advantage
-from portagrpo.algo.rollout_correction import RolloutCorrection, correct_rollout, gap_report
+from portagrpo.algo.rollout_correction import RolloutCorrection, correct_rollout, gap_report, refusal
 from portagrpo.batch import RolloutBatch, TrainBatch
 from portagrpo.config import Config, correction_bounds
 from portagrpo.errors import UserError
@@ -69,6 +69,13 @@ class Scored:
 
     def tensors(self) -> tuple[torch.Tensor | None, ...]:
         return (self.scores, self.correct, self.errors, self.old_logp, self.ref_logp, self.entropy)
+
+
+def host_metrics(metrics: dict[str, torch.Tensor]) -> dict[str, float]:
+    """Detached 0-dim metric tensors as floats, read in one host transfer (in fp64: no value is rounded)."""
+    if not metrics:
+        return {}
+    return dict(zip(metrics, torch.stack([v.detach().to(torch.float64) for v in metrics.values()]).tolist()))
 
 
 def solved_of(correct: torch.Tensor) -> torch.Tensor:
@@ -156,15 +163,19 @@ class ExperienceMaker:
 
     def prepare(self, scored: ScoredRollout) -> Experience:
         batch, shaped, corr = self.train_batch(scored.rollout, scored.scores, scored.old_logp, scored.ref_logp)
+        corr = host_metrics(corr)  # the correction's one host read
+        why = refusal(corr, self.settings.correction)
+        if why is not None:
+            raise UserError(why)
         return Experience(batch, raw_scores=scored.scores, scores=shaped, correct=scored.correct,
                           entropy=scored.entropy, reward_errors=scored.reward_errors, rollout_corr=corr,
                           t_gen=scored.t_gen, t_scored=scored.t_scored, gen_rounds=scored.gen_rounds,
                           staleness=scored.staleness)
 
     def train_batch(self, rb: RolloutBatch, raw_scores: torch.Tensor, old_logp: torch.Tensor | None,
-                    ref_logp: torch.Tensor | None) -> tuple[TrainBatch, torch.Tensor, dict[str, float]]:
+                    ref_logp: torch.Tensor | None) -> tuple[TrainBatch, torch.Tensor, dict[str, torch.Tensor]]:
         """The global batch with its rollout correction and advantages; the shaped scores; the `rollout_corr/*`
-        metrics of a batch scored before its update (empty otherwise)."""
+        metrics of a batch scored before its update, as detached 0-dim tensors (empty otherwise)."""
         spec, sampled = self.settings.correction, rb.rollout_logp
         if spec.bypass_mode:
             if sampled is None:

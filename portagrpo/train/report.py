@@ -11,7 +11,7 @@ from portagrpo.algo.losses import masked_mean
 from portagrpo.algo.rollout_correction import gap_report
 from portagrpo.metrics import StepMetrics
 from portagrpo.train.build import Runtime
-from portagrpo.train.experience import Experience
+from portagrpo.train.experience import Experience, host_metrics
 from portagrpo.train.update import UpdateStats
 
 
@@ -78,4 +78,4 @@ def _measured_in_update(exp: Experience, stats: UpdateStats) -> dict[str, float]
     rb = exp.batch.rollout
     if stats.trainer_logp is None or rb.rollout_logp is None:
         return None
-    return gap_report(stats.trainer_logp, rb.rollout_logp, rb.response_mask)
+    return host_metrics(gap_report(stats.trainer_logp, rb.rollout_logp, rb.response_mask))

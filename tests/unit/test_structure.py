@@ -145,3 +145,38 @@ def test_a_batch_source_is_one_module_that_registers_itself():
     _discover()
     files = sorted(p.stem for p in (ROOT / "portagrpo/train/sources").glob("*.py") if p.stem != "__init__")
     assert sorted(SOURCES.names()) == files
+
+
+HOST_READS = {"item", "tolist", "cpu", "numpy"}
+
+
+def host_reads(tree: ast.AST) -> list[str]:
+    """Where the code reads a value to the host: float()/int()/bool() of anything but a literal, or a tensor's
+    .item()/.tolist()/.cpu()/.numpy()."""
+    found = []
+    for node in ast.walk(tree):
+        if not isinstance(node, ast.Call):
+            continue
+        fn = node.func
+        if isinstance(fn, ast.Name) and fn.id in ("float", "int", "bool") and node.args:
+            try:
+                ast.literal_eval(node.args[0])
+            except (ValueError, TypeError, SyntaxError):
+                found.append(f"line {node.lineno}: {fn.id}({ast.unparse(node.args[0])})")
+        elif isinstance(fn, ast.Attribute) and fn.attr in HOST_READS:
+            found.append(f"line {node.lineno}: .{fn.attr}()")
+    return found
+
+
+def test_algo_makes_no_host_reads():
+    """STYLE rule 1: the math returns detached tensors and the loop decides when to sync, so no module in algo/
+    reads a value to the host (`float("inf")` and other literals are constants, not reads)."""
+    found = [f"{path.relative_to(ROOT)} {where}" for path in sorted((ROOT / "portagrpo/algo").glob("*.py"))
+             for where in host_reads(ast.parse(path.read_text()))]
+    assert found == []
+
+
+def test_the_host_read_finder_finds_reads_and_spares_literals():
+    code = "a = float('inf')\nb = int(-1)\nc = float(x.sum())\nd = y.item()\ne = bool(z)\nf = w.cpu().numpy()\n"
+    assert host_reads(ast.parse(code)) == ["line 3: float(x.sum())", "line 4: .item()", "line 5: bool(z)",
+                                           "line 6: .numpy()", "line 6: .cpu()"]
