@@ -1,11 +1,14 @@
-"""`portagrpo hardware-check DEVICE [--out DIR] [--size full|tiny]` (also `ci/hardware-check.sh`): the
-whole check of one machine's device, in one command, with one report (report.md + report.json).
+"""`portagrpo hardware-check DEVICE [OUT] [--size full|tiny] [--tests DIR]` (also `ci/hardware-check.sh`):
+the whole check of one machine's device, in one command, with one report (report.md + report.json).
 
 Steps, each a separate `portagrpo`/pytest process whose command, exit status, time and output tail
 are recorded:
 1. `doctor` (what the machine has);
 2. `parity` in fp32 and bf16 with every log-prob kernel the backend offers;
-3. the device-marked tests (`pytest -m DEVICE tests/parity`);
+3. the device-marked tests (`pytest -m DEVICE tests/parity`). They live in the source tree, not in an
+   installed portagrpo: `--tests DIR`, else `tests/parity` under the current directory (a clone, the
+   images' WORKDIR), else beside the imported package (an editable install); found nowhere, the step is
+   skipped with that reason;
 4. a run recorded on the CPU, replayed on DEVICE;
 5. a Qwen2.5-0.5B-shaped random-init model (its config written here, nothing downloaded) trained for
    30 steps under every parallel strategy the machine can run (one process; ddp and fsdp2 on two
@@ -15,6 +18,10 @@ are recorded:
 `--size tiny` shrinks every step (a tiny model, 2 steps, small benchmark shapes) so that CI runs the
 script itself on `cpu` and `emu` within minutes; the report says which size ran. A step that cannot run
 here (no second device, no vLLM) is recorded as skipped with the reason, never as passed.
+
+The check depends on no source tree and on no working directory: OUT is made absolute once, and every
+step runs in OUT as `python -P -m portagrpo` (procs.portagrpo_command), so a relative OUT and a source
+tree in the caller's directory (the images keep their WORKDIR at one) change nothing.
 """
 from __future__ import annotations
 
@@ -29,6 +36,7 @@ from pathlib import Path
 from typing import Any
 
 from portagrpo.fileio import write_text_atomic
+from portagrpo.procs import portagrpo_command
 
 QWEN25_05B = {"hidden_size": 896, "intermediate_size": 4864, "num_hidden_layers": 24, "num_attention_heads": 14,
               "num_key_value_heads": 2, "max_position_embeddings": 32768, "rope_theta": 1000000.0,
@@ -46,7 +54,7 @@ SIZES = {
 }
 QUIET = ["trainer.test_freq=0", "trainer.save_freq=0", "trainer.plot=false", "trainer.tensorboard=false",
          "trainer.progress_bar=false"]
-ROOT = Path(__file__).resolve().parents[2]
+TESTS = Path("tests") / "parity"  # the device-marked tests, relative to a source tree's root
 
 
 class Check:
@@ -60,7 +68,8 @@ class Check:
         self.log(f"[hardware-check] {name}: {' '.join(argv)}")
         start = time.monotonic()
         try:
-            done = subprocess.run(argv, capture_output=True, text=True, env=self.env, timeout=timeout_s, cwd=ROOT)
+            done = subprocess.run(argv, capture_output=True, text=True, env=self.env, timeout=timeout_s,
+                                  cwd=self.out)
             code, output = done.returncode, done.stdout + done.stderr
         except subprocess.TimeoutExpired as err:
             code, output = 124, f"timed out after {timeout_s:.0f}s\n{err.stdout or ''}"
@@ -80,7 +89,19 @@ class Check:
 
 
 def _cli(*args: str) -> list[str]:
-    return [sys.executable, "-m", "portagrpo", *args]
+    return portagrpo_command(*args)
+
+
+def find_device_tests(explicit: Path | None = None) -> tuple[Path | None, str]:
+    """The folder of the device-marked tests, or None and the sentence saying why they are not run."""
+    if explicit is not None:
+        return explicit.resolve(), ""
+    source_tree = Path(__file__).resolve().parents[2]  # the clone's root in an editable install
+    for candidate in (Path.cwd() / TESTS, source_tree / TESTS):
+        if (candidate / "test_parity.py").is_file():
+            return candidate.resolve(), ""
+    return None, (f"the device-marked tests ({TESTS}) are not here: an installed portagrpo carries no tests; run "
+                  "from a clone's root or the image's /opt/portagrpo, or pass --tests CLONE/tests/parity")
 
 
 def write_model(folder: Path, shape: dict[str, Any]) -> Path:
@@ -124,13 +145,14 @@ def _has(module: str) -> bool:
     return importlib.util.find_spec(module) is not None
 
 
-def run_check(device: str, out: Path, size: str = "full", log=print) -> dict[str, Any]:
+def run_check(device: str, out: Path, size: str = "full", log=print, tests: Path | None = None) -> dict[str, Any]:
+    out = Path(out).resolve()  # once: the steps run in OUT, and every path handed to them is absolute
     out.mkdir(parents=True, exist_ok=True)
     s = SIZES[size]
     check = Check(device, out, size, log)
     facts = _backend_facts(device)
     dtype = "bf16" if facts["bf16"] and facts["name"] != "cpu" else "fp32"
-    _check_numerics(check, device, out, facts, s)
+    _check_numerics(check, device, out, facts, s, tests)
     model = write_model(out / "model", s["model"])
     _check_training(check, device, out, facts, s, model, dtype)
     shapes = ["--shapes", s["shapes"]] if s["shapes"] else []
@@ -147,15 +169,21 @@ def run_check(device: str, out: Path, size: str = "full", log=print) -> dict[str
     return report
 
 
-def _check_numerics(check: Check, device: str, out: Path, facts: dict, s: dict) -> None:
+def _check_numerics(check: Check, device: str, out: Path, facts: dict, s: dict, tests: Path | None) -> None:
     """The doctor, the parity suite, the device-marked tests, and a CPU recording replayed on the device."""
     check.run("doctor", _cli("doctor", "--json"))
     write_text_atomic(out / "doctor.json", check.last_output)
     check.run("parity", _cli("parity", "--device", device, "--dtype", "fp32,bf16", "--kernels",
                              ",".join(facts["kernels"]), "--json", str(out / "parity.json")))
-    check.run("device tests", [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-m", facts["name"],
-                               "tests/parity", "--junitxml", str(out / "pytest-device.xml")],
-              skip_codes={5: f"no test is marked {facts['name']}"})
+    folder, why_not = find_device_tests(tests)
+    if folder is None:
+        check.skip("device tests", why_not)
+    elif not _has("pytest"):
+        check.skip("device tests", "pytest is not installed (pip install pytest)")
+    else:
+        check.run("device tests", [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-m", facts["name"],
+                                   str(folder), "--junitxml", str(out / "pytest-device.xml")],
+                  skip_codes={5: f"no test is marked {facts['name']}"})
     recorded = out / "recorded-on-cpu"
     rec = check.run("record on cpu", _cli("train", "--device", "cpu", "--output-dir", str(recorded), *QUIET,
                                           "trainer.record_rollouts=true", f"trainer.total_steps={s['record_steps']}",
@@ -209,10 +237,19 @@ def main_cli(argv: list[str]) -> int:
     p = argparse.ArgumentParser(prog="portagrpo hardware-check", description=__doc__.split("\n\n")[0])
     p.add_argument("device", help="cpu|cuda|rocm|npu (or a plugin's device, e.g. emu)")
     p.add_argument("out", nargs="?", default=None, help="report folder (default hardware-check-<device>)")
-    p.add_argument("--size", choices=sorted(SIZES), default="full", help="tiny: the script's own test in CI")
+    p.add_argument("--size", choices=sorted(SIZES), default="full",
+                   help="tiny: every step once at the smallest size, in minutes (CI runs the script itself so)")
+    p.add_argument("--tests", default=None, help="the source tree's tests/parity folder, for the device-marked "
+                   "tests (default: ./tests/parity, else beside the package; skipped, with the reason, if absent)")
     args = p.parse_args(argv)
     out = Path(args.out or f"hardware-check-{args.device}")
     check_output_path(out, "OUT")
+    tests = Path(args.tests) if args.tests else None
+    if tests is not None and not (tests / "test_parity.py").is_file():
+        from portagrpo.errors import UserError
+
+        raise UserError(f"--tests {tests} holds no test_parity.py; give a portagrpo clone's tests/parity folder.")
+    out = out.resolve()
     if out.is_dir() and any(out.iterdir()):
         if not (out / "report.json").is_file():
             from portagrpo.errors import UserError
@@ -221,7 +258,7 @@ def main_cli(argv: list[str]) -> int:
         import shutil
 
         shutil.rmtree(out)  # an earlier report of this command: replaced whole
-    report = run_check(args.device, out, args.size)
+    report = run_check(args.device, out, args.size, tests=tests)
     print(render(report))
     print(f"report: {out / 'report.md'} and {out / 'report.json'}")
     return 0 if report["passed"] else 1

@@ -13,9 +13,11 @@ EXPECTED = ["doctor", "parity", "device tests", "record on cpu", "replay on devi
 
 
 def _check(device: str, out: Path) -> dict:
+    """The script run from OUT's parent with OUT relative: the steps find the model, the runs and the
+    device-marked tests (beside the package, in this editable install) wherever the caller stands."""
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
-    res = subprocess.run(["bash", str(ROOT / "ci" / "hardware-check.sh"), device, str(out), "--size", "tiny"],
-                         capture_output=True, text=True, env=env, cwd=ROOT, timeout=1800)
+    res = subprocess.run(["bash", str(ROOT / "ci" / "hardware-check.sh"), device, out.name, "--size", "tiny"],
+                         capture_output=True, text=True, env=env, cwd=out.parent, timeout=1800)
     assert (out / "report.json").is_file(), res.stdout[-3000:] + res.stderr[-3000:]
     report = json.loads((out / "report.json").read_text())
     assert res.returncode == (0 if report["passed"] else 1)
@@ -36,6 +38,8 @@ def test_hardware_check_on_the_cpu(tmp_path):
         (d, k) for d in ("fp32", "bf16") for k in ("reference", "chunked")
     }
     assert "| parity | passed |" in (tmp_path / "cpu" / "report.md").read_text()
+    assert steps["device tests"]["status"] == "passed" and (tmp_path / "cpu" / "pytest-device.xml").is_file()
+    assert steps["bench step"]["status"] == "passed" and (tmp_path / "cpu" / "model" / "config.json").is_file()
 
 
 @pytest.mark.skipif(importlib.util.find_spec("portagrpo_emu") is None, reason="the emu plugin is not installed")
