@@ -157,8 +157,8 @@ class RolloutEngine(Protocol):
     # True when the engine keeps its own copy of the weights (vLLM): the trainer pushes them after each
     # update; False when it samples with the training model itself (a sharded one is gathered for it).
     holds_weights: ClassVar[bool]
-    # True while an engine that holds its own weights was built without real ones (vLLM's FP8 path starts from
-    # dummy weights): the trainer pushes the policy before the first rollout.
+    # True while an engine that holds its own weights was built without real ones (vLLM starts from dummy
+    # weights): the trainer pushes the policy before the first rollout.
     needs_weights: bool
 
     @classmethod

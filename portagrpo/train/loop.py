@@ -122,7 +122,7 @@ class Trainer:
             push_weights(p.engine, p.models)  # the engine loaded the initial weights
             self.source.push(p.models)
             self.source.restore(self.checkpoints.inflight, self.step_done)
-        elif p.engine.needs_weights:  # an engine built without weights (vLLM FP8: dummy)
+        elif p.engine.needs_weights:  # an engine built without real weights (vLLM: dummy ones)
             push_weights(p.engine, p.models)
         if rt.comm.is_main and self.own_outputs:
             t = cfg.trainer
