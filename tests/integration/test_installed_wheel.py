@@ -68,15 +68,37 @@ def _image_tree(image: dict, root: Path) -> Path:
 
 
 def _parent_pth_lines() -> list[str]:
-    """This environment's site-packages as a path line, and the import lines of its .pth files other than
-    portagrpo's own editable install (so the emu plugin installed beside it stays importable)."""
+    """This environment's site-packages as a path line, then its .pth files' lines but portagrpo's own
+    editable install (its finder's .pth, or a path line naming this tree), so the emu plugin installed
+    beside it stays importable and this tree does not."""
     site = Path(sysconfig.get_paths()["purelib"])
     lines = [str(site)]
     for pth in sorted(site.glob("*.pth")):
-        if pth.name.startswith("__editable__.portagrpo-") or pth.name == "easy-install.pth":
+        if pth.name.startswith("__editable__.portagrpo-"):
             continue
-        lines += [ln for ln in pth.read_text().splitlines() if ln.startswith(("import ", "import\t"))]
+        for line in pth.read_text().splitlines():
+            if line.startswith(("import ", "import\t")):
+                lines.append(line)
+            elif line.strip() and not line.startswith("#") and (site / line.strip()).resolve() != ROOT:
+                lines.append(str((site / line.strip()).resolve()))
     return lines
+
+
+def _build_flags() -> list[str]:
+    """`--no-build-isolation` where this environment has what pyproject's build-system asks for (setuptools
+    >= 68, and bdist_wheel: built into setuptools 70.1+, else the wheel package); else pip builds in isolation
+    (fetching them), as Python 3.11's bundled setuptools 65 without wheel would fail."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    def at_least(dist: str, wanted: tuple[int, ...]) -> bool:
+        try:
+            parts = tuple(int(x) for x in re.findall(r"\d+", version(dist))[:len(wanted)])
+        except PackageNotFoundError:
+            return False
+        return parts >= wanted
+
+    has_bdist_wheel = at_least("setuptools", (70, 1)) or at_least("wheel", (0,))
+    return ["--no-build-isolation"] if at_least("setuptools", (68,)) and has_bdist_wheel else []
 
 
 def _env(venv: Path) -> dict:
@@ -109,8 +131,9 @@ def images(tmp_path_factory):
             base = tmp_path_factory.mktemp(f"image-{dockerfile.parent.name}")
             workdir = _image_tree(image, base / "fs")
             assert (workdir / "portagrpo").is_dir(), f"{dockerfile}: the WORKDIR holds no source tree?"
-            subprocess.run([sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "--no-build-isolation",
-                            "-w", str(base / "dist"), str(workdir)], check=True, capture_output=True, cwd=base)
+            res = subprocess.run([sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", *_build_flags(), "-w",
+                                  str(base / "dist"), str(workdir)], capture_output=True, text=True, cwd=base)
+            assert res.returncode == 0, f"building the wheel of {dockerfile}'s tree: " + _said(res)
             venv = base / "venv"
             subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(venv)], check=True)
             purelib = Path(subprocess.run([str(venv / "bin" / "python"), "-c",
