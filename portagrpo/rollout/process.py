@@ -5,23 +5,35 @@ answers two messages, in the order they were sent: new weights (loaded, then req
 generation request (prompts, sampling settings and the request's seed, which the process seeds its
 generator with, so a request's tokens depend only on the weights, the prompts and that seed). The
 trainer sends the weights after each update and the next request right after taking a batch, so the
-process samples batch k+1 while the trainer updates on batch k. Tensors travel through
-torch.multiprocessing queues (shared memory); one thread per process unless trainer.num_threads says.
+process samples batch k+1 while the trainer updates on batch k. One thread per process unless
+trainer.num_threads says.
+
+What travels, and how, so that nothing outlives the processes (a kill -9 of the run leaves nothing in
+/dev/shm or /tmp) and a push costs one host copy in the sampler's precision:
+- messages go over one pipe, pickled by value (no shared-memory tensors, whose passing needs a socket
+  directory in /tmp, and no multiprocessing queues, whose locks are named semaphores in /dev/shm);
+- the weights go through one staging buffer, an anonymous memory file (Linux memfd; elsewhere an
+  unlinked temporary file) that the process inherits when it starts: the trainer writes each pushed
+  tensor into it once, cast to the sampler's dtype in the same copy, and the process copies it into its
+  model before answering "loaded"; the trainer writes the next push only after that answer. It is
+  ordinary memory, not /dev/shm, so a container's 64 MB /dev/shm does not bound the model size.
 """
 from __future__ import annotations
 
+import mmap
 import os
-import queue
+import pickle
 import signal
+import tempfile
 import traceback
 from dataclasses import dataclass
-from typing import Any, Iterable
+from typing import Any, Iterable, Iterator
 
 import torch
 
 from portagrpo.errors import UserError
 from portagrpo.procs import sigint_ignored
-from portagrpo.rollout.engines import Sampled, SamplingParams
+from portagrpo.rollout.engines import Sampled, SamplingParams, hf_weight_names
 
 
 @dataclass(frozen=True)
@@ -38,42 +50,153 @@ class SamplerSpec:
     backend: str = "cpu"  # imported in the process first (a vendor's torch plugin registers its device)
 
 
-def serve(spec: SamplerSpec, inbox, outbox, parent_pid: int) -> None:
-    """The process's loop: ("weights", {name: tensor}) | ("generate", (ids, mask, params, seed)) | ("stop", None)."""
+def _send(conn, message: tuple) -> None:
+    conn.send_bytes(pickle.dumps(message, protocol=pickle.HIGHEST_PROTOCOL))  # tensors by value
+
+
+def _recv(conn) -> tuple:
+    return pickle.loads(conn.recv_bytes())
+
+
+class _InheritedFd:
+    """A file descriptor handed to the spawned process: pickled while it starts, so multiprocessing passes
+    the descriptor itself to the new process (no socket, no name)."""
+
+    def __init__(self, fd: int) -> None:
+        self.fd = fd
+
+    def __reduce__(self):
+        from multiprocessing import reduction
+
+        return (_detach, (reduction.DupFd(self.fd),))
+
+
+def _detach(dup) -> int:
+    return dup.detach()
+
+
+def anonymous_file(name: str) -> int:
+    """A file descriptor of memory with no name in any filesystem: it is freed with the last process
+    holding it, however that process ends."""
+    if hasattr(os, "memfd_create"):
+        return os.memfd_create(name, os.MFD_CLOEXEC)
+    with tempfile.TemporaryFile(prefix=name) as fh:  # unlinked as soon as it is made
+        return os.dup(fh.fileno())
+
+
+PAGE = mmap.ALLOCATIONGRANULARITY
+
+
+class Staging:
+    """The trainer's side of the weights buffer: one slot per tensor (at a page-aligned offset, so each
+    is mapped on its own and the buffer grows while the first push streams in), reused by every push."""
+
+    def __init__(self) -> None:
+        self.fd = anonymous_file("portagrpo-sampler-weights")
+        self.size = 0
+        self.slots: dict[str, tuple[int, torch.Tensor, Any]] = {}  # name -> (offset, view, mapping)
+
+    def _slot(self, name: str, shape: torch.Size, dtype: torch.dtype) -> tuple[int, torch.Tensor]:
+        held = self.slots.get(name)
+        if held is not None and held[1].shape == shape and held[1].dtype == dtype:
+            return held[0], held[1]
+        nbytes = shape.numel() * dtype.itemsize
+        offset = -(-self.size // PAGE) * PAGE
+        self.size = offset + nbytes
+        if nbytes == 0:
+            view, mapping = torch.empty(shape, dtype=dtype), None
+        else:
+            os.ftruncate(self.fd, self.size)
+            mapping = mmap.mmap(self.fd, nbytes, offset=offset)
+            view = torch.frombuffer(mapping, dtype=torch.uint8, count=nbytes).view(dtype).view(shape)
+        self.slots[name] = (offset, view, mapping)
+        return offset, view
+
+    @torch.no_grad()
+    def write(self, named: Iterable[tuple[str, torch.Tensor]], float_dtype: torch.dtype) -> list[tuple]:
+        """Copy each tensor into its slot (floating tensors cast to `float_dtype` in the same copy); returns
+        the layout the process reads them back with: (name, offset, shape, dtype) per tensor."""
+        layout = []
+        for name, tensor in named:
+            dtype = float_dtype if tensor.is_floating_point() else tensor.dtype
+            offset, view = self._slot(name, tensor.shape, dtype)
+            view.copy_(tensor.detach())
+            layout.append((name, offset, tuple(tensor.shape), dtype))
+        return layout
+
+    def close(self) -> None:
+        self.slots.clear()  # the mappings close once no view holds them
+        os.close(self.fd)
+
+
+class StagedWeights:
+    """The process's side of the weights buffer: the whole file mapped once (again when it grew)."""
+
+    def __init__(self, fd: int) -> None:
+        self.fd, self.mapped, self.base = fd, 0, None
+
+    def tensors(self, layout: list[tuple], size: int) -> Iterator[tuple[str, torch.Tensor]]:
+        if size > self.mapped:
+            self.base = torch.frombuffer(mmap.mmap(self.fd, size), dtype=torch.uint8)
+            self.mapped = size
+        for name, offset, shape, dtype in layout:
+            nbytes = torch.Size(shape).numel() * dtype.itemsize
+            yield name, self.base[offset:offset + nbytes].view(dtype).view(shape)
+
+
+def _build_sampler(spec: SamplerSpec):
+    from portagrpo.backends import get_backend
+    from portagrpo.model.loading import load_model
+    from portagrpo.rollout.sampler_copy import SamplerCopy
+
+    backend = get_backend(spec.backend)
+    if spec.device != "cpu":
+        backend.set_device(torch.device(spec.device).index)
+    # The backend prepares, in this process too, the attention it chose in the trainer's: a vendor kernel it
+    # registers with transformers when chosen (Ascend's npu_fusion) exists only in the process that chose it.
+    attn = backend.attention_implementation(spec.attn, SamplerCopy.PRECISIONS[spec.precision])
+    model = load_model(spec.model_path, attn).to(spec.device)
+    return SamplerCopy(model, spec.tokenizer, spec.precision, tied_embeddings=spec.tied_embeddings)
+
+
+def serve(spec: SamplerSpec, conn, weights_fd: int, parent_pid: int) -> None:
+    """The process's loop: ("weights", (layout, size)) | ("generate", (ids, mask, params, seed)) | ("stop", None)."""
+    import multiprocessing
+
     from portagrpo.procs import exit_with_parent, set_parent_death_signal
 
+    # A spawned interpreter defaults to the spawn start method, under which any multiprocessing lock (tqdm makes
+    # one for the progress bars of the model load) is a named semaphore in /dev/shm that a kill -9 leaves behind;
+    # under fork it is unlinked as soon as it exists. This process starts no processes of its own.
+    multiprocessing.set_start_method("fork", force=True)
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the trainer's to report; it stops this process
     set_parent_death_signal()
     exit_with_parent(parent_pid, "sampler process")
     torch.set_num_threads(spec.threads)
     try:
-        from portagrpo.backends import get_backend
-        from portagrpo.model.loading import load_model
-
-        if spec.device != "cpu":
-            get_backend(spec.backend).set_device(torch.device(spec.device).index)
-        from portagrpo.rollout.sampler_copy import SamplerCopy
-
-        model = load_model(spec.model_path, spec.attn).to(spec.device)
-        engine = SamplerCopy(model, spec.tokenizer, spec.precision, tied_embeddings=spec.tied_embeddings)
-        outbox.put(("ready", None))
+        engine = _build_sampler(spec)
+        _send(conn, ("ready", str(next(engine.master.parameters()).device)))
     except BaseException:  # noqa: BLE001 - reported to the trainer, which stops with it
-        outbox.put(("error", traceback.format_exc()))
+        _send(conn, ("error", traceback.format_exc()))
         return
+    staged = StagedWeights(weights_fd)
     while True:
-        kind, payload = inbox.get()
+        try:
+            kind, payload = _recv(conn)
+        except (EOFError, OSError):
+            return  # the trainer is gone
         if kind == "stop":
             return
         try:
             if kind == "weights":
-                engine.update_weights(payload.items())
+                _send(conn, ("loaded", engine.update_weights(staged.tensors(*payload))))
             else:
                 ids, mask, params, seed = payload
                 torch.manual_seed(seed)
                 sampled = engine.generate(ids.to(spec.device), mask.to(spec.device), params)
-                outbox.put(("sampled", Sampled(*(None if t is None else t.cpu() for t in sampled))))
+                _send(conn, ("sampled", Sampled(*(None if t is None else t.cpu() for t in sampled))))
         except BaseException:  # noqa: BLE001
-            outbox.put(("error", traceback.format_exc()))
+            _send(conn, ("error", traceback.format_exc()))
             return
 
 
@@ -84,55 +207,91 @@ class SamplerProcess:
     POLL_S = 1.0
 
     def __init__(self, spec: SamplerSpec, pad_id: int) -> None:
-        import torch.multiprocessing as mp
+        import multiprocessing
 
-        ctx = mp.get_context("spawn")  # a fresh interpreter: no forked torch threads or process groups
-        self.inbox, self.outbox = ctx.Queue(), ctx.Queue()
+        from portagrpo.rollout.sampler_copy import SamplerCopy
+
+        ctx = multiprocessing.get_context("spawn")  # a fresh interpreter: no forked torch threads or process groups
+        self.conn, child_conn = ctx.Pipe(duplex=True)
+        self.staging = Staging()
+        self.dtype = SamplerCopy.PRECISIONS[spec.precision]  # what the process's copy holds: pushes come in it
+        self.tied = spec.tied_embeddings
         self.pad_id = pad_id
-        self.process = ctx.Process(target=serve, args=(spec, self.inbox, self.outbox, os.getpid()), daemon=True,
-                                   name="portagrpo-sampler")
+        self.process = ctx.Process(target=serve, args=(spec, child_conn, _InheritedFd(self.staging.fd), os.getpid()),
+                                   daemon=True, name="portagrpo-sampler")
         with sigint_ignored():
             self.process.start()
+        child_conn.close()
         self.waiting = False
-        self._receive("ready")
+        self.pushed = self.loaded = 0
+        self._sampled: Sampled | None = None
+        try:
+            self.device = self._until("ready")  # where the process samples, as it reports it
+        except BaseException:
+            self.close()
+            raise
 
-    def _receive(self, expected: str):
-        while True:
-            try:
-                kind, payload = self.outbox.get(timeout=self.POLL_S)
+    def _next(self) -> tuple[str, Any]:
+        while not self.conn.poll(self.POLL_S):
+            if not self.process.is_alive():
                 break
-            except queue.Empty:
-                if not self.process.is_alive():
-                    raise UserError(f"the sampler process of rollout.mode=one_step_off exited (code "
-                                    f"{self.process.exitcode}) without an answer; its error is printed above. "
-                                    f"Use rollout.mode=sync to sample in the trainer's process.") from None
+        try:
+            kind, payload = _recv(self.conn)
+        except (EOFError, OSError):
+            self.process.join(timeout=5)
+            raise UserError(f"the sampler process of rollout.mode=one_step_off exited (code "
+                            f"{self.process.exitcode}) without an answer; its error is printed above. "
+                            f"Use rollout.mode=sync to sample in the trainer's process.") from None
         if kind == "error":
             raise UserError(f"the sampler process of rollout.mode=one_step_off failed:\n{payload.rstrip()}")
-        assert kind == expected, (kind, expected)
-        return payload
+        return kind, payload
+
+    def _until(self, expected: str):
+        """Read answers until one of kind `expected`: loads are counted, a result is kept for `result()`."""
+        while True:
+            kind, payload = self._next()
+            if kind == "loaded":
+                self.loaded += 1
+            elif kind == "sampled":
+                self._sampled = payload
+            if kind == expected:
+                return payload
 
     def update_weights(self, named: Iterable[tuple[str, torch.Tensor]]) -> int:
-        """Send the full weights (copied to shared memory); the process loads them before its next request."""
-        state = {name: t.detach().to("cpu").clone() for name, t in named}
-        self.inbox.put(("weights", state))
-        return len(state)
+        """Write the full weights into the staging buffer, once each and in the sampler's precision; the
+        process loads them before its next request. Waits until it has loaded the previous push (it has
+        by the time the next update ends, unless it is still sampling the batch before)."""
+        while self.loaded < self.pushed:
+            self._until("loaded")
+        layout = self.staging.write(hf_weight_names(named, tied_embeddings=self.tied), self.dtype)
+        _send(self.conn, ("weights", (layout, self.staging.size)))
+        self.pushed += 1
+        return len(layout)
 
     def submit(self, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, params: SamplingParams, seed: int) -> None:
         if self.waiting:
             raise RuntimeError("one request at a time: take the pending result first")
-        self.inbox.put(("generate", (prompt_ids.cpu(), prompt_mask.cpu(), params, int(seed))))
+        _send(self.conn, ("generate", (prompt_ids.cpu(), prompt_mask.cpu(), params, int(seed))))
         self.waiting = True
 
     def result(self) -> Sampled:
-        sampled = self._receive("sampled")
+        if self._sampled is None:
+            self._until("sampled")
+        sampled, self._sampled = self._sampled, None
         self.waiting = False
         return sampled
 
     def close(self) -> None:
-        if self.process.is_alive():
-            self.inbox.put(("stop", None))
+        if self.conn.closed:
+            return
+        if self.process.is_alive() and not self.waiting:
+            try:
+                _send(self.conn, ("stop", None))
+            except OSError:
+                pass
             self.process.join(timeout=30)
-        if self.process.is_alive():
+        if self.process.is_alive():  # sampling a batch nobody will take, or stuck: nothing of it is kept
             self.process.kill()
             self.process.join()
-
+        self.conn.close()
+        self.staging.close()

@@ -11,10 +11,38 @@ import torch
 from portagrpo.rollout.engines import EngineInputs, HFRollout, hf_weight_names
 
 
+def copy_precision(cfg) -> str:
+    """The precision the sampler copy runs in: rollout.precision, or with `auto` (one_step_off) the
+    model's compute precision (bf16 under model.dtype=bf16, else fp32)."""
+    if cfg.rollout.precision != "auto":
+        return cfg.rollout.precision
+    return "bf16" if cfg.model.dtype == "bf16" else "fp32"
+
+
+def copy_attention(cfg, backend) -> str:
+    """The attention the copy runs with, asked of the backend at the dtype the copy computes in (the
+    copy runs without autocast: a bf16 copy is bf16 throughout, an fp32 or int8 one fp32)."""
+    from portagrpo.backends import BackendUnavailable
+
+    precision = copy_precision(cfg)
+    dtype, requested = SamplerCopy.PRECISIONS[precision], cfg.model.attn_implementation
+    try:
+        return backend.attention_implementation(requested, dtype)
+    except BackendUnavailable:
+        if dtype == torch.bfloat16:
+            raise
+        backend.attention_implementation(requested, torch.bfloat16)  # refused there too: that reason stands
+        from portagrpo.errors import UserError
+
+        raise UserError(f"model.attn_implementation={requested} has no float32 kernels on --device {backend.name}, and "
+                        f"the rollout copy computes in float32 (rollout.precision={precision}); use "
+                        f"rollout.precision=bf16, or another model.attn_implementation.") from None
+
+
 @dataclass(frozen=True)
 class CopySource:
     """Where a sampler copy loads from: the run's model (or its saved initial one), its attention
-    implementation in fp32, and whether the LM head is tied."""
+    implementation at the copy's own dtype, and whether the LM head is tied."""
 
     path: Path
     attn: str
@@ -25,8 +53,7 @@ class CopySource:
         from portagrpo.paths import resolve_model_path
 
         path = resolve_model_path(cfg.model.path) if cfg.model.path else Path(init_model_dir)
-        return cls(path, backend.attention_implementation(cfg.model.attn_implementation, torch.float32),
-                   bool(getattr(policy.config, "tie_word_embeddings", False)))
+        return cls(path, copy_attention(cfg, backend), bool(getattr(policy.config, "tie_word_embeddings", False)))
 
 
 def int8_refusal(device: str):
@@ -82,7 +109,7 @@ class SamplerCopy(HFRollout):
         params = dict(self.master.named_parameters())
         count = 0
         for name, tensor in hf_weight_names(named, tied_embeddings=self.tied):
-            params[name].copy_(tensor.to(device=params[name].device, dtype=params[name].dtype))
+            params[name].copy_(tensor)  # to the copy's device and dtype in the one copy
             count += 1
         if self.precision == "int8":
             requantize_in_place(self.model, self.master)
