@@ -58,6 +58,52 @@ def device_rng_is_its_own():
         raise AssertionError("a CPU generator was accepted for a device op")
 
 
+def several_devices_per_process():
+    """PORTAGRPO_EMU_DEVICES=3: three devices in this process, as a node's process sees its accelerators;
+    each local rank binds its own, trains there (backward on any index), and devices never mix."""
+    assert backend.device_count() == 3 and torch.emu.device_count() == 3
+    for local_rank in (2, 1):
+        backend.set_device(local_rank)
+        dev = backend.device(local_rank)
+        assert dev == torch.device("emu", local_rank) and torch.emu.current_device() == local_rank
+        layer = torch.nn.Linear(4, 3).to(dev)
+        layer(torch.randn(5, 4, device=dev)).square().sum().backward()
+        assert layer.weight.grad.device == dev
+        assert torch.emu.memory_allocated(local_rank) > 0
+    try:
+        torch.ones(2, device="emu:0") + torch.ones(2, device="emu:2")
+    except RuntimeError as err:
+        assert "Expected all tensors to be on the same device" in str(err)
+    else:
+        raise AssertionError("emu:0 and emu:2 were mixed")
+    try:
+        backend.device(3)
+    except Exception as err:  # noqa: BLE001 - BackendUnavailable, one sentence
+        assert "local rank 3 has no emu device: this process sees 3" in str(err), str(err)
+    else:
+        raise AssertionError("local rank 3 got a device of a 3-device process")
+    # the sampler process of one_step_off: local rank r of 1 samples on device 1 + r
+    assert backend.sampler_process_device(0, 1, 1) == "emu:1"
+
+
+def collectives_on_the_bound_device():
+    """A rank's collectives run on the device it bound: a tensor on another one is refused, as NCCL/HCCL
+    communicators belong to one device."""
+    import torch.distributed as dist
+
+    backend.set_device(1)
+    dist.init_process_group(backend.dist_backend, store=dist.HashStore(), rank=0, world_size=1)
+    t = torch.ones(3, device="emu:1")
+    dist.all_reduce(t)
+    try:
+        dist.all_reduce(torch.ones(3, device="emu:0"))
+    except RuntimeError as err:
+        assert "runs on emu:1 (set_device), got a tensor on emu:0" in str(err), str(err)
+    else:
+        raise AssertionError("a collective took a tensor of another device")
+    dist.destroy_process_group()
+
+
 if __name__ == "__main__":
     globals()[sys.argv[1]]()
     print("ok")

@@ -44,7 +44,15 @@ def fusion_attention_semantics():
                          "compressed atten_mask"),
                         (lambda: fused(qd, kd[:, :1].expand(2, 3, 7, 8), vd[:, :1].expand(2, 3, 7, 8), 4, "BNSD"),
                          "Nq/Nkv must be a non-zero integer"),
-                        (lambda: fused(qd, kd.half(), vd, 4, "BNSD"), "share one dtype")):
+                        (lambda: fused(qd, kd.half(), vd, 4, "BNSD"), "share one dtype"),
+                        # the documented shape limits (head dim 1..768 with Dq = Dk >= Dv, Nq 1..256, K and V alike)
+                        (lambda: fused(*(torch.zeros(1, 1, 2, 769, device=DEV),) * 3, 1, "BNSD"), "Dq = Dk >= Dv"),
+                        (lambda: fused(qd, kd[..., :4].contiguous(), vd[..., :4].contiguous(), 4, "BNSD"),
+                         "Dq = Dk >= Dv"),
+                        (lambda: fused(qd, kd, vd[:, :, :3].contiguous(), 4, "BNSD"), "key and value must have one"),
+                        (lambda: fused(torch.zeros(1, 257, 2, 8, device=DEV), kd[:1, :1, :2], vd[:1, :1, :2], 257,
+                                       "BNSD"), "Nq must be in [1, 256]"),
+                        (lambda: fused(qd[0, 0], kd[0, 0], vd[0, 0], 4, "BSH"), "3 or 4 dimensional")):
         try:
             call()
         except RuntimeError as err:
@@ -84,6 +92,42 @@ def adapter_in_a_gqa_model_under_autocast():
         out = model(input_ids=ids).logits.float().cpu()
     assert (out - ref).norm() / ref.norm() < 2e-2
     assert seen and all(s == (4, 2, (2048, 2048), 3) for s in seen), seen
+
+
+def one_step_off_on_a_second_device():
+    """rollout.mode=one_step_off on a simulated node of 2 NPUs (PORTAGRPO_NPU_SIM_DEVICES=2), one rank: the
+    trainer on npu:0, its sampler process on npu:1 with the backend's attention (npu_fusion, registered
+    in that process too), two steps sampled there."""
+    import tempfile
+
+    from portagrpo.config import load_config
+    from portagrpo.train import Trainer
+
+    assert backend.device_count() == 2
+    assert backend.attention_implementation("auto", torch.float32) == "npu_fusion"
+    cfg = load_config(None, ["trainer.device=npu", "rollout.mode=one_step_off", "rollout.devices=1",
+                             "trainer.progress_bar=false", "data.train_batch_size=4", "rollout.n=4",
+                             "actor.ppo_mini_batch_size=8", "actor.micro_batch_size=4", "data.train_size=32",
+                             "trainer.test_freq=0", "trainer.save_freq=0", "data.max_response_length=8",
+                             "trainer.tensorboard=false", "trainer.plot=false", "reward.num_workers=0"])
+    with tempfile.TemporaryDirectory() as run:
+        trainer = Trainer(cfg, run_dir=run, log=lambda m: None).setup()
+        try:
+            assert str(next(trainer.models.policy.parameters()).device) == "npu:0"
+            assert trainer.parts.sampler.device == "npu:1", trainer.parts.sampler.device
+            outs = [trainer.step() for _ in range(2)]
+        finally:
+            trainer.close()
+    assert [o.metrics["rollout_staleness"] for o in outs] == [0, 1]
+    assert all(o.metrics["response_len_mean"] > 0 for o in outs)
+    from portagrpo.errors import UserError
+
+    try:
+        backend.sampler_process_device(0, 2, 2)  # two ranks and two samplers need four devices
+    except UserError as err:
+        assert "needs 4 npu devices per node" in str(err), str(err)
+    else:
+        raise AssertionError("two ranks with samplers were placed on a node of two devices")
 
 
 if __name__ == "__main__":

@@ -44,6 +44,29 @@ def test_placement(check):
     assert res.returncode == 0 and res.stdout.strip().endswith("ok"), res.stdout[-2000:] + res.stderr[-2000:]
 
 
+@pytest.mark.parametrize("check", ["several_devices_per_process", "collectives_on_the_bound_device"])
+def test_several_devices_per_process(check):
+    """PORTAGRPO_EMU_DEVICES=3: one process drives three devices (autograd included, through the plugin's
+    C++ device guard), as a rank on a node sees the node's accelerators."""
+    res = subprocess.run([sys.executable, str(HERE / "placement_checks.py"), check],
+                         env={**ENV, "PORTAGRPO_EMU_DEVICES": "3"}, capture_output=True, text=True, timeout=600)
+    assert res.returncode == 0 and res.stdout.strip().endswith("ok"), res.stdout[-2000:] + res.stderr[-2000:]
+
+
+@pytest.mark.parametrize("visible,count", [(None, 4), ("", 0), ("2,0", 2), ("1,7,2", 1), ("0,1,0", 0), ("x", 0)])
+def test_visible_devices_are_read_as_torch_reads_cuda_visible_devices(visible, count):
+    from portagrpo_emu.multi_device import visible_count
+
+    assert visible_count(4, visible) == count
+
+
+def test_a_bad_device_count_is_one_sentence():
+    code = "from portagrpo.backends import get_backend\nget_backend('emu').device_count()\n"
+    res = subprocess.run([sys.executable, "-c", code], env={**ENV, "PORTAGRPO_EMU_DEVICES": "two"},
+                         capture_output=True, text=True, timeout=300)
+    assert res.returncode != 0 and "PORTAGRPO_EMU_DEVICES='two' must be a whole number" in res.stderr
+
+
 @pytest.mark.parametrize("lora", [False, True], ids=["full", "lora"])
 def test_train_on_emu_matches_cpu(tmp_path, lora):
     """The embedded default, full model and LoRA: same samples (each device's RNG seeded alike), same losses."""

@@ -23,10 +23,13 @@ def one_cpu(tmp_path_factory):
     return run_worker(tmp_path_factory.mktemp("one") / "cpu", 1, "auto", "fp32")
 
 
-# npu x ddp is left to test_npu_sim.py's two-rank `portagrpo train --device npu` (CI time).
-@pytest.mark.parametrize("device,parallel", [("emu", "ddp"), ("emu", "fsdp2"), ("npu", "fsdp2")])
-def test_two_device_ranks_match_one_cpu_process(tmp_path, one_cpu, device, parallel):
+# npu x ddp is left to test_npu_sim.py's two-rank `portagrpo train --device npu` (CI time). With two
+# devices per process each rank binds its own (rank 1 trains on index 1, its collectives refuse any other).
+@pytest.mark.parametrize("device,parallel,per_process", [("emu", "ddp", 1), ("emu", "fsdp2", 1), ("npu", "fsdp2", 1),
+                                                         ("emu", "ddp", 2), ("npu", "fsdp2", 2)])
+def test_two_device_ranks_match_one_cpu_process(tmp_path, one_cpu, device, parallel, per_process):
     env = npu_sim_env(tmp_path) if device == "npu" else dict(ENV)
+    env["PORTAGRPO_NPU_SIM_DEVICES" if device == "npu" else "PORTAGRPO_EMU_DEVICES"] = str(per_process)
     two = run_worker(tmp_path / "two", 2, parallel, "fp32", env=env, device=device)
     assert two["world"] == 2
     tol = tolerance(torch.float32, "loss")

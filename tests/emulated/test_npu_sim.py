@@ -57,6 +57,29 @@ def test_simulation(tmp_path, check):
     assert res.returncode == 0 and res.stdout.strip().endswith("ok"), res.stdout[-2000:] + res.stderr[-2000:]
 
 
+def test_one_step_off_samples_on_a_second_npu(tmp_path):
+    """Issue 31 item 3: the sampler process of rollout.mode=one_step_off on npu:1 of a 2-NPU node, running
+    the backend's npu_fusion attention, which must be registered in that process too."""
+    env = {**npu_sim_env(tmp_path), "PORTAGRPO_NPU_SIM_DEVICES": "2"}
+    res = subprocess.run([sys.executable, str(HERE / "sim_checks.py"), "one_step_off_on_a_second_device"], env=env,
+                         capture_output=True, text=True, timeout=900)
+    assert res.returncode == 0 and res.stdout.strip().endswith("ok"), res.stdout[-2000:] + res.stderr[-3000:]
+
+
+def test_two_ranks_one_step_off_on_a_four_npu_node(tmp_path):
+    """`portagrpo train` with two ranks per node and rollout.devices=2 on a simulated node of 4 NPUs: ranks
+    on npu:0 and npu:1, their sampler processes on npu:2 and npu:3 (Backend.sampler_process_device)."""
+    env = {**npu_sim_env(tmp_path), "PORTAGRPO_NPU_SIM_DEVICES": "4"}
+    run = tmp_path / "run"
+    res = _run(["train", "--device", "npu", "--output-dir", str(run), "trainer.nproc_per_node=2",
+                "rollout.mode=one_step_off", "rollout.devices=2", "trainer.total_steps=2", "trainer.test_freq=0",
+                "trainer.save_freq=0", "trainer.progress_bar=false", "trainer.tensorboard=false", "trainer.plot=false",
+                "data.train_batch_size=4", "rollout.n=4", "actor.ppo_mini_batch_size=8", "actor.micro_batch_size=4",
+                "data.max_response_length=8", "reward.num_workers=0"], tmp_path, env)
+    assert "device npu, 2 process(es)" in res.stdout
+    assert [m["rollout_staleness"] for m in _metrics(run)] == [0, 1]
+
+
 def test_the_stand_in_never_shadows_a_real_torch_npu(tmp_path):
     """A torch_npu found elsewhere on the path wins: the stand-in refuses to load in front of it."""
     real = tmp_path / "site" / "torch_npu"

@@ -89,8 +89,14 @@ class HostStagedGroup(dist.ProcessGroup):
     def _host_view(self, op: str, tensors: list[torch.Tensor], opts: Any = None) -> list[torch.Tensor]:
         """The CPU tensors gloo runs on: each device tensor's payload (written in place, so the
         device tensor sees the result), or a host tensor itself where the library takes those."""
+        bound = getattr(torch, self._device_type).current_device()
         for t in tensors:
             if t.device.type == self._device_type:
+                if t.device.index != bound:
+                    # NCCL and HCCL communicators belong to the one device a rank bound (set_device); a tensor on
+                    # another device is another rank's device, which a real run meets as a hang or "Duplicate GPU"
+                    raise RuntimeError(f"{op}: the {self._name} group of this rank runs on {self._device_type}:{bound} "
+                                       f"(set_device), got a tensor on {t.device}")
                 continue
             if t.device.type == "cpu" and self._host_tensors:
                 continue

@@ -19,10 +19,12 @@ or NPU enforces are enforced here too:
 backend when `--device emu` is chosen. The simulated Ascend (plugins/npu_sim) installs the same
 device under the name `npu`.
 
-One device per process: autograd's engine sizes its device queues from the Python device guard,
-which reports one device, so backward on index 1 fails inside torch. A process sees one device,
-as a rank does under a per-rank binding (Ray, Slurm's --gpus-per-task); several ranks are several
-processes, whose collectives go through portagrpo_emu.collectives.
+Devices per process: `PORTAGRPO_EMU_DEVICES=N` (default 1) gives the process N devices, `emu:0` to
+`emu:N-1`, each with its own generator and memory counters, as a process on a node sees the node's
+accelerators; `PORTAGRPO_EMU_VISIBLE_DEVICES` narrows them as CUDA_VISIBLE_DEVICES does
+(portagrpo_emu/multi_device.py, which also builds the C++ device guard that lets autograd run on
+every index). Several ranks are several processes, whose collectives go through
+portagrpo_emu.collectives.
 """
 from __future__ import annotations
 
@@ -47,16 +49,16 @@ _CPU_INDEX_OK = {aten.index.Tensor, aten.index_put.default, aten.index_put_.defa
 
 
 def device_count() -> int:
-    # PyTorch's Python device guard reports one device to the autograd engine (deviceCount() == 1), so a
-    # second emulated device could not run backward: one device per process, as with one visible GPU.
-    return 1
+    """The `emu` devices this process sees (portagrpo_emu/multi_device.py: PORTAGRPO_EMU_DEVICES)."""
+    from .multi_device import emu_device_count
+
+    return emu_device_count()
 
 
 class _State:
     """Per-process device state: current device, one generator and memory counters per device."""
 
-    def __init__(self) -> None:
-        n = device_count()
+    def __init__(self, n: int) -> None:
         self.current = 0
         self.generators = [torch.Generator().manual_seed(67280421310721 + i) for i in range(n)]
         self.allocated = [0] * n
@@ -225,6 +227,9 @@ def _dispatch(func, args, kwargs):
     _count(func, args)
     if func is aten._to_copy.default:
         return _to_copy(args[0], kwargs)
+    if func is aten.copy_.default and not isinstance(args[0], EmuTensor):  # host_tensor.copy_(device_tensor)
+        COUNTERS.sync("copy to host")
+        return args[0].copy_(_unwrap(args[1]), *args[2:])
     if func is _MM_DTYPE:
         return _mixed_mm(args, kwargs, idx)
     if func is aten.native_dropout.default:
@@ -464,7 +469,7 @@ class EmuModule:
 
     @staticmethod
     def is_available() -> bool:
-        return True
+        return len(STATE.generators) > 0
 
     @staticmethod
     def is_initialized() -> bool:
@@ -484,7 +489,10 @@ class EmuModule:
 
     @staticmethod
     def set_device(device) -> None:
+        from .multi_device import set_current
+
         STATE.current = STATE.index(device)
+        set_current(STATE.current)
 
     @staticmethod
     def get_device_name(device=None) -> str:
@@ -549,9 +557,10 @@ def _copy_kernel(dst, src, non_blocking=False):
     return dst
 
 
-def install(name: str = "emu", module: Any = None) -> None:
+def install(name: str = "emu", module: Any = None, count: int | None = None) -> None:
     """Make `name` (`emu`, or `npu` for the simulated Ascend) a torch device in this process (once),
-    with `module` (an EmuModule by default) as `torch.<name>`."""
+    with `module` (an EmuModule by default) as `torch.<name>` and `count` devices (by default what
+    PORTAGRPO_EMU_DEVICES says)."""
     global _INSTALLED, STATE, NAME
     if _INSTALLED:
         if name != NAME:
@@ -565,7 +574,12 @@ def install(name: str = "emu", module: Any = None) -> None:
     if current not in ("privateuseone", NAME):
         raise RuntimeError(f"the PrivateUse1 device is already taken by {current!r} in this process; "
                            f"the emulated device cannot be installed beside it.")
-    STATE = _State()
+    count = device_count() if count is None else count
+    if count > 1:  # before torch registers its Python device guard, which reports one device
+        from .multi_device import load_guard
+
+        load_guard(count)
+    STATE = _State(count)
     # A C++ backend's tensors take `param.data = moved` in Module.to(), which keeps tied weights (embedding and
     # LM head) one Parameter. A Python wrapper cannot, so swap tensors in place to keep the same identity.
     torch.__future__.set_swap_module_params_on_conversion(True)

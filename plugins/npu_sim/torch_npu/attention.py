@@ -17,6 +17,12 @@ kernel wrapper FlashAttentionKernelNpuOpApi.cpp at 517f2e7d):
   modelled and are refused;
 - `keep_prob` is the probability of keeping an attention weight (dropout 1 - keep_prob), drawn
   from the device generator;
+- what the doc's constraints section and the wrapper's checks rule out is refused: query/key/value
+  of other than 3 or 4 dimensions (the wrapper), key and value of different shapes, different batch
+  sizes, head dims other than Dq = Dk >= Dv within 1..768, a query head count outside 1..256, empty
+  sequences. The doc sets no contiguity rule for this operator (its page for
+  npu_fused_infer_attention_score does), and the wrapper makes no contiguity check before the aclnn
+  call, so strided inputs are accepted here too;
 - it returns (attention_out, softmax_max, softmax_sum, softmax_in, seed, offset, numels):
   softmax_max/softmax_sum are float32 [B, N, Sq, 8] (the row statistic repeated 8 times),
   softmax_in is an empty reserved tensor.
@@ -31,6 +37,8 @@ import torch
 COMPRESSED = 2048
 MAX_TOKENS = 2147483647
 _LAYOUTS = ("BSH", "SBH", "BSND", "BNSD")
+MAX_HEAD_DIM = 768  # the head-dim range of the doc's constraints section
+MAX_QUERY_HEADS = 256  # the query-head range of the same section
 
 
 def _to_bnsd(t: torch.Tensor, layout: str, heads: int | None) -> torch.Tensor:
@@ -111,14 +119,29 @@ def npu_fusion_attention(query, key, value, head_num, input_layout, pse=None, pa
             raise NotImplementedError(f"the simulated npu_fusion_attention does not model sparse_mode={sparse_mode}")
         raise RuntimeError(f"The sparse_mode value must be in range of [0,6], but got {sparse_mode}")
 
+    for label, t in (("query", query), ("key", key), ("value", value)):
+        if t.dim() not in (3, 4):
+            raise RuntimeError(f"The shapes of the input {label} should be 3 or 4 dimensional, but got "
+                               f"{t.dim()}-dimensional")
+    if key.shape != value.shape:
+        raise RuntimeError(f"npu_fusion_attention: key and value must have one shape, got {list(key.shape)} and "
+                           f"{list(value.shape)}")
     q = _to_bnsd(query, layout, head_num)
     head_dim = q.shape[-1]
     kv_heads = _kv_heads(key, layout, head_dim)
     k, v = _to_bnsd(key, layout, kv_heads), _to_bnsd(value, layout, kv_heads)
     if q.shape[1] != head_num:
         raise RuntimeError(f"npu_fusion_attention: head_num={head_num} but the query has {q.shape[1]} heads")
+    if not 1 <= head_num <= MAX_QUERY_HEADS:
+        raise RuntimeError(f"npu_fusion_attention: Nq must be in [1, {MAX_QUERY_HEADS}], got {head_num}")
     if kv_heads == 0 or head_num % kv_heads:
         raise RuntimeError(f"npu_fusion_attention: Nq/Nkv must be a non-zero integer, got {head_num}/{kv_heads}")
+    if k.shape[-1] != head_dim or v.shape[-1] > head_dim or not 1 <= head_dim <= MAX_HEAD_DIM:
+        raise RuntimeError(f"npu_fusion_attention: head dims must satisfy Dq = Dk >= Dv within [1, {MAX_HEAD_DIM}], "
+                           f"got Dq={head_dim}, Dk={k.shape[-1]}, Dv={v.shape[-1]}")
+    if q.shape[0] != k.shape[0] or min(q.shape[2], k.shape[2]) < 1:
+        raise RuntimeError(f"npu_fusion_attention: query and key/value need one batch size and sequence lengths "
+                           f">= 1, got query {list(q.shape)} and key {list(k.shape)} (BNSD)")
     groups = head_num // kv_heads
     q_len, kv_len = q.shape[2], k.shape[2]
 

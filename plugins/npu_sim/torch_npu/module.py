@@ -2,24 +2,32 @@
 (torch_npu/npu/__init__.py `__all__`, npu/utils.py, npu/memory.py, npu/random.py at Ascend/pytorch
 master 9e73e708).
 
-Visible devices follow torch_npu's `_parse_visible_devices`: ASCEND_RT_VISIBLE_DEVICES set to an
-empty string shows no device. Otherwise the simulation shows one device per process (the limit of
-the emulated device: see portagrpo_emu/device.py), as a per-rank binding would.
+Devices: `PORTAGRPO_NPU_SIM_DEVICES=N` (default 1) is how many NPUs the simulated node has, and
+ASCEND_RT_VISIBLE_DEVICES selects among them: set to an empty string it shows no device, as torch_npu's
+`_parse_visible_devices` reads it; a list is read as torch reads CUDA_VISIBLE_DEVICES
+(portagrpo_emu.multi_device.visible_count). A process sees them all
+as `npu:0` .. `npu:N-1` (the emulated device of portagrpo_emu, multi_device.py), as a process on an
+Ascend node sees the node's NPUs unless a per-rank binding narrows them.
 """
 from __future__ import annotations
 
 import os
 
 from portagrpo_emu.device import STATE, EmuModule
+from portagrpo_emu.multi_device import physical_count, visible_count
+
+DEVICES_ENV = "PORTAGRPO_NPU_SIM_DEVICES"
+VISIBLE_ENV = "ASCEND_RT_VISIBLE_DEVICES"
+
+
+def sim_device_count() -> int:
+    return visible_count(physical_count(DEVICES_ENV), os.environ.get(VISIBLE_ENV))
 
 
 class NpuModule(EmuModule):
     @staticmethod
     def device_count() -> int:
-        visible = os.environ.get("ASCEND_RT_VISIBLE_DEVICES")
-        if visible is not None and not visible.strip():
-            return 0
-        return 1
+        return sim_device_count()
 
     @staticmethod
     def is_available() -> bool:
@@ -36,4 +44,4 @@ class NpuModule(EmuModule):
         return emu.STATE.allocated[emu.STATE.index(device)]
 
 
-__all__ = ["NpuModule", "STATE"]
+__all__ = ["NpuModule", "STATE", "sim_device_count"]
