@@ -55,6 +55,16 @@ class BackendSpec:
     # vLLM's block-FP8 rollout (rollout.precision=fp8): e4m3 weights with per-block scales, the format
     # verl's FP8 rollout uses on NVIDIA; ROCm (e4m3fnuz) and Ascend are not built.
     vllm_fp8: bool = False
+    # vLLM's sleep mode (LLM(enable_sleep_mode=True), sleep/wake_up): vLLM offers it where
+    # `Platform.is_sleep_mode_available()` says so (vllm/platforms/interface.py: CUDA, ROCm, XPU; vllm-ascend's
+    # NPU platform too) and refuses it elsewhere (vllm/config/model.py: "Sleep mode is not supported on current
+    # platform."). Without it the engine keeps its memory between rollouts.
+    vllm_sleep_mode: bool = True
+    # The attention head sizes vLLM's attention backend runs on this device; None: any the model has. A model
+    # with another head size is refused in one sentence before vLLM is built.
+    vllm_head_sizes: tuple[int, ...] | None = None
+    # Environment vLLM reads when its engine is built, set unless the user set it (e.g. the CPU's KV cache size).
+    vllm_env: tuple[tuple[str, str], ...] = ()
 
 
 @dataclass

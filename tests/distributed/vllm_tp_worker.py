@@ -45,7 +45,7 @@ def main() -> None:
     metrics.append(trainer.step().metrics)
     llm, rank = engine.llm, trainer.runtime.comm.rank
     torch.save({"generate": [e[3:] for e in llm.log if e[0] == "generate"], "returned": returned,
-                "loads": sum(1 for e in llm.log if e[0] == "load"), "tp_ranks": llm.tp_ranks,
+                "loads": sum(len(e[1]) for e in llm.log if e[0] in ("load", "reload")), "tp_ranks": llm.tp_ranks,
                 "per_request_draws": llm.per_request_draws, "host_bytes_peak": llm.host_bytes_peak,
                 "shards": llm.shards, "engine_seed": llm.kwargs["seed"], "metrics": metrics,
                 "full": {k: v.detach().clone() for k, v in trainer.models.policy.state_dict().items()}},

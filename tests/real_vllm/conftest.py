@@ -16,10 +16,10 @@ from pathlib import Path
 import pytest
 
 # Set before vLLM reads them. In process, so that the trainer reaches vLLM's model (the engine sets this
-# too); and a 1 GiB KV cache: without it the CPU worker reserves `gpu_memory_utilization` of the host's
-# memory for the KV cache (vllm/v1/worker/cpu_worker.py), or refuses to start when that much is not free.
+# too). The KV cache's size is left to the CPU backend's row (BackendSpec.vllm_env: VLLM_CPU_KVCACHE_SPACE), which
+# these tests thereby check: without it the CPU worker reserves `gpu_memory_utilization` of the host's memory for
+# the KV cache (vllm/v1/worker/cpu_worker.py), or refuses to start when that much is not free.
 os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
-os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
 os.environ.setdefault("VLLM_NO_USAGE_STATS", "1")
 os.environ.setdefault("VLLM_DO_NOT_TRACK", "1")
 

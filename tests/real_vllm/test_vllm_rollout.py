@@ -107,6 +107,8 @@ def test_sampler_logprobs_equal_the_trainers_after_a_push_and_differ_after_an_un
     records = t.parts.data.loader.next_batch()
     truncated = SamplingParams(8, TEMPERATURE, top_p=0.9, top_k=20)
     for name, (sampler, ours) in _gaps(t, records, truncated).items():
+        print(f"GAP {name} just after a push: relative {relative_error(sampler, ours):.2e}, "
+              f"max abs {(sampler - ours).abs().max():.2e} over {sampler.numel()} tokens")
         assert_close(sampler, ours, torch.float32, "logprob", f"{name}: sampler vs trainer just after a push")
 
     with torch.no_grad():  # an update the engine is not told about
@@ -117,10 +119,13 @@ def test_sampler_logprobs_equal_the_trainers_after_a_push_and_differ_after_an_un
     for name, (sampler, ours) in _gaps(t, records, truncated).items():
         # a token the trainer's truncation drops (log-prob -inf) differs too
         gap = relative_error(sampler, ours) if torch.isfinite(ours).all() else float("inf")
+        print(f"GAP {name} after an unpushed update: relative {gap:.2e}")
         assert gap > 100 * bound, f"{name}: the engine sampled from the unpushed weights (relative gap {gap:.2e})"
 
     push_weights(t.parts.engine, t.models)
     for name, (sampler, ours) in _gaps(t, records, truncated).items():
+        print(f"GAP {name} after pushing the unpushed update: relative {relative_error(sampler, ours):.2e}, "
+              f"max abs {(sampler - ours).abs().max():.2e} over {sampler.numel()} tokens")
         assert_close(sampler, ours, torch.float32, "logprob", f"{name}: sampler vs trainer after pushing it")
 
 

