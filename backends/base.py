@@ -162,7 +162,7 @@ def _rss_peak_gb() -> float:
 def fsdp2_sum_reduction_available() -> str | None:
     """None when FSDP2 can sum gradients on this torch (natively from 2.8, through portagrpo's fallback on
     2.6/2.7), else the sentence why not."""
-    from portagrpo.model.fsdp_compat import fsdp2_problem
+    from .fsdp_compat import fsdp2_problem
 
     return fsdp2_problem()
 

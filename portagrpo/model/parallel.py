@@ -20,8 +20,8 @@ from torch.distributed.checkpoint.state_dict import (
 )
 
 from portagrpo.backends.dist import Collectives
+from portagrpo.backends.fsdp_compat import fsdp2_problem, keep_gathered, sum_gradients
 from portagrpo.errors import UserError
-from portagrpo.model.fsdp_compat import fsdp2_problem, keep_gathered, sum_gradients
 from portagrpo.model.loading import decoder_of
 from portagrpo.registry import Registry
 

@@ -42,7 +42,7 @@ def single(tmp_path_factory):
     "parallel,dtype,tol", [("ddp", "fp64", 1e-10), ("fsdp2", "fp64", 1e-10), ("fsdp2", "fp32", 2e-5)]
 )
 def test_two_processes_match_one(tmp_path, single, parallel, dtype, tol):
-    from portagrpo.model.fsdp_compat import fsdp2_problem
+    from portagrpo.backends.fsdp_compat import fsdp2_problem
 
     if parallel == "fsdp2" and fsdp2_problem(torch.float64 if dtype == "fp64" else torch.float32):
         pytest.skip(f"refused with one sentence on torch {torch.__version__}: "

@@ -5,14 +5,14 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from portagrpo.model import fsdp_compat
+from portagrpo.backends import fsdp_compat
 
 # Each check runs in its own process: FSDP2 places states by the process's registered devices, and
 # another test module may have registered the emulated PrivateUse1 device in this one.
 SCRIPT = """
 import sys, tempfile, torch, torch.distributed as dist
 from torch.distributed.fsdp import FSDPModule, fully_shard
-from portagrpo.model import fsdp_compat
+from portagrpo.backends import fsdp_compat
 dist.init_process_group("gloo", init_method="file://" + tempfile.mktemp(), rank=0, world_size=1)
 model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 2))
 fully_shard(model[0]); fully_shard(model)

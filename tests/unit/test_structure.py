@@ -180,3 +180,14 @@ def test_the_host_read_finder_finds_reads_and_spares_literals():
     code = "a = float('inf')\nb = int(-1)\nc = float(x.sum())\nd = y.item()\ne = bool(z)\nf = w.cpu().numpy()\n"
     assert host_reads(ast.parse(code)) == ["line 3: float(x.sum())", "line 4: .item()", "line 5: bool(z)",
                                            "line 6: .numpy()", "line 6: .cpu()"]
+
+
+def test_the_device_layer_sits_below_the_model():
+    """backends/ answers device questions for model/ and train/: it imports neither (the FSDP2 version shim
+    lives in backends/fsdp_compat.py)."""
+    mods = modules()
+    for name, path in mods.items():
+        if name.startswith("portagrpo.backends"):
+            above = {m for m in imports_of(name, path, set(mods))
+                     if m.startswith(("portagrpo.model", "portagrpo.train", "portagrpo.rollout"))}
+            assert not above, f"{name} imports {sorted(above)}"
