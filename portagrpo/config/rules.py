@@ -105,7 +105,8 @@ def tiny_problems(tiny) -> list[str]:
 def validate(cfg: Config, *, check_files: bool = True) -> list[str]:
     """Cross-field rules. Returns one sentence per problem (empty when valid)."""
     p = (_names_and_sizes(cfg) + _batch_and_loss(cfg) + _run_settings(cfg) + rollout_correction_problems(cfg)
-         + rollout_precision_problems(cfg) + rollout_mode_problems(cfg) + logger_problems(cfg) + dapo_problems(cfg)
+         + rollout_precision_problems(cfg) + rollout_mode_problems(cfg) + multi_turn_problems(cfg)
+         + logger_problems(cfg) + dapo_problems(cfg)
          + value_problems(cfg))
     if check_files:
         p.extend(missing_files(cfg))
@@ -284,6 +285,35 @@ def rollout_mode_problems(cfg: Config) -> list[str]:
     return p
 
 
+MT = "rollout.multi_turn"
+TOOL_FORMATS = ("hermes",)
+
+
+def multi_turn_problems(cfg: Config) -> list[str]:
+    m = cfg.rollout.multi_turn
+    p = []
+    if m.max_assistant_turns < 1:
+        p.append(f"{MT}.max_assistant_turns={m.max_assistant_turns} must be at least 1.")
+    if m.max_tool_response_length < 1:
+        p.append(f"{MT}.max_tool_response_length={m.max_tool_response_length} must be at least 1 (tokens).")
+    if m.format not in TOOL_FORMATS:
+        p.append(f"{MT}.format={m.format!r} is unknown; use {', '.join(TOOL_FORMATS)}.")
+    if m.tool_timeout_s <= 0 or m.tool_memory_mb < 16 or m.tool_workers < 1:
+        p.append(f"{MT}.tool_timeout_s={m.tool_timeout_s} must be positive, tool_memory_mb={m.tool_memory_mb} at "
+                 f"least 16 and tool_workers={m.tool_workers} at least 1.")
+    if not m.enable:
+        return p
+    if not m.tool_config_path:
+        p.append(f"{MT}.enable=true needs {MT}.tool_config_path, a YAML file that declares the tools.")
+    if cfg.rollout.mode != "sync":
+        p.append(f"{MT}.enable=true with rollout.mode={cfg.rollout.mode} is not built (a sampler process of its "
+                 f"own would have to run the tools); use rollout.mode=sync.")
+    if cfg.algorithm.filter_groups.enable:
+        p.append(f"{MT}.enable=true with algorithm.filter_groups.enable=true is not built (DAPO's rounds would "
+                 f"drop the model-token mask); set algorithm.filter_groups.enable=false.")
+    return p
+
+
 # ---------------------------------------------------------------- rollout-correction bounds
 # verl writes them as strings ("2.0", "0.5_5.0", "0.5_2.0,1.0"); they are parsed here, strictly and in one
 # place, and algo/rollout_correction.py receives the numbers.
@@ -431,6 +461,9 @@ def missing_files(cfg: Config) -> list[str]:
                 p.append(f"data.{name}[{i}]={value!r} is a directory; give the path of a .jsonl or .parquet file.")
             elif not Path(value).is_file():
                 p.append(f"data.{name}[{i}]={value!r} does not exist; give the path of a .jsonl or .parquet file.")
+    tools = cfg.rollout.multi_turn.tool_config_path
+    if cfg.rollout.multi_turn.enable and tools and not Path(tools).is_file():
+        p.append(f"{MT}.tool_config_path={tools!r} does not exist; give the path of a YAML tool file.")
     fn = cfg.reward.function
     if ":" in fn and fn.split(":", 1)[0].endswith(".py") and not Path(fn.split(":", 1)[0]).is_file():
         p.append(f"reward.function={fn!r}: the file {fn.split(':', 1)[0]!r} does not exist; "

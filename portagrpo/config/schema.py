@@ -72,6 +72,21 @@ class DataConfig:
 
 
 @dataclass(frozen=True)
+class MultiTurnConfig:
+    """Multi-turn, tool-using rollouts (verl's actor_rollout_ref.rollout.multi_turn): the model calls tools
+    mid-answer, the tools run in sandboxed worker processes, and only the model's own tokens are trained."""
+
+    enable: bool = False
+    max_assistant_turns: int = 5  # model turns per sample at most
+    tool_config_path: Optional[str] = None  # YAML in verl's tool_config_path layout (portagrpo/agent/tools.py)
+    max_tool_response_length: int = 256  # tokens of one tool result at most (longer: cut, and the model told so)
+    format: str = "hermes"  # how tool calls are written: <tool_call>{"name": ..., "arguments": {...}}</tool_call>
+    tool_timeout_s: float = 10.0  # wall clock per tool call; the CPU-time limit is the same number of seconds
+    tool_memory_mb: int = 1024  # address-space limit of a tool's process
+    tool_workers: int = 2  # sandbox worker processes
+
+
+@dataclass(frozen=True)
 class RolloutConfig:
     engine: str = "hf"
     n: int = 8
@@ -96,6 +111,7 @@ class RolloutConfig:
     # samples batch k+1 (with the weights before update k) while the trainer updates on batch k.
     mode: Literal["sync", "one_step_off"] = "sync"
     devices: int = 0  # one_step_off on an accelerator: sampler devices per node (one per rank), after the trainers'
+    multi_turn: MultiTurnConfig = field(default_factory=MultiTurnConfig)
 
 
 @dataclass(frozen=True)

@@ -70,7 +70,13 @@ DIRECT = {
     "reward_model.overlong_buffer.enable": "reward.overlong_buffer.enable",
     "reward_model.overlong_buffer.len": "reward.overlong_buffer.len",
     "reward_model.overlong_buffer.penalty_factor": "reward.overlong_buffer.penalty_factor",
+    AR + "rollout.multi_turn.enable": "rollout.multi_turn.enable",
+    AR + "rollout.multi_turn.max_assistant_turns": "rollout.multi_turn.max_assistant_turns",
+    AR + "rollout.multi_turn.tool_config_path": "rollout.multi_turn.tool_config_path",
+    AR + "rollout.multi_turn.format": "rollout.multi_turn.format",
 }
+# verl cuts a tool's response to this many characters; portagrpo cuts it to as many tokens
+TOOL_RESPONSE_LENGTH = AR + "rollout.multi_turn.max_tool_response_length"
 LORA_ENABLE = AR + "actor.lora.enable"
 REWARD_PATH, REWARD_NAME = "custom_reward_function.path", "custom_reward_function.name"
 
@@ -107,6 +113,13 @@ NO_EFFECT = {
     AR + "rollout.enable_chunked_prefill": "vLLM's scheduling",
     AR + "rollout.enforce_eager": "vLLM's CUDA graphs",
     AR + "rollout.free_cache_engine": "the engine sleeps between rollouts",
+    AR + "rollout.multi_turn.max_user_turns": "no simulated user speaks here; each tool turn follows a model "
+                                              "turn, so rollout.multi_turn.max_assistant_turns bounds both",
+    AR + "rollout.multi_turn.max_parallel_calls": "every tool call of a turn runs, in the sandbox's workers",
+    AR + "rollout.multi_turn.tool_response_truncate_side": "a long tool result keeps its start and says it was cut",
+    AR + "rollout.multi_turn.use_inference_chat_template": "tool turns are rendered with the tokenizer's template",
+    AR + "rollout.multi_turn.tokenization_sanity_check_mode": "the model's own token ids are kept, never "
+                                                              "re-tokenized",
     "data.val_batch_size": "validation runs in batches of data.train_batch_size prompts",
     "data.gen_batch_size": "each DAPO sampling round takes data.train_batch_size prompts",
     "reward_model.reward_manager": "reward.overlong_buffer is DAPO's reward manager here",
@@ -131,6 +144,10 @@ def translate(pairs: list[tuple[str, Any]]) -> tuple[list[tuple[str, Any]], list
         elif key in DIRECT:
             out.append((DIRECT[key], value))
             notices.append(f"verl key {key} -> portagrpo {DIRECT[key]}")
+        elif key == TOOL_RESPONSE_LENGTH:
+            out.append(("rollout.multi_turn.max_tool_response_length", value))
+            notices.append(f"verl key {key} -> portagrpo rollout.multi_turn.max_tool_response_length (counted in "
+                           f"tokens here; verl counts characters)")
         elif key in NO_EFFECT or key in GLOBAL_MICRO or key in (MINI_BATCH, REWARD_PATH, REWARD_NAME, LORA_ENABLE,
                                                                   GPUS_PER_NODE, "trainer.critic_warmup"):
             held[key] = value

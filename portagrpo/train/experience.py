@@ -112,6 +112,27 @@ def is_on_policy(cfg: Config) -> bool:
 
 
 @dataclass(frozen=True)
+class MultiTurnSettings:
+    """rollout.multi_turn: what the multi-turn source (train/sources/multi_turn.py) samples with."""
+
+    max_assistant_turns: int
+    tool_config_path: str
+    max_tool_response_length: int  # tokens
+    format: str
+    tool_timeout_s: float
+    tool_memory_mb: int
+    tool_workers: int
+
+
+def multi_turn_settings(cfg: Config) -> MultiTurnSettings | None:
+    m = cfg.rollout.multi_turn
+    if not m.enable:
+        return None
+    return MultiTurnSettings(m.max_assistant_turns, str(m.tool_config_path), m.max_tool_response_length, m.format,
+                             m.tool_timeout_s, m.tool_memory_mb, m.tool_workers)
+
+
+@dataclass(frozen=True)
 class ExperienceSettings:
     seed: int
     n: int  # responses per prompt
@@ -129,7 +150,8 @@ class ExperienceSettings:
     filter_metric: str | None = None  # DAPO dynamic sampling: keep groups whose metric has a spread
     max_rounds: int = 0  # sampling rounds per step at most (0: no limit)
     prompt_length: int = 0  # data.max_prompt_length: one prompt width for every round
-    mode: str = "sync"  # rollout.mode: which batch source samples (train/sources/)
+    mode: str = "sync"  # rollout.mode: which batch source samples (train/sources/); multi_turn when that is on
+    multi_turn: MultiTurnSettings | None = None  # rollout.multi_turn.enable
 
     @classmethod
     def from_config(cls, cfg: Config, world_size: int) -> "ExperienceSettings":
@@ -146,7 +168,8 @@ class ExperienceSettings:
                    temperature=r.temperature, sampling=sampling(r.temperature),
                    val_sampling=sampling(r.val_temperature), val_n=r.val_n, val_batch_size=cfg.data.train_batch_size,
                    max_error_frac=cfg.reward.max_error_frac, on_policy=is_on_policy(cfg),
-                   correction=correction_from(cfg), mode=r.mode, **dapo_settings(cfg))
+                   correction=correction_from(cfg), mode="multi_turn" if r.multi_turn.enable else r.mode,
+                   multi_turn=multi_turn_settings(cfg), **dapo_settings(cfg))
 
     @property
     def scoring_pass(self) -> bool:

@@ -1,0 +1,70 @@
+"""rollout.multi_turn: the config section, its rules, verl's keys, and the settings the source reads."""
+import pytest
+
+from portagrpo.config import ConfigError, load_config
+from portagrpo.train.experience import ExperienceSettings
+
+AR = "actor_rollout_ref.rollout.multi_turn."
+
+
+def _problems(overrides, check_files=False):
+    with pytest.raises(ConfigError) as err:
+        load_config(None, overrides, check_files=check_files)
+    return str(err.value)
+
+
+def test_defaults_are_off_and_single_turn_settings_are_unchanged():
+    cfg = load_config(None, [])
+    assert not cfg.rollout.multi_turn.enable
+    s = ExperienceSettings.from_config(cfg, 1)
+    assert s.mode == "sync" and s.multi_turn is None
+
+
+def test_enabled_settings_reach_the_source(tmp_path):
+    tools = tmp_path / "tools.yaml"
+    tools.write_text("tools: []\n")
+    cfg = load_config(None, ["rollout.multi_turn.enable=true", f"rollout.multi_turn.tool_config_path={tools}",
+                             "rollout.multi_turn.max_assistant_turns=3"])
+    s = ExperienceSettings.from_config(cfg, 1)
+    assert s.mode == "multi_turn"
+    assert s.multi_turn.max_assistant_turns == 3 and s.multi_turn.tool_config_path == str(tools)
+
+
+@pytest.mark.parametrize("override, words", [
+    ("rollout.multi_turn.max_assistant_turns=0", "max_assistant_turns=0 must be at least 1"),
+    ("rollout.multi_turn.max_tool_response_length=0", "max_tool_response_length=0 must be at least 1"),
+    ("rollout.multi_turn.format=json", "format='json' is unknown; use hermes"),
+    ("rollout.multi_turn.tool_timeout_s=0", "tool_timeout_s=0.0 must be positive"),
+])
+def test_bad_values_are_one_sentence_each(override, words):
+    assert words in _problems([override])
+
+
+def test_enable_needs_a_tool_file_and_refuses_one_step_off_and_dapo(tmp_path):
+    text = _problems(["rollout.multi_turn.enable=true"])
+    assert "needs rollout.multi_turn.tool_config_path" in text
+    text = _problems(["rollout.multi_turn.enable=true", "rollout.multi_turn.tool_config_path=x.yaml",
+                      "rollout.mode=one_step_off"])
+    assert "rollout.mode=one_step_off is not built" in text and "use rollout.mode=sync" in text
+    text = _problems(["rollout.multi_turn.enable=true", "rollout.multi_turn.tool_config_path=x.yaml",
+                      "algorithm.filter_groups.enable=true"])
+    assert "algorithm.filter_groups.enable=true is not built" in text
+    text = _problems(["rollout.multi_turn.enable=true", f"rollout.multi_turn.tool_config_path={tmp_path}/none.yaml"],
+                     check_files=True)
+    assert "none.yaml' does not exist" in text
+
+
+def test_verl_multi_turn_keys_map_with_notices(tmp_path):
+    tools = tmp_path / "tools.yaml"
+    tools.write_text("tools: []\n")
+    notices = []
+    cfg = load_config(None, [f"{AR}enable=True", f"{AR}max_assistant_turns=4", f"{AR}tool_config_path={tools}",
+                             f"{AR}format=hermes", f"{AR}max_tool_response_length=64", f"{AR}max_user_turns=4"],
+                      notices=notices)
+    m = cfg.rollout.multi_turn
+    assert (m.enable, m.max_assistant_turns, m.tool_config_path, m.format, m.max_tool_response_length) == (
+        True, 4, str(tools), "hermes", 64)
+    text = "\n".join(notices)
+    assert f"verl key {AR}enable -> portagrpo rollout.multi_turn.enable" in text
+    assert "counted in tokens here" in text
+    assert f"{AR}max_user_turns=4: no effect here" in text
