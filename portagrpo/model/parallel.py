@@ -8,7 +8,7 @@ global mini-batch is the SUM of the per-rank gradients: both strategies sum, nev
 from __future__ import annotations
 
 import contextlib
-from typing import Any, Iterator
+from typing import Any, Iterator, Protocol
 
 import torch
 from torch.distributed.checkpoint.state_dict import (
@@ -41,6 +41,41 @@ def _unique_state(scorer: torch.nn.Module) -> Iterator[tuple[str, torch.Tensor]]
 
 def _strip(prefix: str, state: dict[str, Any]) -> dict[str, Any]:
     return {k[len(prefix):] if k.startswith(prefix) else k: v for k, v in state.items()}
+
+
+class ParallelStrategy(Protocol):
+    """How the policy's scorers are spread over the ranks: what the loop, the engines and the checkpoints ask."""
+
+    name: str
+
+    @property
+    def generate_kwargs(self) -> dict[str, Any]:
+        """Extra `generate` arguments (`synced_gpus` under FSDP2)."""
+
+    def wrap(self, scorer: torch.nn.Module, *, trainable: bool, compute_dtype: torch.dtype | None = None
+             ) -> torch.nn.Module:
+        """The scorer as this strategy runs it."""
+
+    def generation(self, scorer: torch.nn.Module) -> contextlib.AbstractContextManager:
+        """Around a rollout with the training model itself (a sharded one is gathered once)."""
+
+    def full_tensors(self, scorer: torch.nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
+        """Every parameter unsharded, one at a time (a weight push)."""
+
+    def gradient_sync(self, scorer: torch.nn.Module, enabled: bool) -> None: ...
+
+    def sync_grads(self, params: list[torch.nn.Parameter]) -> None: ...
+
+    def clip_grad_norm(self, params: list[torch.nn.Parameter], max_norm: float) -> torch.Tensor: ...
+
+    def model_state(self, scorer: torch.nn.Module) -> dict[str, torch.Tensor]: ...
+
+    def optimizer_state(self, scorer: torch.nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]: ...
+
+    def load_model_state(self, scorer: torch.nn.Module, state: dict[str, torch.Tensor]) -> None: ...
+
+    def load_optimizer_state(self, scorer: torch.nn.Module, optimizer: torch.optim.Optimizer, state: dict) -> None:
+        ...
 
 
 class SingleProcess:

@@ -3,11 +3,16 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, ClassVar, Iterable, Iterator, NamedTuple, Protocol
+from typing import TYPE_CHECKING, Any, Callable, ClassVar, Iterable, Iterator, NamedTuple, Protocol
 
 import torch
 
 from portagrpo.registry import Registry
+
+if TYPE_CHECKING:  # annotations only: the engines are handed these, they import nothing of the trainer
+    from portagrpo.backends import Backend
+    from portagrpo.backends.dist import Collectives
+    from portagrpo.config import Config
 
 
 @dataclass(frozen=True)
@@ -132,17 +137,17 @@ class blank_generation_config:
 class EngineInputs:
     """What an engine may take from the run when it builds itself (`from_run`)."""
 
-    cfg: Any  # portagrpo.config.Config
+    cfg: Config
     scorer: torch.nn.Module  # the policy's scorer (anything with `generate`)
     policy: torch.nn.Module  # the Hugging Face model under it (its config)
-    tokenizer: Any
+    tokenizer: Any  # a Hugging Face tokenizer (transformers' own type)
     autocast: Callable[[], Any]
     generate_kwargs: dict  # the parallel strategy's (`synced_gpus` under FSDP2)
-    backend: Any  # portagrpo.backends.Backend
+    backend: Backend
     rank: int
     world_size: int
     init_model_dir: Path  # the run's saved initial model (what an engine with its own weights loads)
-    comm: Any = None  # backends.dist.Collectives: the training ranks (engines that span ranks use it)
+    comm: Collectives | None = None  # the training ranks (engines that span ranks use it)
 
 
 class Sampled(NamedTuple):
@@ -173,6 +178,25 @@ class RolloutEngine(Protocol):
 
     def update_weights(self, named_tensors) -> None:
         """The policy's (name, tensor) pairs after an update; called only on an engine that `holds_weights`."""
+
+
+class AheadSampler(Protocol):
+    """A sampler of its own that draws the next batch while the trainer updates (rollout.mode=one_step_off:
+    `rollout/process.py: SamplerProcess`, a process holding a copy of the policy)."""
+
+    holds_weights: ClassVar[bool]
+    pad_id: int
+
+    def submit(self, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, params: SamplingParams, seed: int) -> None:
+        """Request a batch, drawn with the sampler's current weights and `seed`."""
+
+    def result(self) -> Sampled:
+        """The requested batch (waits for it)."""
+
+    def update_weights(self, named_tensors) -> int:
+        """The policy after an update, for the next request."""
+
+    def close(self) -> None: ...
 
 
 ROLLOUT_ENGINES: Registry[type] = Registry("rollout engine")

@@ -29,11 +29,11 @@ from portagrpo.data.records import (
 from portagrpo.fileio import atomic_path
 from portagrpo.kernels import logprob_impl
 from portagrpo.model.loading import apply_lora, build_tiny_model, check_tiny_matches, load_model, load_tokenizer
-from portagrpo.model.parallel import make_strategy
+from portagrpo.model.parallel import ParallelStrategy, make_strategy
 from portagrpo.model.scorer import AdaptersOff, ResponseScorer
 from portagrpo.rewards.functions import RewardResolver
 from portagrpo.rewards.pool import RewardPool
-from portagrpo.rollout.engines import ROLLOUT_ENGINES, EngineInputs
+from portagrpo.rollout.engines import ROLLOUT_ENGINES, AheadSampler, EngineInputs, RolloutEngine
 from portagrpo.tolerances import DTYPES
 
 
@@ -70,7 +70,7 @@ class Models:
     scorer: torch.nn.Module  # the policy's scorer, wrapped by the parallel strategy
     ref: torch.nn.Module | None  # a separate reference model (KL without LoRA)
     ref_scorer: torch.nn.Module | None  # None: no KL anywhere
-    strategy: Any  # portagrpo.model.parallel: how the scorers are parallelised
+    strategy: ParallelStrategy  # how the scorers are parallelised
     kernel_name: str  # the log-prob kernel
     is_lora: bool
 
@@ -87,11 +87,11 @@ class Parts:
     data: Data
     models: Models
     optim: Optimization
-    engine: Any  # a rollout engine (portagrpo.rollout.engines.RolloutEngine)
+    engine: RolloutEngine
     shaping: Shaping
     objective: Objective
     total_steps: int
-    sampler: Any = None  # rollout.mode=one_step_off: the sampler process (portagrpo.rollout.process)
+    sampler: AheadSampler | None = None  # rollout.mode=one_step_off: the sampler process (rollout/process.py)
 
     def close(self) -> None:
         if self.data.reward_pool is not None:

@@ -191,3 +191,23 @@ def test_the_device_layer_sits_below_the_model():
             above = {m for m in imports_of(name, path, set(mods))
                      if m.startswith(("portagrpo.model", "portagrpo.train", "portagrpo.rollout"))}
             assert not above, f"{name} imports {sorted(above)}"
+
+
+PLUG_POINTS = {"portagrpo/train/build.py": ("Models", "Parts", "Runtime", "Optimization"),
+               "portagrpo/rollout/engines.py": ("EngineInputs", "RolloutEngine", "AheadSampler"),
+               "portagrpo/train/sources/__init__.py": ("SourceInputs", "BatchSource"),
+               "portagrpo/model/parallel.py": ("ParallelStrategy",)}
+
+
+def test_no_plug_point_is_typed_any():
+    """The parts a run is built from, and the Protocols they meet, name their types (a tokenizer is
+    transformers' own, any of its classes); the loop asks nothing of an object that its type does not declare."""
+    for rel, names in PLUG_POINTS.items():
+        tree = ast.parse((ROOT / rel).read_text())
+        classes = {n.name: n for n in tree.body if isinstance(n, ast.ClassDef)}
+        for name in names:
+            for field in [n for n in classes[name].body if isinstance(n, ast.AnnAssign)]:
+                if field.target.id != "tokenizer":
+                    assert "Any" != ast.unparse(field.annotation), f"{rel}: {name}.{field.target.id} is typed Any"
+    loop = (ROOT / "portagrpo/train/loop.py").read_text()
+    assert "getattr(" not in loop

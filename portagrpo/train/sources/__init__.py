@@ -21,7 +21,7 @@ import torch
 from portagrpo.data.records import PromptLoader, PromptRecord
 from portagrpo.errors import UserError
 from portagrpo.registry import Registry
-from portagrpo.rollout.process import SamplerProcess
+from portagrpo.rollout.engines import AheadSampler
 from portagrpo.train.build import Models
 from portagrpo.train.experience import ExperienceSettings, ScoredRollout
 from portagrpo.train.sampling import Sampling
@@ -82,7 +82,7 @@ class SourceInputs:
     settings: ExperienceSettings
     sampling: Sampling
     loader: PromptLoader
-    sampler: SamplerProcess | None  # rollout.mode=one_step_off: this rank's sampler process
+    sampler: AheadSampler | None  # rollout.mode=one_step_off: this rank's sampler process
     total_steps: int
     log: Callable[[str], None]
 
