@@ -41,8 +41,9 @@ from portagrpo.procs import portagrpo_command
 QWEN25_05B = {"hidden_size": 896, "intermediate_size": 4864, "num_hidden_layers": 24, "num_attention_heads": 14,
               "num_key_value_heads": 2, "max_position_embeddings": 32768, "rope_theta": 1000000.0,
               "tie_word_embeddings": True, "vocab_size": 151936}  # Qwen2.5-0.5B's config.json shape
-TINY_QWEN = {"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4,
-             "num_key_value_heads": 2, "max_position_embeddings": 512, "rope_theta": 10000.0,
+# head size 32: the smallest vLLM's CPU attention runs (a tiny check with vLLM installed runs it too)
+TINY_QWEN = {"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 2,
+             "num_key_value_heads": 1, "max_position_embeddings": 512, "rope_theta": 10000.0,
              "tie_word_embeddings": True}
 SIZES = {
     "full": {"steps": 30, "record_steps": 5, "shapes": None, "bench_steps": 3, "model": QWEN25_05B,
