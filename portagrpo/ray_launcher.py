@@ -226,7 +226,7 @@ class RayRun:
     # The driver loop's view of the run (`portagrpo.train.driver.Steps`): every worker takes part, rank 0 answers.
     def advance(self, validate: bool) -> dict[str, Any]:
         metrics = self._call("step", validate)[0]
-        self.step_done += 1
+        self.step_done = metrics["step"]  # the workers' loop counts steps; the driver only reads its count
         return metrics
 
     def validate(self) -> dict[str, float]:
