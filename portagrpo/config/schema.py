@@ -69,6 +69,9 @@ class DataConfig:
     truncation: Literal["error", "left", "right"] = "error"
     prompt_key: str = "prompt"  # the data files' column holding the prompt
     reward_fn_key: str = "data_source"  # the column that picks the reward function
+    image_key: str = "images"  # the column of a row's encoded images (verl's key), one per <image> in its prompt
+    # A row with a larger image is refused at load; the default is Qwen2.5-VL's processor cap (16384 * 28 * 28).
+    max_image_pixels: int = 12845056
 
 
 @dataclass(frozen=True)

@@ -20,6 +20,7 @@ DIRECT = {
     "data.train_batch_size": "data.train_batch_size",
     "data.max_prompt_length": "data.max_prompt_length",
     "data.max_response_length": "data.max_response_length",
+    "data.image_key": "data.image_key",
     AR + "model.path": "model.path",
     AR + "model.enable_gradient_checkpointing": "model.gradient_checkpointing",
     AR + "model.lora_rank": "model.lora.rank",

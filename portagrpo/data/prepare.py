@@ -1,13 +1,15 @@
-"""`portagrpo data gsm8k|math --input FILE --output DIR`: the public datasets' own files in the
+"""`portagrpo data gsm8k|math|geo3k --input FILE --output DIR`: the public datasets' own files in the
 training schema (chat `prompt` with an instruction, `reward_model.ground_truth`, `data_source`,
-`extra_info`). Nothing is downloaded; malformed lines are reported with their line number and
-skipped (`--on-error skip`) or rejected (`--on-error fail`)."""
+`extra_info`; geo3k adds `images`, verl's multimodal layout). Nothing is downloaded; malformed lines are
+reported with their line number and skipped (`--on-error skip`) or rejected (`--on-error fail`)."""
 from __future__ import annotations
 
+import base64
 import json
 from pathlib import Path
 from typing import Any, Iterator
 
+from portagrpo.data.images import DEFAULT_MAX_IMAGE_PIXELS, IMAGE_PLACEHOLDER, ImageProblem, row_images
 from portagrpo.data.records import DataError
 from portagrpo.fileio import atomic_path, check_output_path
 from portagrpo.rewards.functions import normalize_number
@@ -15,6 +17,10 @@ from portagrpo.rewards.math_answers import extract_boxed
 
 GSM8K_INSTRUCTION = 'Let\'s think step by step and output the final answer after "####".'
 MATH_INSTRUCTION = "Let's think step by step and output the final answer within \\boxed{}."
+# What the geo3k reward checks (rewards/geo3k.py): reasoning inside <think> </think>, then a \boxed{} answer.
+GEO3K_INSTRUCTION = ("First reason about the problem step by step inside <think> </think> tags, then give "
+                     "the final answer inside \\boxed{}.")
+GEO3K_SOURCE = "hiyouga/geometry3k"
 
 
 def _read_items(path: Path) -> Iterator[tuple[str, Any]]:
@@ -25,6 +31,17 @@ def _read_items(path: Path) -> Iterator[tuple[str, Any]]:
         return
     if not path.is_file():
         raise DataError(f"--input {str(path)!r} does not exist; give the dataset's .jsonl/.json file or folder.")
+    if path.suffix == ".parquet":
+        import pyarrow.parquet as pq
+
+        try:
+            rows = pq.read_table(path).to_pylist()
+        except Exception as err:  # noqa: BLE001 - pyarrow raises several types for a bad file
+            raise DataError(f"--input {str(path)!r} is not a readable Parquet file ({type(err).__name__}); "
+                            f"give the dataset's .parquet, .jsonl or .json file.") from None
+        for i, row in enumerate(rows):
+            yield f"{path} row {i + 1}", row
+        return
     if path.suffix == ".json":
         try:
             data = json.loads(path.read_text())
@@ -74,7 +91,26 @@ def _math_row(item: dict, index: int, split: str) -> dict:
             "extra_info": extra}
 
 
-CONVERTERS = {"gsm8k": _gsm8k_row, "math": _math_row}
+def _geo3k_row(item: dict, index: int, split: str, base: Path = Path(".")) -> dict:
+    """hiyouga/geometry3k's layout (problem with its `<image>` placeholder, answer, images) -> verl's geo3k row."""
+    problem, answer = item.get("problem"), item.get("answer")
+    if not isinstance(problem, str) or not problem.strip() or not isinstance(answer, str) or not answer.strip():
+        raise ValueError("needs non-empty string fields 'problem' and 'answer'")
+    try:
+        images = row_images(item.get("images"), problem, base, DEFAULT_MAX_IMAGE_PIXELS)
+    except ImageProblem as err:
+        raise ValueError(str(err)) from None
+    if not images:
+        raise ValueError(f"has no image; a geo3k problem needs its figure and an {IMAGE_PLACEHOLDER} placeholder")
+    names = [e.get("path") if isinstance(e, dict) else (e if isinstance(e, str) else None) for e in item["images"]]
+    return {"prompt": [{"role": "user", "content": f"{problem} {GEO3K_INSTRUCTION}"}],
+            "images": [{"bytes": data, "path": name} for data, name in zip(images, names)],
+            "ability": "math", "reward_model": {"style": "rule", "ground_truth": answer.strip()},
+            "data_source": GEO3K_SOURCE,
+            "extra_info": {"split": split, "index": index, "answer": answer, "question": problem}}
+
+
+CONVERTERS = {"gsm8k": _gsm8k_row, "math": _math_row, "geo3k": _geo3k_row}
 
 
 def convert(kind: str, input_path: str | Path, output_dir: str | Path, *, split: str | None = None,
@@ -85,13 +121,15 @@ def convert(kind: str, input_path: str | Path, output_dir: str | Path, *, split:
     check_split(split)
     check_output(output_dir, split, fmt)
     rows, problems = [], []
+    # geo3k's image paths are relative to the input's folder
+    extra = {"base": input_path if input_path.is_dir() else input_path.parent} if kind == "geo3k" else {}
     for where, item in _read_items(input_path):
         try:
             if isinstance(item, Exception):
                 raise item
             if not isinstance(item, dict):
                 raise ValueError(f"expected a JSON object, got {type(item).__name__}")
-            rows.append(CONVERTERS[kind](item, len(rows), split))
+            rows.append(CONVERTERS[kind](item, len(rows), split, **extra))
         except ValueError as err:
             problem = f"{where}: {err}"
             if on_error == "fail":
@@ -109,11 +147,31 @@ def convert(kind: str, input_path: str | Path, output_dir: str | Path, *, split:
             import pyarrow as pa
             import pyarrow.parquet as pq
 
-            table = pa.Table.from_pylist(rows)
+            table = _with_image_type(pa.Table.from_pylist(rows))
             pq.write_table(table.replace_schema_metadata({**(table.schema.metadata or {}), MARK: kind.encode()}), tmp)
         else:
-            tmp.write_text("".join(json.dumps(r) + "\n" for r in rows))
+            tmp.write_text("".join(json.dumps(_jsonable(r)) + "\n" for r in rows))
     return out, len(rows), problems
+
+
+def _with_image_type(table):
+    """`images` typed as the Hugging Face Image feature stores it, list<struct<bytes: binary, path: string>>
+    (an all-null `path` would otherwise be inferred as the null type)."""
+    import pyarrow as pa
+
+    if "images" not in table.column_names:
+        return table
+    image = pa.struct([("bytes", pa.binary()), ("path", pa.string())])
+    column = pa.array(table.column("images").to_pylist(), type=pa.list_(image))
+    return table.set_column(table.column_names.index("images"), "images", column)
+
+
+def _jsonable(row: dict) -> dict:
+    """JSONL cannot hold bytes: image bytes are written as base64 text, which the loader reads back."""
+    if "images" not in row:
+        return row
+    return {**row, "images": [{"bytes": base64.b64encode(im["bytes"]).decode("ascii"), "path": im["path"]}
+                              for im in row["images"]]}
 
 
 MARK = b"portagrpo_data"  # Parquet metadata key: a file `portagrpo data` wrote and may replace
@@ -158,7 +216,8 @@ def main_cli(argv: list[str]) -> int:
     p = argparse.ArgumentParser(prog="portagrpo data")
     p.add_argument("kind", choices=sorted(CONVERTERS))
     p.add_argument(
-        "--input", required=True, help="GSM8K JSONL (question/answer) or MATH JSON/JSONL/folder (problem/solution)"
+        "--input", required=True, help="GSM8K JSONL (question/answer), MATH JSON/JSONL/folder (problem/solution) or "
+        "geo3k Parquet/JSONL (problem/answer/images, hiyouga/geometry3k's layout)"
     )
     p.add_argument("--output", required=True, help="output directory")
     p.add_argument("--split", default=None, help="split name (default: the input file's name)")

@@ -8,6 +8,7 @@ from typing import Any
 
 import torch
 
+from portagrpo.data.images import DEFAULT_MAX_IMAGE_PIXELS, ImageProblem, row_images
 from portagrpo.data.tasks import TASKS
 from portagrpo.errors import UserError
 from portagrpo.fileio import write_text_atomic
@@ -25,10 +26,14 @@ class PromptRecord:
     data_source: str
     extra_info: dict = field(default_factory=dict)
     token_ids: list[int] | None = None  # the prompt's tokens when they were truncated (data.truncation)
+    # Encoded images (PNG/JPEG bytes, checked at load: data/images.py), one per `<image>` placeholder of the
+    # prompt, in order; decoded only by the processor. Empty for a text-only row.
+    images: tuple[bytes, ...] = ()
 
 
 def _record_from_row(row: dict, index: int, where: str, prompt_key: str = "prompt",
-                     source_key: str = "data_source") -> PromptRecord:
+                     source_key: str = "data_source", image_key: str = "images", base: Path | None = None,
+                     max_image_pixels: int = DEFAULT_MAX_IMAGE_PIXELS) -> PromptRecord:
     if not isinstance(row, dict):
         raise DataError(f"{where}: a row must be a JSON object, got {type(row).__name__}.")
     if prompt_key not in row:
@@ -51,8 +56,13 @@ def _record_from_row(row: dict, index: int, where: str, prompt_key: str = "promp
     if rm["ground_truth"] is None:
         raise DataError(f"{where}: 'reward_model.ground_truth' is null; give the expected answer (a string or number).")
     extra = row.get("extra_info") or {}
+    try:
+        images = row_images(row.get(image_key), prompt, base or Path("."), max_image_pixels)
+    except ImageProblem as err:
+        raise DataError(f"{where} {err} (data.image_key={image_key!r}); fix or remove the row "
+                        f"(the file was not changed).") from None
     return PromptRecord(index, prompt, str(rm["ground_truth"]), str(row.get(source_key, "unknown")),
-                        dict(extra) if isinstance(extra, dict) else {})
+                        dict(extra) if isinstance(extra, dict) else {}, images=images)
 
 
 def read_rows(path: str | Path) -> list[dict]:
@@ -89,11 +99,19 @@ def read_rows(path: str | Path) -> list[dict]:
     return rows
 
 
-def load_records(paths: list[str], prompt_key: str = "prompt", source_key: str = "data_source") -> list[PromptRecord]:
+def load_records(paths: list[str], prompt_key: str = "prompt", source_key: str = "data_source",
+                 image_key: str = "images", max_image_pixels: int = DEFAULT_MAX_IMAGE_PIXELS) -> list[PromptRecord]:
+    """Every row of the files; a bad row stops the load with one sentence naming its file and row. Files are
+    only read, never written."""
+    if max_image_pixels < 1:
+        raise DataError(f"data.max_image_pixels={max_image_pixels} must be at least 1 (the default is "
+                        f"{DEFAULT_MAX_IMAGE_PIXELS}, Qwen2.5-VL's own cap).")
     records: list[PromptRecord] = []
     for path in paths:
+        base = Path(path).parent
         for i, row in enumerate(read_rows(path)):
-            records.append(_record_from_row(row, len(records), f"{path} row {i + 1}", prompt_key, source_key))
+            records.append(_record_from_row(row, len(records), f"{path} row {i + 1}", prompt_key, source_key,
+                                            image_key, base, max_image_pixels))
     return records
 
 

@@ -14,6 +14,7 @@ from typing import Any, Protocol
 from portagrpo.data.tasks import repeat_reward
 from portagrpo.errors import UserError
 from portagrpo.registry import Registry
+from portagrpo.rewards.geo3k import geo3k_reward
 
 
 class RewardFn(Protocol):
@@ -118,6 +119,10 @@ REWARDS.register("format_boxed")(_format(r"\\boxed\{"))
 REWARDS.register("format_think")(_format(r"^\s*<think>.+?</think>\s*\S"))
 
 
+# geo3k (verl's multimodal example): 0.9 for the boxed answer + 0.1 for the <think>...</think> ... \\boxed{} format
+REWARDS.register("geo3k")(geo3k_reward)
+
+
 @REWARDS.register("repeat")
 def repeat_task_reward(data_source: str, solution_str: str, ground_truth: str, extra_info: dict | None = None) -> dict:
     score = repeat_reward(solution_str, str(ground_truth))
@@ -131,6 +136,7 @@ DATA_SOURCE_REWARDS = {
     "hendrycks/math": "math",
     "lighteval/MATH": "math",
     "math": "math",
+    "hiyouga/geometry3k": "geo3k",
     "portagrpo/arith": "gsm8k",
     "portagrpo/repeat": "repeat",
 }

@@ -160,7 +160,8 @@ def build_data(cfg: Config, log: Callable[[str], None]) -> Data:
         train = task_records(cfg.data.task, cfg.data.train_size, cfg.trainer.seed)
         val = task_records(cfg.data.task, cfg.data.val_size, cfg.trainer.seed + 10_007)
     else:
-        keys = dict(prompt_key=cfg.data.prompt_key, source_key=cfg.data.reward_fn_key)
+        keys = dict(prompt_key=cfg.data.prompt_key, source_key=cfg.data.reward_fn_key, image_key=cfg.data.image_key,
+                    max_image_pixels=cfg.data.max_image_pixels)
         train = load_records(cfg.data.train_files, **keys)
         val = load_records(cfg.data.val_files, **keys) if cfg.data.val_files else []
     train, val = _fit_prompts(cfg, tokenizer, train, val, log)
