@@ -162,3 +162,12 @@ def test_geo3k_reward_weights_answer_and_format_as_verl(response, truth, score, 
     out = geo3k_reward(GEO3K_SOURCE, response, truth)
     assert out["score"] == pytest.approx(score, abs=1e-12) and out["correct"] is correct
     assert RewardResolver("auto")(GEO3K_SOURCE)(GEO3K_SOURCE, response, truth) == out
+
+
+def test_portagrpo_data_geo3k_command(tmp_path, capsys):
+    from portagrpo.cli import main
+
+    src = _write_parquet(tmp_path / "geo.parquet", _hf_rows())
+    assert main(["data", "geo3k", "--input", str(src), "--output", str(tmp_path / "out"), "--split", "train"]) == 0
+    assert "wrote 3 rows" in capsys.readouterr().out
+    assert len(load_records([str(tmp_path / "out" / "train.parquet")])) == 3
