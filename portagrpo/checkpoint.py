@@ -8,6 +8,7 @@ from __future__ import annotations
 import hashlib
 import json
 import shutil
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -121,20 +122,35 @@ def prune_checkpoints(run_dir: Path, keep: int) -> None:
 INFLIGHT = "inflight.pt"
 
 
-def load_checkpoint_state(path: Path) -> dict[str, Any]:
+@dataclass(frozen=True)
+class CheckpointState:
+    """The non-model parts of a verified checkpoint (the model loads from `model_dir`)."""
+
+    optimizer: dict[str, Any]
+    scheduler: dict[str, Any]
+    rng: dict[str, Any]
+    step: int
+    loader: dict[str, Any]  # the prompt loader's position
+    world_size: int | None  # the ranks that wrote it (None in checkpoints older than that field)
+    model_dir: Path
+    inflight: dict[str, Any] | None  # a batch source's state (train/sources: SourceState.to_saved), if any
+
+
+def load_checkpoint_state(path: Path) -> CheckpointState:
     """Verify then load the non-model parts of a checkpoint; the model loads from `path/model`."""
     path = Path(path)
     problems = verify_checkpoint(path)
     if problems:
         raise CheckpointError(f"checkpoint {path} is corrupt and was not loaded: {problems[0]}.")
-    return {
-        "optimizer": torch.load(path / "optimizer.pt", weights_only=False),
-        "scheduler": torch.load(path / "scheduler.pt", weights_only=False),
-        "rng": torch.load(path / "rng.pt", weights_only=False),
-        "state": json.loads((path / "trainer_state.json").read_text()),
-        "model_dir": path / "model",
-        "inflight": torch.load(path / INFLIGHT, weights_only=False) if (path / INFLIGHT).exists() else None,
-    }
+    trainer = json.loads((path / "trainer_state.json").read_text())
+    return CheckpointState(
+        optimizer=torch.load(path / "optimizer.pt", weights_only=False),
+        scheduler=torch.load(path / "scheduler.pt", weights_only=False),
+        rng=torch.load(path / "rng.pt", weights_only=False),
+        step=int(trainer["step"]), loader=trainer["loader"], world_size=trainer.get("world_size"),
+        model_dir=path / "model",
+        inflight=torch.load(path / INFLIGHT, weights_only=False) if (path / INFLIGHT).exists() else None,
+    )
 
 
 # Hugging Face config fields that fix the shape of the weights.

@@ -78,18 +78,18 @@ class Checkpointer:
         from safetensors.torch import load_file
 
         state = {}
-        for f in sorted(Path(parts["model_dir"]).glob("*.safetensors")):
+        for f in sorted(parts.model_dir.glob("*.safetensors")):
             state.update(load_file(f))
         if m.is_lora:
             self._load_adapter(ckpt, state)
         else:
             self._load_full(ckpt, state)
-        m.strategy.load_optimizer_state(m.scorer, self.optim.optimizer, parts["optimizer"])
-        self.optim.scheduler.load_state_dict(parts["scheduler"])
-        self.loader.load_state_dict(parts["state"]["loader"])
-        set_rng_state(self.runtime.backend, parts["rng"])
-        self.inflight = SourceState.from_saved(parts["inflight"])
-        step = int(parts["state"]["step"])
+        m.strategy.load_optimizer_state(m.scorer, self.optim.optimizer, parts.optimizer)
+        self.optim.scheduler.load_state_dict(parts.scheduler)
+        self.loader.load_state_dict(parts.loader)
+        set_rng_state(self.runtime.backend, parts.rng)
+        self.inflight = SourceState.from_saved(parts.inflight)
+        step = parts.step
         self.log(f"resumed from {ckpt} at step {step}")
         return step
 

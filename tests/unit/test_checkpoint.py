@@ -44,7 +44,7 @@ def test_save_is_whole_and_loadable_by_transformers(tmp_path, parts):
     for (name, a), b in zip(parts["model"].state_dict().items(), reloaded.state_dict().values()):
         assert torch.equal(a, b), name
     state = load_checkpoint_state(path)
-    assert state["state"]["step"] == 3 and state["state"]["loader"]["cursor"] == 3
+    assert state.step == 3 and state.loader["cursor"] == 3
     assert not any(p.name.startswith(".tmp") for p in (tmp_path / "checkpoints").iterdir())
 
 
