@@ -27,6 +27,15 @@ class RolloutBatch:
     # engine sampled from (after temperature, penalties and top-k/top-p/min-p truncation,
     # renormalised over the kept tokens); 0 after the response. None: the engine does not say.
     rollout_logp: torch.Tensor | None = None
+    # [B, T] float: 1 on the tokens the model sampled itself. A multi-turn rollout's response also holds tool
+    # and template tokens: in the context (response_mask, which attention uses) and scored, never trained.
+    # None: every response token is the model's.
+    model_mask: torch.Tensor | None = None
+
+    @property
+    def trained_mask(self) -> torch.Tensor:
+        """The response tokens the loss may count: the model's own (all of them in a single-turn rollout)."""
+        return self.response_mask if self.model_mask is None else self.model_mask
 
     @property
     def size(self) -> int:
@@ -87,14 +96,15 @@ class TrainBatch:
     old_logp: torch.Tensor | None  # [B, T] float32; None on a fully on-policy step (the update's own, detached)
     ref_logp: torch.Tensor | None  # [B, T] float32
     # Rollout correction (algo/rollout_correction.py): importance weights on the policy loss, and the
-    # loss mask with rejected tokens removed (None: the response mask).
+    # loss mask with rejected tokens removed (None: the rollout's trained mask).
     is_weights: torch.Tensor | None = None
     loss_mask: torch.Tensor | None = None
 
     @property
     def mask(self) -> torch.Tensor:
-        """The tokens the loss counts: the response mask less what rejection sampling removed."""
-        return self.rollout.response_mask if self.loss_mask is None else self.loss_mask
+        """The tokens the loss counts: the model's own response tokens less what rejection sampling removed
+        (`loss_mask`, made from the trained mask)."""
+        return self.rollout.trained_mask if self.loss_mask is None else self.loss_mask
 
     def select(self, idx: torch.Tensor | list[int]) -> "TrainBatch":
         # Indices come from the host (randperm with a CPU generator, arange): copied to the data without waiting.

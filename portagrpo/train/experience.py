@@ -210,15 +210,15 @@ class ExperienceMaker:
         if sampled is not None and old_logp is not None and not spec.bypass_mode:
             if spec.active:
                 try:
-                    weights, loss_mask, corr = correct_rollout(old_logp, sampled, rb.response_mask, spec)
+                    weights, loss_mask, corr = correct_rollout(old_logp, sampled, rb.trained_mask, spec)
                 except ValueError as err:
                     raise UserError(str(err)) from None
             else:
-                corr = gap_report(old_logp, sampled, rb.response_mask)
+                corr = gap_report(old_logp, sampled, rb.trained_mask)
         elif spec.active:
             raise UserError("algorithm.rollout_correction.rollout_is/rollout_rs need the sampler's log-probs, and "
                             "this rollout engine reports none; use rollout.engine=hf or vllm.")
-        mask = rb.response_mask if loss_mask is None else loss_mask
+        mask = rb.trained_mask if loss_mask is None else loss_mask
         scores, adv = shape_and_advantage(raw_scores, rb.uid, mask, self.shaping, old_logp=old_logp,
                                           ref_logp=ref_logp)
         return TrainBatch(rb, adv, old_logp, ref_logp, is_weights=weights, loss_mask=loss_mask), scores, corr

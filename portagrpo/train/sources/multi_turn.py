@@ -1,0 +1,189 @@
+"""Multi-turn, tool-using rollouts (`rollout.multi_turn.enable`): each sample alternates model turns and tool turns.
+
+A sample goes on while its last model turn ended with an end token and called a tool: the calls run in the
+sandbox (agent/), their results are rendered as a tool turn in the chat template and appended as token ids, and
+the model writes its next turn. It stops when it answers without a tool call, reaches
+`rollout.multi_turn.max_assistant_turns`, or fills `data.max_response_length`, which counts every token after the
+prompt. Each turn is generated in one batch over the samples still going (left-padded contexts); the model's own
+token ids are kept as sampled, never re-tokenized.
+
+The response is everything after the prompt, and `RolloutBatch.model_mask` marks the model's own tokens: tool and
+template tokens stay in the context (`response_mask`) and are scored, but never trained, and the sampler's
+log-probs exist only for the model's tokens (0 elsewhere). The loss mask and the GRPO normalisers then count only
+trained tokens (`TrainBatch.mask`).
+"""
+from __future__ import annotations
+
+import time
+from contextlib import nullcontext
+from dataclasses import dataclass, field, replace
+
+import torch
+
+from portagrpo.agent.hermes import ToolTurns
+from portagrpo.agent.sandbox import Limits
+from portagrpo.agent.toolbox import Toolbox, ToolCounts
+from portagrpo.batch import RolloutBatch
+from portagrpo.data.records import PromptRecord, left_pad
+from portagrpo.rollout.engines import SamplingParams, decode_responses, group_prompts, stop_token_ids
+from portagrpo.train.build import Models
+from portagrpo.train.experience import ExperienceSettings, ScoredRollout
+from portagrpo.train.sources import SOURCES, SourceInputs, SourceState
+from portagrpo.train.sources.sync import resumed_prompts
+
+
+@dataclass
+class Conversation:
+    """One sample's response so far: token ids after the prompt, which are the model's, their sampler log-probs."""
+
+    prompt: list[int]
+    context: dict  # what a tool may ask for (ground_truth)
+    tokens: list[int] = field(default_factory=list)
+    own: list[float] = field(default_factory=list)
+    logp: list[float] = field(default_factory=list)
+    turns: int = 0
+
+    def add(self, tokens: list[int], own: bool, logp: list[float] | None = None) -> None:
+        self.tokens += tokens
+        self.own += [1.0 if own else 0.0] * len(tokens)
+        self.logp += logp if logp is not None else [0.0] * len(tokens)
+
+
+class MultiTurnRollout:
+    """Samples conversations with an engine and a toolbox (every rank its own share, as a plain rollout)."""
+
+    def __init__(self, engine, tokenizer, toolbox: Toolbox, turns: ToolTurns, max_turns: int) -> None:
+        self.engine, self.tokenizer, self.toolbox, self.turns, self.max_turns = (engine, tokenizer, toolbox, turns,
+                                                                                 max_turns)
+        self.eos = set(getattr(engine, "eos_ids", None) or stop_token_ids(tokenizer))
+
+    def rollout(self, records: list[PromptRecord], n: int, params: SamplingParams, device, *, uid_base: int,
+                prompt_width: int | None, counts: ToolCounts) -> RolloutBatch:
+        group = group_prompts(self.tokenizer, records, n, self.engine.pad_id, device, uid_base=uid_base,
+                              prompt_width=prompt_width)
+        talks = [Conversation(ids, {"ground_truth": records[i // n].ground_truth})
+                 for i, ids in enumerate(group.ids)]
+        going, has_logp = list(range(len(talks))), True
+        while going:
+            has_logp &= self.model_turn([talks[i] for i in going], params, device)
+            going = self.tool_turn(going, talks, params.max_tokens, counts)
+        return self.batch(group, talks, params.max_tokens, has_logp)
+
+    def model_turn(self, talks: list[Conversation], params: SamplingParams, device) -> bool:
+        """One model turn for every sample still going, in one batch; False when the engine reports no log-probs."""
+        ids, mask = left_pad([t.prompt + t.tokens for t in talks], self.engine.pad_id)
+        room = max(params.max_tokens - len(t.tokens) for t in talks)
+        sampled = self.engine.generate(ids.to(device), mask.to(device), replace(params, max_tokens=room))
+        tokens, keep = sampled.responses.tolist(), sampled.mask.tolist()  # the turn's one read
+        logps = None if sampled.logp is None else sampled.logp.tolist()
+        for k, talk in enumerate(talks):
+            count = min(round(sum(keep[k])), params.max_tokens - len(talk.tokens))
+            talk.add(tokens[k][:count], True, None if logps is None else logps[k][:count])
+            talk.turns += 1
+        return logps is not None
+
+    def tool_turn(self, going: list[int], talks: list[Conversation], budget: int, counts: ToolCounts) -> list[int]:
+        """The tools of every sample whose last turn ended and called some; the samples that go on."""
+        asked = []
+        for i in going:
+            talk = talks[i]
+            ended = bool(talk.tokens) and talk.own[-1] == 1.0 and talk.tokens[-1] in self.eos
+            if ended and talk.turns < self.max_turns and len(talk.tokens) < budget:
+                asked.append(i)
+        last = [self.last_turn_text(talks[i]) for i in asked]
+        answers = self.toolbox.answer([(text, talks[i].context) for i, text in zip(asked, last)], counts)
+        still = []
+        for i, results in zip(asked, answers):
+            if results is None:  # it answered
+                continue
+            talk = talks[i]
+            talk.add(self.turns.ids([r.text for r in results])[:budget - len(talk.tokens)], False)
+            if len(talk.tokens) < budget:
+                still.append(i)
+        return still
+
+    def last_turn_text(self, talk: Conversation) -> str:
+        start = len(talk.own)
+        while start > 0 and talk.own[start - 1] == 1.0:
+            start -= 1
+        return self.tokenizer.decode(talk.tokens[start:], skip_special_tokens=True)
+
+    def batch(self, group, talks: list[Conversation], width: int, has_logp: bool) -> RolloutBatch:
+        device, pad, n = group.prompt_ids.device, self.engine.pad_id, group.n
+        rows = [t.tokens + [pad] * (width - len(t.tokens)) for t in talks]
+        keeps = [[1.0] * len(t.tokens) + [0.0] * (width - len(t.tokens)) for t in talks]
+
+        def tensor(values, dtype):
+            return torch.tensor(values, dtype=dtype).to(device)
+
+        records = group.records
+        rep = lambda xs: [x for x in xs for _ in range(n)]  # noqa: E731
+        return RolloutBatch(
+            prompt_ids=group.prompt_ids, prompt_mask=group.prompt_mask, responses=tensor(rows, torch.long),
+            response_mask=tensor(keeps, torch.float32),
+            uid=torch.arange(len(records), device=device).repeat_interleave(n) + group.uid_base,
+            prompt_index=torch.tensor(rep([r.index for r in records]), device=device),
+            response_text=decode_responses(self.tokenizer, rows, keeps),
+            ground_truth=rep([r.ground_truth for r in records]), data_source=rep([r.data_source for r in records]),
+            extra_info=rep([r.extra_info for r in records]),
+            lengths=[(len(t.prompt), len(t.tokens)) for t in talks],
+            rollout_logp=tensor([t.logp + [0.0] * (width - len(t.tokens)) for t in talks], torch.float32)
+            if has_logp else None,
+            model_mask=tensor([t.own + [0.0] * (width - len(t.tokens)) for t in talks], torch.float32),
+        )
+
+
+@SOURCES.register("multi_turn")
+class MultiTurnSource:
+    """The step's prompts sampled as tool-using conversations, then scored as a plain step scores."""
+
+    @classmethod
+    def claims(cls, settings: ExperienceSettings) -> bool:
+        return settings.mode == "multi_turn"
+
+    def __init__(self, inputs: SourceInputs) -> None:
+        self.sampling, self.loader, self.log = inputs.sampling, inputs.loader, inputs.log
+        mt = inputs.settings.multi_turn
+        self.toolbox = Toolbox.from_file(mt.tool_config_path, Limits(mt.tool_timeout_s, mt.tool_memory_mb),
+                                         mt.tool_workers)
+        turns = ToolTurns(self.sampling.tokenizer, mt.max_tool_response_length)
+        self.rollouts = MultiTurnRollout(self.sampling.engine, self.sampling.tokenizer, self.toolbox, turns,
+                                         mt.max_assistant_turns)
+        self.first: list[PromptRecord] | None = None
+        self.counts = ToolCounts()  # this rank's, over the run
+
+    def next(self, step: int) -> ScoredRollout:
+        prompts, self.first = self.first or self.loader.next_batch(), None
+        s = self.sampling
+        records, first_uid = s.round_ids(step, 0, prompts)
+        width = s.prompt_width(records)
+        s.runtime.backend.seed(s.stream_seed(step))
+        counts = ToolCounts()
+        # sampling with the training model itself: a sharded policy is gathered once for the whole rollout
+        gather = nullcontext() if s.engine.holds_weights else s.strategy.generation(s.scorer)
+        with gather, s.runtime.backend.region("rollout"):
+            rb = self.rollouts.rollout(records, s.settings.n, s.settings.sampling, s.runtime.device,
+                                       uid_base=first_uid, prompt_width=width, counts=counts)
+        scored = s.scored_rollout(step, rb, time.perf_counter())
+        if s.runtime.comm.world_size > 1:  # the gather keeps the plain fields; the model mask goes the same way
+            scored.rollout.model_mask = s.runtime.comm.all_gather_cat(rb.model_mask)
+        self.report(step, counts, rb)
+        return scored
+
+    def report(self, step: int, counts: ToolCounts, rb: RolloutBatch) -> None:
+        turns = rb.model_mask.diff(dim=1, prepend=torch.zeros_like(rb.model_mask[:, :1])).clamp(min=0).sum(1)
+        self.counts.calls += counts.calls
+        self.counts.errors += counts.errors
+        self.counts.timeouts += counts.timeouts
+        if self.sampling.runtime.comm.rank == 0:
+            self.log(f"step {step}: tool/calls={counts.calls} tool/errors={counts.errors} "
+                     f"tool/timeouts={counts.timeouts} turns_mean={float(turns.float().mean()):.3f}")
+
+    def push(self, models: Models) -> None:
+        return None
+
+    def state(self) -> SourceState | None:
+        return None
+
+    def restore(self, state: SourceState | None, step_done: int) -> None:
+        self.first = resumed_prompts(state)

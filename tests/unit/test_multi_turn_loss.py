@@ -1,0 +1,160 @@
+"""Multi-turn rollouts: the conversation loop (scripted engine, real tools in the sandbox), and the loss that trains
+only the model's own tokens (exact: zero gradient on tool tokens, equal to the hand-masked loss)."""
+import json
+
+import pytest
+import torch
+
+from portagrpo.agent.hermes import ToolTurns
+from portagrpo.agent.sandbox import Limits
+from portagrpo.agent.toolbox import Toolbox, ToolCounts
+from portagrpo.algo.losses import loss_normalizers
+from portagrpo.algo.objective import Objective, Shaping, shape_and_advantage, total_loss
+from portagrpo.batch import RolloutBatch
+from portagrpo.config import load_config
+from portagrpo.data.records import PromptRecord
+from portagrpo.model.loading import build_char_tokenizer
+from portagrpo.rollout.engines import Sampled, SamplingParams
+from portagrpo.train.experience import ExperienceMaker, ExperienceSettings
+from portagrpo.train.sources.multi_turn import MultiTurnRollout
+
+TOK = build_char_tokenizer()
+CALC = '<tool_call>{"name": "calculator", "arguments": {"expression": "%s"}}</tool_call>'
+
+
+class ScriptedEngine:
+    """Replies by prompt: reply k after the k-th tool turn (the char template writes tool turns as "t:")."""
+
+    holds_weights = False
+
+    def __init__(self, scripts: dict[str, list[str]]) -> None:
+        self.scripts, self.pad_id, self.eos_ids = scripts, TOK.pad_token_id, [TOK.eos_token_id]
+        self.calls = []
+
+    def generate(self, prompt_ids, prompt_mask, params: SamplingParams) -> Sampled:
+        rows, masks, logps = [], [], []
+        self.calls.append(prompt_ids.shape[0])
+        for ids, m in zip(prompt_ids.tolist(), prompt_mask.tolist()):
+            context = TOK.decode([t for t, k in zip(ids, m) if k], skip_special_tokens=True)
+            prompt = next(p for p in self.scripts if context.startswith(p))
+            reply = self.scripts[prompt][context.count("\nt:")]
+            tokens = (TOK(reply, add_special_tokens=False)["input_ids"] + [TOK.eos_token_id])[:params.max_tokens]
+            pad = params.max_tokens - len(tokens)
+            rows.append(tokens + [self.pad_id] * pad)
+            masks.append([1.0] * len(tokens) + [0.0] * pad)
+            logps.append([-0.5] * len(tokens) + [0.0] * pad)
+        return Sampled(torch.tensor(rows), torch.tensor(masks), torch.tensor(logps))
+
+
+@pytest.fixture(scope="module")
+def toolbox(tmp_path_factory):
+    path = tmp_path_factory.mktemp("tools") / "tools.yaml"
+    schema = {"type": "function", "function": {"name": "calculator", "description": "arithmetic", "parameters": {
+        "type": "object", "properties": {"expression": {"type": "string"}}, "required": ["expression"]}}}
+    path.write_text(json.dumps({"tools": [{"class_name": "calculator", "tool_schema": schema}]}))
+    box = Toolbox.from_file(str(path), Limits(timeout_s=5.0), workers=1)
+    yield box
+    box.close()
+
+
+def _rollout(toolbox, scripts, max_tokens=200, max_turns=4):
+    engine = ScriptedEngine(scripts)
+    records = [PromptRecord(i, p, "0", "x") for i, p in enumerate(scripts)]
+    loop = MultiTurnRollout(engine, TOK, toolbox, ToolTurns(TOK, 32), max_turns)
+    counts = ToolCounts()
+    rb = loop.rollout(records, 1, SamplingParams(max_tokens), torch.device("cpu"), uid_base=0, prompt_width=None,
+                      counts=counts)
+    return rb, counts, engine
+
+
+def test_turns_alternate_and_only_model_tokens_are_marked(toolbox):
+    scripts = {"q1 ": [CALC % "12345*6789", "#### 83810205"],  # one tool turn, then an answer
+               "q2 ": ["#### 7"],  # answers at once
+               "q3 ": [CALC % "1+1"] * 9}  # calls tools until max_assistant_turns
+    rb, counts, engine = _rollout(toolbox, scripts, max_turns=3)
+    assert engine.calls == [3, 2, 1]  # each turn batched over the samples still going
+    assert counts.calls == 1 + 2 and counts.errors == 0
+    n_tok = [r for _, r in rb.host_lengths()]
+    first = len(TOK(CALC % "12345*6789")["input_ids"]) + 1  # the model's turn, with its end token
+    tool = TOK("\nt:83810205\na:", add_special_tokens=False)["input_ids"]
+    answer = len(TOK("#### 83810205")["input_ids"]) + 1
+    assert n_tok[0] == first + len(tool) + answer
+    row = rb.responses[0].tolist()
+    assert row[first:first + len(tool)] == tool  # the tool turn, appended as ids
+    expected = [1.0] * first + [0.0] * len(tool) + [1.0] * answer
+    assert rb.model_mask[0, :n_tok[0]].tolist() == expected and rb.model_mask[0, n_tok[0]:].sum() == 0
+    assert rb.response_mask[0].sum() == n_tok[0]  # every token after the prompt is context
+    assert torch.equal(rb.rollout_logp[0] != 0, rb.model_mask[0].bool())  # sampler log-probs: model tokens only
+    assert rb.model_mask[1].sum() == n_tok[1] == len(TOK("#### 7")["input_ids"]) + 1
+    assert rb.model_mask[2].diff(prepend=torch.zeros(1)).clamp(min=0).sum() == 3  # three model turns
+    assert "83810205" in rb.response_text[0]
+
+
+def test_the_length_budget_counts_every_token_after_the_prompt(toolbox):
+    rb, counts, _ = _rollout(toolbox, {"q ": [CALC % "2*3"] * 9}, max_tokens=120, max_turns=9)
+    assert rb.responses.shape[1] == 120 and rb.host_lengths()[0][1] == 120
+    assert counts.calls >= 1
+
+
+# ---------------------------------------------------------------- the loss trains model tokens only
+
+def _two_turn_batch(dtype=torch.float64):
+    """Two groups of two; row 0: model 3, tool 4, model 2 tokens; the others single-turn."""
+    g = torch.Generator().manual_seed(0)
+    b, t = 4, 10
+    lengths = [9, 6, 10, 4]
+    response_mask = (torch.arange(t)[None] < torch.tensor(lengths)[:, None]).float()
+    model_mask = response_mask.clone()
+    model_mask[0, 3:7] = 0
+    model_mask[2, 5:8] = 0
+    sampled = torch.where(model_mask.bool(), -torch.rand(b, t, generator=g, dtype=torch.float64), 0.0)
+    rb = RolloutBatch(prompt_ids=torch.ones(b, 2, dtype=torch.long), prompt_mask=torch.ones(b, 2, dtype=torch.long),
+                      responses=torch.randint(3, 20, (b, t), generator=g), response_mask=response_mask,
+                      uid=torch.tensor([0, 0, 1, 1]), prompt_index=torch.tensor([0, 0, 1, 1]), response_text=[],
+                      ground_truth=[], data_source=[], extra_info=[], lengths=[(2, n) for n in lengths],
+                      rollout_logp=sampled.float(), model_mask=model_mask)
+    logits = torch.randn(b, t, 20, generator=g, dtype=dtype, requires_grad=True)
+    old = (sampled + 0.05 * torch.randn(b, t, generator=g, dtype=torch.float64)) * response_mask
+    return rb, logits, old.to(dtype), torch.tensor([1.0, 0.0, 0.3, 0.9])
+
+
+def _loss(logits, rb, adv, mask, old, spec, weights=None):
+    logp = torch.log_softmax(logits, -1).gather(-1, rb.responses.unsqueeze(-1)).squeeze(-1)
+    n_tok, n_seq = loss_normalizers(mask)
+    return total_loss(logp, old, adv, mask, spec, num_tokens=n_tok, num_seqs=n_seq, is_weights=weights)[0]
+
+
+MODES = ["token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm"]
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("correction", [[], ["algorithm.rollout_correction.rollout_rs=token_k1",
+                                             "algorithm.rollout_correction.rollout_rs_threshold=0.9_1.1",
+                                             "algorithm.rollout_correction.rollout_is=token"]])
+def test_tool_tokens_get_no_gradient_and_the_loss_is_the_hand_masked_one(mode, correction):
+    cfg = load_config(None, ["data.train_batch_size=2", "rollout.n=2", "actor.ppo_mini_batch_size=4",
+                             "actor.ppo_epochs=2", f"actor.loss_agg_mode={mode}"] + correction)
+    settings = ExperienceSettings.from_config(cfg, 1)
+    spec = Objective(0.2, 0.2, 3.0, loss_agg_mode=mode, loss_scale_factor=10.0, entropy_coeff=0.0)
+    rb, logits, old, scores = _two_turn_batch()
+    tb, _, _ = ExperienceMaker(settings, Shaping()).train_batch(rb, scores, old, None)
+    loss = _loss(logits, rb, tb.advantages, tb.mask, old, spec, tb.is_weights)
+    loss.backward()
+    tool = rb.response_mask.bool() & ~rb.model_mask.bool()
+    assert tool.sum() == 7
+    assert torch.all(logits.grad[tool] == 0)  # exactly: no tool token's logit moves
+    assert torch.any(logits.grad[rb.model_mask.bool()] != 0)
+
+    # the same tokens as a single-turn batch whose tool span is masked by hand
+    hand = rb.response_mask * (1 - tool.double())
+    plain = RolloutBatch(**{**rb.tensors(), "model_mask": None})
+    if correction:
+        from portagrpo.algo.rollout_correction import correct_rollout
+
+        weights, hand, _ = correct_rollout(old, plain.rollout_logp, hand, settings.correction)
+    else:
+        weights = None
+    _, adv = shape_and_advantage(scores, plain.uid, hand, Shaping(), old_logp=old)
+    expected = _loss(logits.detach(), plain, adv, hand, old, spec, weights)
+    assert torch.equal(tb.mask, hand.to(tb.mask.dtype))
+    assert loss.detach().item() == expected.item()
