@@ -59,11 +59,14 @@ class StepMetrics:
     # `rollout_corr/*`: the sampler against the trainer (algo/rollout_correction.py), when the engine
     # reports the log-probs it sampled with; logged flat beside the rest
     rollout_corr: dict[str, float] | None = None
+    # a batch source's own metrics, logged flat (multi-turn: `tool/calls`, `tool/errors`, `tool/timeouts`,
+    # `turns_mean`); None for the other sources
+    rollout_metrics: dict[str, float] | None = None
 
     def as_dict(self) -> dict[str, Any]:
         out = {f.name: getattr(self, f.name) for f in fields(self)
-               if getattr(self, f.name) is not None and f.name != "rollout_corr"}
-        return {**out, **(self.rollout_corr or {})}
+               if getattr(self, f.name) is not None and f.name not in ("rollout_corr", "rollout_metrics")}
+        return {**out, **(self.rollout_corr or {}), **(self.rollout_metrics or {})}
 
 
 # Keys every step's row has (derived: the fields that are never None).

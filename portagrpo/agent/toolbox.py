@@ -10,16 +10,22 @@ from portagrpo.agent.tools import ToolSpec, argument_problem, load_tool_config
 
 @dataclass
 class ToolCounts:
-    """Tool use over a rollout: `tool/calls`, `tool/errors` (timeouts included), `tool/timeouts`."""
+    """Tool use over a rollout: `tool/calls`, `tool/errors` (timeouts included), `tool/timeouts`, and its turns."""
 
     calls: int = 0
     errors: int = 0
     timeouts: int = 0
+    turns: int = 0  # assistant turns of the rollout's samples (`turns_mean` = turns / samples)
+    samples: int = 0
 
     def add(self, result: ToolResult) -> None:
         self.calls += 1
         self.errors += result.error is not None
         self.timeouts += result.error == "timeout"
+
+    def metrics(self) -> dict[str, float]:
+        return {"tool/calls": float(self.calls), "tool/errors": float(self.errors),
+                "tool/timeouts": float(self.timeouts), "turns_mean": self.turns / max(self.samples, 1)}
 
 
 class Toolbox:

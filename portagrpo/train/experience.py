@@ -36,6 +36,7 @@ class Experience:
     t_scored: float  # perf_counter when the rewards were in (log-probs and advantages follow)
     gen_rounds: int = 1  # sampling rounds this step took (DAPO's dynamic sampling may need more than one)
     staleness: int | None = None  # rollout.mode=one_step_off: updates between the sampler's weights and the trainer's
+    rollout_metrics: dict[str, float] | None = None  # the source's own metrics, logged flat (tool/calls, ...)
 
 
 @dataclass
@@ -54,6 +55,7 @@ class ScoredRollout:
     t_scored: float  # perf_counter when the rewards were in
     gen_rounds: int = 1  # sampling rounds it took (DAPO's filtered sampling may need more than one)
     staleness: int | None = None  # updates between the sampler's weights and the trainer's (one_step_off)
+    rollout_metrics: dict[str, float] | None = None  # a source's own metrics (multi-turn: tool/calls, turns_mean)
 
 
 @dataclass
@@ -193,7 +195,7 @@ class ExperienceMaker:
         return Experience(batch, raw_scores=scored.scores, scores=shaped, correct=scored.correct,
                           entropy=scored.entropy, reward_errors=scored.reward_errors, rollout_corr=corr,
                           t_gen=scored.t_gen, t_scored=scored.t_scored, gen_rounds=scored.gen_rounds,
-                          staleness=scored.staleness)
+                          staleness=scored.staleness, rollout_metrics=scored.rollout_metrics)
 
     def train_batch(self, rb: RolloutBatch, raw_scores: torch.Tensor, old_logp: torch.Tensor | None,
                     ref_logp: torch.Tensor | None) -> tuple[TrainBatch, torch.Tensor, dict[str, torch.Tensor]]:

@@ -28,12 +28,12 @@ class StepTimes:
 
 def step_metrics(step: int, exp: Experience, stats: UpdateStats, times: StepTimes, runtime: Runtime) -> StepMetrics:
     rb, adv, raw = exp.batch.rollout, exp.batch.advantages, exp.raw_scores
-    mask = rb.response_mask
+    mask, trained = rb.response_mask, rb.trained_mask  # trained: the model's own tokens (multi-turn: not tools)
     resp_tokens = float(mask.sum())
     prompt_tokens = float(rb.prompt_mask.sum())
     took = times.end - times.start
     peak = torch.tensor(runtime.backend.peak_memory_gb(), dtype=torch.float32, device=runtime.device)
-    adv_mean = masked_mean(adv, mask)
+    adv_mean = masked_mean(adv, trained)
     return StepMetrics(
         step=step,
         reward_mean=float(raw.mean()),
@@ -41,11 +41,11 @@ def step_metrics(step: int, exp: Experience, stats: UpdateStats, times: StepTime
         acc=float(exp.correct.mean()),
         score_mean=float(exp.scores.mean()),
         adv_mean=float(adv_mean),
-        adv_std=float(masked_mean((adv - adv_mean) ** 2, mask).sqrt()),
+        adv_std=float(masked_mean((adv - adv_mean) ** 2, trained).sqrt()),
         loss_policy=stats.loss_policy,
         loss_kl=stats.loss_kl,
         kl=stats.kl,
-        entropy=stats.entropy if exp.entropy is None else float(masked_mean(exp.entropy, mask)),
+        entropy=stats.entropy if exp.entropy is None else float(masked_mean(exp.entropy, trained)),
         clipfrac=stats.clipfrac,
         clipfrac_lower=stats.clipfrac_lower,
         ppo_kl=stats.ppo_kl,
@@ -70,6 +70,7 @@ def step_metrics(step: int, exp: Experience, stats: UpdateStats, times: StepTime
         mem_peak_gb=float(runtime.comm.all_reduce_max(peak)),
         world_size=runtime.comm.world_size,
         rollout_corr=exp.rollout_corr or _measured_in_update(exp, stats),
+        rollout_metrics=exp.rollout_metrics,
     )
 
 
@@ -78,4 +79,4 @@ def _measured_in_update(exp: Experience, stats: UpdateStats) -> dict[str, float]
     rb = exp.batch.rollout
     if stats.trainer_logp is None or rb.rollout_logp is None:
         return None
-    return host_metrics(gap_report(stats.trainer_logp, rb.rollout_logp, rb.response_mask))
+    return host_metrics(gap_report(stats.trainer_logp, rb.rollout_logp, rb.trained_mask))

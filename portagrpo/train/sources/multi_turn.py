@@ -67,6 +67,8 @@ class MultiTurnRollout:
         while going:
             has_logp &= self.model_turn([talks[i] for i in going], params, device)
             going = self.tool_turn(going, talks, params.max_tokens, counts)
+        counts.turns += sum(t.turns for t in talks)
+        counts.samples += len(talks)
         return self.batch(group, talks, params.max_tokens, has_logp)
 
     def model_turn(self, talks: list[Conversation], params: SamplingParams, device) -> bool:
@@ -150,7 +152,6 @@ class MultiTurnSource:
         self.rollouts = MultiTurnRollout(self.sampling.engine, self.sampling.tokenizer, self.toolbox, turns,
                                          mt.max_assistant_turns)
         self.first: list[PromptRecord] | None = None
-        self.counts = ToolCounts()  # this rank's, over the run
 
     def next(self, step: int) -> ScoredRollout:
         prompts, self.first = self.first or self.loader.next_batch(), None
@@ -167,17 +168,15 @@ class MultiTurnSource:
         scored = s.scored_rollout(step, rb, time.perf_counter())
         if s.runtime.comm.world_size > 1:  # the gather keeps the plain fields; the model mask goes the same way
             scored.rollout.model_mask = s.runtime.comm.all_gather_cat(rb.model_mask)
-        self.report(step, counts, rb)
+        scored.rollout_metrics = self.global_metrics(counts)
         return scored
 
-    def report(self, step: int, counts: ToolCounts, rb: RolloutBatch) -> None:
-        turns = rb.model_mask.diff(dim=1, prepend=torch.zeros_like(rb.model_mask[:, :1])).clamp(min=0).sum(1)
-        self.counts.calls += counts.calls
-        self.counts.errors += counts.errors
-        self.counts.timeouts += counts.timeouts
-        if self.sampling.runtime.comm.rank == 0:
-            self.log(f"step {step}: tool/calls={counts.calls} tool/errors={counts.errors} "
-                     f"tool/timeouts={counts.timeouts} turns_mean={float(turns.float().mean()):.3f}")
+    def global_metrics(self, counts: ToolCounts) -> dict[str, float]:
+        """The step's tool use over every rank (one host sum)."""
+        local = torch.tensor([counts.calls, counts.errors, counts.timeouts, counts.turns, counts.samples],
+                             dtype=torch.float64, device=self.sampling.runtime.device)
+        calls, errors, timeouts, turns, samples = self.sampling.runtime.comm.sum_on_host(local).tolist()
+        return ToolCounts(int(calls), int(errors), int(timeouts), int(turns), int(samples)).metrics()
 
     def push(self, models: Models) -> None:
         return None
