@@ -18,7 +18,8 @@ from portagrpo.errors import UserError
 from portagrpo.fileio import atomic_path
 
 ROLLOUT_TENSORS = ("prompt_ids", "prompt_mask", "responses", "response_mask", "uid", "prompt_index")
-OPTIONAL_TENSORS = ("rollout_logp",)  # the sampler's log-probs, when the engine reported them
+# the sampler's log-probs, when the engine reported them; the model's own tokens of a multi-turn rollout
+OPTIONAL_TENSORS = ("rollout_logp", "model_mask")
 
 
 @dataclass
@@ -60,7 +61,8 @@ class StepRecord:
         lengths = torch.stack([r["prompt_mask"].sum(1), r["response_mask"].sum(1).round().long()], dim=1)
         return RolloutBatch(**{k: r[k].to(device) for k in ROLLOUT_TENSORS}, response_text=[], ground_truth=[],
                             data_source=[], extra_info=[], lengths=[(int(p), int(n)) for p, n in lengths.tolist()],
-                            rollout_logp=r["rollout_logp"].to(device) if "rollout_logp" in r else None)
+                            rollout_logp=r["rollout_logp"].to(device) if "rollout_logp" in r else None,
+                            model_mask=r["model_mask"].to(device) if "model_mask" in r else None)
 
 
 def record_of(rollout: RolloutBatch, scores: torch.Tensor, correct: torch.Tensor, metrics: dict[str, Any],

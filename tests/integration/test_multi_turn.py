@@ -70,3 +70,15 @@ def test_scripted_tool_calls_train_with_rollout_correction(tmp_path, capsys, mon
     assert [r["step"] for r in rows] == [1, 2] and all(math.isfinite(r["grad_norm"]) for r in rows)
     for r in rows:  # every sample called the calculator once and then answered
         assert (r["tool/calls"], r["tool/errors"], r["tool/timeouts"], r["turns_mean"]) == (4, 0, 0, 2.0)
+
+
+def test_a_recorded_multi_turn_run_replays_exactly(tmp_path, monkeypatch):
+    """The record keeps the model-token mask, so the replay trains the same tokens (tool tokens still untrained)."""
+    monkeypatch.setitem(ROLLOUT_ENGINES.mapping, "fixed", ScriptedTools)
+    run, out = tmp_path / "run", tmp_path / "replay"
+    assert main(["train", "--output-dir", str(run), *FAST, _tools(tmp_path), "rollout.engine=fixed",
+                 "data.max_response_length=128", "trainer.record_rollouts=true", "actor.ppo_epochs=2"]) == 0
+    assert main(["replay", str(run), "--device", "cpu", "--output-dir", str(out)]) == 0
+    report = json.loads((out / "replay.json").read_text())
+    assert len(report["steps"]) == 2
+    assert all(v["error"] < 1e-12 for v in report["verdict"].values()), report["verdict"]
