@@ -82,3 +82,31 @@ def test_a_recorded_multi_turn_run_replays_exactly(tmp_path, monkeypatch):
     report = json.loads((out / "replay.json").read_text())
     assert len(report["steps"]) == 2
     assert all(v["error"] < 1e-12 for v in report["verdict"].values()), report["verdict"]
+
+
+def test_two_ranks_match_one(tmp_path):
+    """Two local ranks gather the model-token mask and sum the tool metrics; the fixed engine's rollouts do not
+    depend on the rank, so the runs agree (tools configured, the fixed engine calls none)."""
+    import os
+    import subprocess
+    import sys
+
+    import pytest
+
+    from portagrpo.metrics import MEASURED_KEYS
+
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+    common = [sys.executable, "-m", "portagrpo", "train", "--device", "cpu", *FAST, _tools(tmp_path),
+              "rollout.engine=fixed", "actor.micro_batch_size=2"]
+    rows = []
+    for nproc in (1, 2):
+        run = tmp_path / f"run{nproc}"
+        res = subprocess.run([*common, f"trainer.nproc_per_node={nproc}", "--output-dir", str(run)], env=env,
+                             capture_output=True, text=True, timeout=600, cwd="/")
+        assert res.returncode == 0, res.stdout[-2000:] + res.stderr[-2000:]
+        rows.append(read_metrics(run / "metrics.jsonl"))
+    for one, two in zip(*rows):
+        assert two["world_size"] == 2 and two["tool/calls"] == one["tool/calls"] and two["turns_mean"] == 1.0
+        for key, value in one.items():
+            if key not in MEASURED_KEYS and key != "world_size":
+                assert two[key] == pytest.approx(value, rel=2e-5, abs=1e-7), key
