@@ -277,8 +277,10 @@ def rollout_mode_problems(cfg: Config) -> list[str]:
         return []
     p = []
     if r.engine != "hf":
-        p.append(f"rollout.mode={r.mode} runs the hf engine in a sampler process of its own; with "
-                 f"rollout.engine={r.engine} use rollout.mode=sync.")
+        engine = {"vllm": "vLLM"}.get(r.engine, f"the {r.engine} engine")
+        p.append(f"rollout.mode={r.mode} runs the hf engine in a sampler process of its own, and portagrpo has not "
+                 f"built it for rollout.engine={r.engine} (a limit of portagrpo, not of {engine}); use "
+                 f"rollout.mode=sync with rollout.engine={r.engine}, or rollout.engine=hf to overlap.")
     if cfg.algorithm.filter_groups.enable:
         p.append(f"rollout.mode={r.mode} with algorithm.filter_groups.enable=true is not built (DAPO's extra "
                  f"sampling rounds would wait on the sampler process); use rollout.mode=sync for DAPO.")
