@@ -158,3 +158,15 @@ def test_tool_tokens_get_no_gradient_and_the_loss_is_the_hand_masked_one(mode, c
     expected = _loss(logits.detach(), plain, adv, hand, old, spec, weights)
     assert torch.equal(tb.mask, hand.to(tb.mask.dtype))
     assert loss.detach().item() == expected.item()
+
+
+def test_chat_prompts_list_the_tools(toolbox):
+    tok = build_char_tokenizer()
+    tok.chat_template = ("{% if tools %}s:{% for t in tools %}{{ t['function']['name'] }};{% endfor %}\n{% endif %}"
+                         + tok.chat_template)
+    loop = MultiTurnRollout(ScriptedEngine({}), tok, toolbox, ToolTurns(tok, 32), 2)
+    chat = PromptRecord(0, [{"role": "user", "content": "2+2?"}], "4", "x")
+    [ids] = loop.prompt_ids([chat])
+    assert tok.decode(ids) == "s:calculator;u:2+2?\na:"  # the template environment trims the block newline
+    [plain] = loop.prompt_ids([PromptRecord(1, "2+2?", "4", "x")])
+    assert tok.decode(plain) == "2+2?"

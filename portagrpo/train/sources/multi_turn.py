@@ -24,8 +24,8 @@ from portagrpo.agent.hermes import ToolTurns
 from portagrpo.agent.sandbox import Limits
 from portagrpo.agent.toolbox import Toolbox, ToolCounts
 from portagrpo.batch import RolloutBatch
-from portagrpo.data.records import PromptRecord, left_pad
-from portagrpo.rollout.engines import SamplingParams, decode_responses, group_prompts, stop_token_ids
+from portagrpo.data.records import PromptRecord, left_pad, tokenize_prompts
+from portagrpo.rollout.engines import GroupPrompts, SamplingParams, decode_responses, stop_token_ids
 from portagrpo.train.build import Models
 from portagrpo.train.experience import ExperienceSettings, ScoredRollout
 from portagrpo.train.sources import SOURCES, SourceInputs, SourceState
@@ -56,11 +56,26 @@ class MultiTurnRollout:
         self.engine, self.tokenizer, self.toolbox, self.turns, self.max_turns = (engine, tokenizer, toolbox, turns,
                                                                                  max_turns)
         self.eos = set(getattr(engine, "eos_ids", None) or stop_token_ids(tokenizer))
+        self.schemas = [spec.schema for spec in toolbox.specs.values()]
+
+    def prompt_ids(self, records: list[PromptRecord]) -> list[list[int]]:
+        """Each prompt's tokens; chat prompts are rendered with the tools' schemas (`tools=`), as the chat template
+        lists them for the model (Qwen's writes them and the Hermes instructions into the system message)."""
+        out = []
+        for r in records:
+            if r.token_ids is None and not isinstance(r.prompt, str) and getattr(self.tokenizer, "chat_template", None):
+                text = self.tokenizer.apply_chat_template(r.prompt, tools=self.schemas, add_generation_prompt=True,
+                                                          tokenize=False)
+                out.append(list(self.tokenizer(text, add_special_tokens=False)["input_ids"]))
+            else:
+                out.append(tokenize_prompts(self.tokenizer, [r])[0])
+        return out
 
     def rollout(self, records: list[PromptRecord], n: int, params: SamplingParams, device, *, uid_base: int,
                 prompt_width: int | None, counts: ToolCounts) -> RolloutBatch:
-        group = group_prompts(self.tokenizer, records, n, self.engine.pad_id, device, uid_base=uid_base,
-                              prompt_width=prompt_width)
+        ids = [x for x in self.prompt_ids(records) for _ in range(n)]
+        prompt_ids, prompt_mask = left_pad(ids, self.engine.pad_id, width=prompt_width)
+        group = GroupPrompts(records, n, ids, prompt_ids.to(device), prompt_mask.to(device), uid_base)
         talks = [Conversation(ids, {"ground_truth": records[i // n].ground_truth})
                  for i, ids in enumerate(group.ids)]
         going, has_logp = list(range(len(talks))), True
@@ -157,7 +172,8 @@ class MultiTurnSource:
         prompts, self.first = self.first or self.loader.next_batch(), None
         s = self.sampling
         records, first_uid = s.round_ids(step, 0, prompts)
-        width = s.prompt_width(records)
+        local = max(len(x) for x in self.rollouts.prompt_ids(records))  # one width over ranks, for the gather
+        width = int(s.runtime.comm.all_reduce_max(torch.tensor(local, device=s.runtime.device)))
         s.runtime.backend.seed(s.stream_seed(step))
         counts = ToolCounts()
         # sampling with the training model itself: a sharded policy is gathered once for the whole rollout
