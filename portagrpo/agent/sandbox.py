@@ -269,6 +269,16 @@ class ToolSandbox:
         self._workers: list[_Worker] = []
         self._deaths_at_start = 0
 
+    def start(self, timeout_s: float = 120.0) -> None:
+        """Start the workers and wait until each has imported the tools: a tool that cannot be loaded is one
+        sentence before the first step, not a failure in it."""
+        self._fill()
+        deadline = time.monotonic() + timeout_s
+        while any(not w.ready for w in self._workers) and time.monotonic() < deadline:
+            for conn in wait([w.conn for w in self._workers if not w.ready], timeout=1.0):
+                self._receive(next(w for w in self._workers if w.conn is conn), [])
+            self._fill()
+
     def run(self, jobs: list[ToolJob]) -> list[ToolResult]:
         """A result per job, in order; the calls run in parallel over the workers."""
         results: list[ToolResult | None] = [None] * len(jobs)

@@ -110,3 +110,85 @@ def test_two_ranks_match_one(tmp_path):
         for key, value in one.items():
             if key not in MEASURED_KEYS and key != "world_size":
                 assert two[key] == pytest.approx(value, rel=2e-5, abs=1e-7), key
+
+
+def test_resume_continues_exactly(tmp_path):
+    """A multi-turn run keeps nothing in flight: its sampling stream is the step's, so a resumed run repeats it."""
+    import pytest
+
+    from portagrpo.metrics import MEASURED_KEYS
+
+    full, part = tmp_path / "full", tmp_path / "part"
+    steps = [a for a in FAST if not a.startswith("trainer.total_steps")]
+    common = [*steps, _tools(tmp_path), "trainer.save_freq=2"]
+    assert main(["train", "--output-dir", str(full), *common, "trainer.total_steps=4"]) == 0
+    assert main(["train", "--output-dir", str(part), *common, "trainer.total_steps=2"]) == 0
+    assert main(["train", "--output-dir", str(part), *common, "trainer.total_steps=4", "--resume", str(part)]) == 0
+    a, b = read_metrics(full / "metrics.jsonl"), read_metrics(part / "metrics.jsonl")
+    assert [r["step"] for r in b] == [1, 2, 3, 4]
+    for ra, rb in zip(a[2:], b[2:]):
+        for key in ra:
+            if key not in MEASURED_KEYS:
+                assert rb[key] == pytest.approx(ra[key], rel=1e-6, abs=1e-6), key
+
+
+def _children(pid: int) -> list[int]:
+    import os
+
+    out = []
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/stat") as f:
+                    if int(f.read().rsplit(")", 1)[1].split()[1]) == pid:
+                        out.append(int(entry))
+            except (OSError, ValueError, IndexError):
+                pass
+    return out
+
+
+def test_kill_9_leaves_no_tool_worker_and_resumes_exactly(tmp_path):
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    import pytest
+
+    from portagrpo.metrics import MEASURED_KEYS
+
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+    steps = [a for a in FAST if not a.startswith("trainer.total_steps")]
+    common = [sys.executable, "-m", "portagrpo", "train", "--device", "cpu", *steps, _tools(tmp_path),
+              "trainer.save_freq=2", "trainer.total_steps=4"]
+    full, part = tmp_path / "full", tmp_path / "part"
+    res = subprocess.run([*common, "--output-dir", str(full)], env=env, capture_output=True, text=True, timeout=600)
+    assert res.returncode == 0, res.stderr[-2000:]
+    proc = subprocess.Popen([*common, "--output-dir", str(part), "trainer.total_steps=400"], env=env,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        while not (part / "checkpoints" / "step_00000002" / "manifest.json").is_file():
+            assert proc.poll() is None, "the run ended before its checkpoint"
+            time.sleep(0.2)
+        workers = _children(proc.pid)
+        assert workers  # the sandbox's workers (and any other child of the trainer)
+    finally:
+        proc.send_signal(signal.SIGKILL)
+        proc.wait()
+    for _ in range(100):  # the workers follow their parent (parent-death signal)
+        alive = [p for p in workers if os.path.exists(f"/proc/{p}") and
+                 open(f"/proc/{p}/stat").read().rsplit(")", 1)[1].split()[0] != "Z"]
+        if not alive:
+            break
+        time.sleep(0.1)
+    assert not alive, alive
+    res = subprocess.run([*common, "--output-dir", str(part), "--resume", str(part / "checkpoints" / "step_00000002")],
+                         env=env, capture_output=True, text=True, timeout=600)
+    assert res.returncode == 0, res.stderr[-2000:]
+    a, b = read_metrics(full / "metrics.jsonl"), read_metrics(part / "metrics.jsonl")
+    assert [r["step"] for r in b][-2:] == [3, 4]
+    for ra, rb in zip(a[2:4], [r for r in b if r["step"] in (3, 4)]):
+        for key in ra:
+            if key not in MEASURED_KEYS:
+                assert rb[key] == pytest.approx(ra[key], rel=1e-6, abs=1e-6), key

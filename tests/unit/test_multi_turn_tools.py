@@ -213,3 +213,13 @@ def test_a_fork_storm_leaves_no_process(toolbox):
             time.sleep(0.1)
         else:
             pytest.fail("processes of the stopped call are still alive")
+
+
+def test_a_tool_that_cannot_load_is_one_sentence_at_start(tmp_path):
+    (tmp_path / "broken.py").write_text("import no_such_module_here\n\ndef f():\n    return 1\n")
+    path = tmp_path / "tools.yaml"
+    path.write_text(json.dumps({"tools": [{"callable": "broken.py:f", "tool_schema": _schema("f")}]}))
+    box = Toolbox.from_file(str(path), Limits(timeout_s=3.0), workers=1)
+    with pytest.raises(UserError, match="a tool cannot be loaded in a tool worker: ModuleNotFoundError"):
+        box.sandbox.start()
+    box.close()

@@ -163,6 +163,7 @@ class MultiTurnSource:
         mt = inputs.settings.multi_turn
         self.toolbox = Toolbox.from_file(mt.tool_config_path, Limits(mt.tool_timeout_s, mt.tool_memory_mb),
                                          mt.tool_workers)
+        self.toolbox.sandbox.start()
         turns = ToolTurns(self.sampling.tokenizer, mt.max_tool_response_length)
         self.rollouts = MultiTurnRollout(self.sampling.engine, self.sampling.tokenizer, self.toolbox, turns,
                                          mt.max_assistant_turns)
