@@ -27,6 +27,9 @@ class RolloutBatch:
     # engine sampled from (after temperature, penalties and top-k/top-p/min-p truncation,
     # renormalised over the kept tokens); 0 after the response. None: the engine does not say.
     rollout_logp: torch.Tensor | None = None
+    # Vision-language rows: their prompts' processed images, kept once per prompt, and which prompt each row
+    # shows (model/vision.py: PromptImages; selecting rows copies no pixels). None: text only.
+    images: Any = None
     # [B, T] float: 1 on the tokens the model sampled itself. A multi-turn rollout's response also holds tool
     # and template tokens: in the context (response_mask, which attention uses) and scored, never trained.
     # None: every response token is the model's.
@@ -68,6 +71,8 @@ class RolloutBatch:
                 out[f.name] = value.index_select(0, on_device[value.device])
             elif value is None:
                 out[f.name] = None
+            elif hasattr(value, "row_prompt"):  # PromptImages: the same pixels, the selected rows
+                out[f.name] = value.select(idx_l)
             else:  # per-sample lists; a gathered global batch carries tensors and lengths only
                 out[f.name] = [value[i] for i in idx_l] if value else []
         return RolloutBatch(**out)

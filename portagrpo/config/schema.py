@@ -28,6 +28,9 @@ class TinyModelConfig:
     num_heads: int = 4
     intermediate_size: int = 128
     tie_word_embeddings: bool = True
+    # A vision-language policy (Qwen2.5-VL architecture: this text part plus a small vision tower) with a
+    # processor built locally, for rows with images (model/vision.py).
+    vision: bool = False
 
 
 @dataclass(frozen=True)
@@ -210,6 +213,8 @@ class ActorConfig:
     kl_loss_coef: float = 0.001
     kl_loss_type: str = "low_var_kl"
     entropy_coeff: float = 0.0
+    # A vision-language policy's vision tower gets no gradient and stays out of the optimizer (verl's key).
+    freeze_vision_tower: bool = False
 
 
 @dataclass(frozen=True)

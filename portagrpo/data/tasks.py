@@ -98,3 +98,44 @@ def gsm8k_style_rows(size: int, seed: int) -> list[dict]:
         rows.append(_row(q + ' Let\'s think step by step and output the final answer after "####".', a,
                          "openai/gsm8k", i))
     return rows
+
+
+# name -> RGB; the words start with different letters, so a reward per character rises from the first one
+COLOURS = {"red": (220, 30, 30), "green": (30, 190, 40), "blue": (30, 60, 220), "yellow": (230, 210, 30)}
+COLOUR_SIDE = 56  # pixels: the tiny processor's smallest image (4 image tokens)
+
+
+def colour_png(rgb: tuple[int, int, int], rng: random.Random, side: int = COLOUR_SIDE) -> bytes:
+    """A PNG mostly of colour `rgb` (each pixel's channels jittered by up to 40 so no two images are alike)."""
+    import io
+
+    from PIL import Image
+
+    pixels = bytes(max(0, min(255, c + rng.randrange(-40, 41))) for _ in range(side * side) for c in rgb)
+    out = io.BytesIO()
+    Image.frombytes("RGB", (side, side), pixels).save(out, format="PNG")
+    return out.getvalue()
+
+
+@TASKS.register("colours")
+def colours_task(size: int, seed: int) -> list[dict]:
+    """A vision-language task for the tiny VL policy (model.tiny.vision): a picture of one colour and the
+    question 'colour?'; the answer is the colour's name (red, green, blue or yellow). The prompt is the same
+    for every row, so only the image tells the answers apart."""
+    rng = random.Random(seed)
+    rows = []
+    for i in range(size):
+        name = rng.choice(sorted(COLOURS))
+        row = _row("<image>colour?", name, "portagrpo/colours", i)
+        row["images"] = [{"bytes": colour_png(COLOURS[name], rng), "path": None}]
+        rows.append(row)
+    return rows
+
+
+def colour_reward(solution: str, ground_truth: str) -> float:
+    """The share of the colour's letters the response has in place (1 for exactly the colour's name)."""
+    answer = solution.strip().lower()
+    if answer == ground_truth:
+        return 1.0
+    hits = sum(a == b for a, b in zip(answer, ground_truth))
+    return 0.9 * hits / max(len(ground_truth), len(answer), 1)

@@ -79,7 +79,8 @@ def load_tokenizer(path: str | None, field: str = "model.tokenizer_path"):
 
 
 def build_tiny_model(cfg: "ModelConfig", tokenizer, seed: int):
-    """A small random-init Llama-architecture policy sized by `model.tiny`."""
+    """A small random-init Llama-architecture policy sized by `model.tiny` (`model.tiny.vision`: model/vision.py's
+    `build_tiny_vl_model`)."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
     t = cfg.tiny
@@ -111,6 +112,12 @@ def check_tiny_matches(tiny, init_dir: Path) -> None:
     import json
 
     saved = json.loads((Path(init_dir) / "config.json").read_text())
+    if ("vision_config" in saved) != bool(getattr(tiny, "vision", False)):
+        raise ModelLoadError(
+            f"model.tiny.vision={getattr(tiny, 'vision', False)} but this run's init_model is "
+            f"{'a vision-language' if 'vision_config' in saved else 'a text-only'} model; resume with the run's own "
+            f"model settings (its config.yaml) or start a new run.")
+    saved = saved.get("text_config", saved)
     pairs = {"hidden_size": "hidden_size", "num_layers": "num_hidden_layers", "num_heads": "num_attention_heads",
              "intermediate_size": "intermediate_size", "tie_word_embeddings": "tie_word_embeddings"}
     for ours, theirs in pairs.items():
@@ -131,9 +138,11 @@ def load_model(path: str | Path, attn_implementation: str, field: str = "model.p
     where, extra = _hf_location(path)
     if extra:  # GGUF: transformers dequantizes into the dtype asked for
         extra["dtype"] = torch.float32
+    auto = AutoModelForCausalLM
+    if not extra and _is_vision_language_dir(where):
+        from transformers import AutoModelForImageTextToText as auto  # Qwen2.5-VL is no causal-LM class
     try:
-        model = AutoModelForCausalLM.from_pretrained(where, local_files_only=True,
-                                                     attn_implementation=attn_implementation, **extra)
+        model = auto.from_pretrained(where, local_files_only=True, attn_implementation=attn_implementation, **extra)
     except Exception as err:  # noqa: BLE001 - transformers, safetensors and gguf raise many types
         first = (str(err).strip().splitlines() or [type(err).__name__])[0][:300]
         raise ModelLoadError(f"{field}={str(path)!r} cannot be loaded ({type(err).__name__}: {first}); check that it "
@@ -142,6 +151,15 @@ def load_model(path: str | Path, attn_implementation: str, field: str = "model.p
     if extra:
         _forget_gguf_origin(model)
     return model.float()
+
+
+def _is_vision_language_dir(where: str) -> bool:
+    import json
+
+    try:
+        return "vision_config" in json.loads((Path(where) / "config.json").read_text())
+    except (OSError, ValueError):
+        return False
 
 
 def _forget_gguf_origin(model) -> None:
@@ -193,6 +211,13 @@ def position_ids_from_mask(attention_mask: torch.Tensor) -> torch.Tensor:
     return pos.masked_fill(attention_mask == 0, 1)
 
 
+def language_only_targets(targets: list[str]) -> str:
+    """LoRA target modules of a vision-language model as a peft regular expression that matches the named layers
+    of the language model only (the vision tower's MLP shares names such as gate_proj)."""
+    names = "|".join(sorted({t.rsplit(".", 1)[-1] for t in targets}))
+    return rf"^(?!.*\bvisual\b).*\.({names})$"
+
+
 def apply_lora(model, lora):
     """Wrap `model` with peft LoRA adapters; only adapter weights stay trainable."""
     try:
@@ -201,8 +226,11 @@ def apply_lora(model, lora):
         from portagrpo.errors import UserError
 
         raise UserError("model.lora.rank > 0 needs peft; `pip install portagrpo[lora]`.") from err
+    targets: list[str] | str = list(lora.target_modules)
+    if getattr(model.config, "vision_config", None) is not None:
+        targets = language_only_targets(targets)  # the language model's layers only, never the vision tower's
     config = LoraConfig(r=lora.rank, lora_alpha=lora.alpha, lora_dropout=lora.dropout,
-                        target_modules=list(lora.target_modules), task_type="CAUSAL_LM")
+                        target_modules=targets, task_type="CAUSAL_LM")
     try:
         return get_peft_model(model, config)
     except ValueError as err:

@@ -18,6 +18,7 @@ import torch
 from portagrpo.batch import RolloutBatch
 from portagrpo.kernels import TokenLogprobFn, logits_from_hidden, token_logprobs_from_logits
 from portagrpo.model.loading import decoder_of, lm_head_of, position_ids_from_mask
+from portagrpo.model.vision import vl_hidden_states
 
 
 @dataclass
@@ -124,6 +125,26 @@ def attention_mask_4d(seq_id: torch.Tensor, valid: torch.Tensor, form: str, dtyp
     return torch.zeros(allowed.shape, dtype=dtype, device=allowed.device).masked_fill_(~allowed, torch.finfo(dtype).min)
 
 
+def _text_hidden(decoder, input_ids: torch.Tensor, attention_mask: torch.Tensor, n_valid: int, packed: bool):
+    """The decoder's output over left-padded rows: packed into one row, or over the padded grid."""
+    positions = position_ids_from_mask(attention_mask)
+    form, dtype = mask_form(decoder.config), decoder.get_input_embeddings().weight.dtype
+    if packed:
+        # One row of every sequence's tokens, positions restarting per sequence: attention stays
+        # within each sequence (block-causal), and no work goes to padding.
+        keep = true_positions(attention_mask.bool(), n_valid)
+        ids, pos = input_ids.flatten()[keep].unsqueeze(0), positions.flatten()[keep].unsqueeze(0)
+        mask = None if form is None else attention_mask_4d(
+            (pos == 0).long().cumsum(1), torch.ones_like(ids, dtype=torch.bool), form, dtype)
+        return decoder(input_ids=ids, attention_mask=mask, position_ids=pos, use_cache=False)
+    mask = attention_mask
+    if form is not None:  # whether there is padding at all is known on the host
+        padded = n_valid < attention_mask.numel()
+        mask = attention_mask_4d(torch.zeros_like(attention_mask), attention_mask.bool(), form, dtype) \
+            if padded else causal_without_padding(decoder, form, dtype, attention_mask)
+    return decoder(input_ids=input_ids, attention_mask=mask, position_ids=positions, use_cache=False)
+
+
 class ResponseScorer(torch.nn.Module):
     """Causal LM + token log-prob kernel as one module. `generate` is forwarded to the LM."""
 
@@ -143,33 +164,22 @@ class ResponseScorer(torch.nn.Module):
         vocab: bool,
         autocast: Callable[[], ContextManager] = contextlib.nullcontext,
         counts: tuple[int, int] | None = None,  # (valid tokens, response tokens), known on the host
+        images=None,  # vision-language rows: their prompts' images (model/vision.py: PromptImages)
     ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
         prompt_len, t = input_ids.shape[1] - responses.shape[1], responses.shape[1]
         if counts is None:
             counts = (int(attention_mask.sum()), int(response_mask.sum()))  # one read; response_stats passes them
         n_valid, n_response = counts
         decoder = decoder_of(self.lm)
-        positions = position_ids_from_mask(attention_mask)
-        packed = packing_pays(n_valid, *attention_mask.shape, decoder.config.hidden_size,
-                              getattr(decoder.config, "_attn_implementation", None))
-        form, dtype = mask_form(decoder.config), decoder.get_input_embeddings().weight.dtype
+        # rows with images are never packed: their multimodal positions are computed per padded row
+        packed = images is None and packing_pays(n_valid, *attention_mask.shape, decoder.config.hidden_size,
+                                                 getattr(decoder.config, "_attn_implementation", None))
         with autocast():
-            if packed:
-                # One row of every sequence's tokens, positions restarting per sequence: attention stays
-                # within each sequence (block-causal), and no work goes to padding.
-                keep = true_positions(attention_mask.bool(), n_valid)
-                ids, pos = input_ids.flatten()[keep].unsqueeze(0), positions.flatten()[keep].unsqueeze(0)
-                mask = None if form is None else attention_mask_4d(
-                    (pos == 0).long().cumsum(1), torch.ones_like(ids, dtype=torch.bool), form, dtype)
-                out = decoder(input_ids=ids, attention_mask=mask, position_ids=pos, use_cache=False)
+            if images is not None:
+                out = vl_hidden_states(self.lm, input_ids, attention_mask, images, prompt_len)
             else:
-                mask = attention_mask
-                if form is not None:  # whether there is padding at all is known on the host
-                    padded = n_valid < attention_mask.numel()
-                    mask = attention_mask_4d(torch.zeros_like(attention_mask), attention_mask.bool(), form, dtype) \
-                        if padded else causal_without_padding(decoder, form, dtype, attention_mask)
-                out = decoder(input_ids=input_ids, attention_mask=mask, position_ids=positions, use_cache=False)
-            hidden = out[0] if isinstance(out, tuple) else out.last_hidden_state
+                out = _text_hidden(decoder, input_ids, attention_mask, n_valid, packed)
+            hidden = out if torch.is_tensor(out) else out[0] if isinstance(out, tuple) else out.last_hidden_state
             # The hidden state at position p predicts token p + 1; `at` lists the response tokens.
             at = true_positions(response_mask, n_response)
             if packed:
@@ -210,9 +220,10 @@ def response_stats(
     trimmed, t_full = trim_padding(batch)
     lengths = batch.host_lengths()
     counts = (sum(p + r for p, r in lengths), sum(r for _, r in lengths))
+    extra = {} if batch.images is None else {"images": batch.images}
     logp, entropy, logp_vocab = scorer(trimmed.input_ids, trimmed.attention_mask, trimmed.responses,
                                        trimmed.response_mask.bool(), temperature, compute_entropy, vocab, autocast,
-                                       counts)
+                                       counts, **extra)
     grow = lambda x: None if x is None else _pad_time(x, t_full)  # noqa: E731
     return ResponseStats(grow(logp), grow(entropy), grow(logp_vocab))
 

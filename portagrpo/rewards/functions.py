@@ -11,7 +11,7 @@ from decimal import Decimal, InvalidOperation
 from pathlib import Path
 from typing import Any, Protocol
 
-from portagrpo.data.tasks import repeat_reward
+from portagrpo.data.tasks import colour_reward, repeat_reward
 from portagrpo.errors import UserError
 from portagrpo.registry import Registry
 from portagrpo.rewards.geo3k import geo3k_reward
@@ -129,6 +129,12 @@ def repeat_task_reward(data_source: str, solution_str: str, ground_truth: str, e
     return {"score": score, "correct": score >= 1.0}
 
 
+@REWARDS.register("colours")
+def colours_task_reward(data_source: str, solution_str: str, ground_truth: str, extra_info: dict | None = None) -> dict:
+    score = colour_reward(solution_str, str(ground_truth))
+    return {"score": score, "correct": score >= 1.0}
+
+
 # data_source -> registered reward, used by reward.function=auto
 DATA_SOURCE_REWARDS = {
     "openai/gsm8k": "gsm8k",
@@ -139,6 +145,7 @@ DATA_SOURCE_REWARDS = {
     "hiyouga/geometry3k": "geo3k",
     "portagrpo/arith": "gsm8k",
     "portagrpo/repeat": "repeat",
+    "portagrpo/colours": "colours",
 }
 
 

@@ -215,10 +215,12 @@ def response_mask_from_tokens(responses: torch.Tensor, eos_ids: list[int]) -> to
 
 @ROLLOUT_ENGINES.register("hf")
 class HFRollout:
-    """transformers `generate` with sampling; runs wherever the model runs."""
+    """transformers `generate` with sampling; runs wherever the model runs. Samples vision-language rows too
+    (`images`: their prompts' processed images, model/vision.py)."""
 
     holds_weights = False
     needs_weights = False
+    takes_images = True
 
     @classmethod
     def from_run(cls, inputs: EngineInputs) -> "HFRollout":
@@ -245,14 +247,14 @@ class HFRollout:
         self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else self.eos_ids[0]
 
     @torch.no_grad()
-    def generate(self, prompt_ids, prompt_mask, params: SamplingParams) -> Sampled:
+    def generate(self, prompt_ids, prompt_mask, params: SamplingParams, images=None) -> Sampled:
         gen = explicit_generation_config(params, self.eos_ids, self.pad_id)
         record = SampledLogprobs(params)
         was_training = self.model.training
         self.model.eval()
         try:
             with self.autocast(), blank_generation_config(self.model):
-                out = self._generate(prompt_ids, prompt_mask, gen, record)
+                out = self._generate(prompt_ids, prompt_mask, gen, record, images)
         finally:
             self.model.train(was_training)
         logp = record.result(out)
@@ -266,10 +268,18 @@ class HFRollout:
         # after EOS a finished row draws padding, which truncation may have ruled out (-inf): keep 0 there
         return Sampled(responses, mask, torch.where(mask.bool(), logp, torch.zeros_like(logp)).to(torch.float32))
 
-    def _generate(self, prompt_ids, prompt_mask, gen, record: SampledLogprobs):
+    def _generate(self, prompt_ids, prompt_mask, gen, record: SampledLogprobs, images=None):
         from transformers import LogitsProcessorList
 
         processors = LogitsProcessorList([record])
+        if images is not None:
+            # each row's patches, grids and token types (the multimodal positions come from them); the prompt's
+            # KV cache is not shared across a group here, and the decode stays eager
+            from portagrpo.model.vision import generate_inputs
+
+            return self.model.generate(input_ids=prompt_ids, attention_mask=prompt_mask, generation_config=gen,
+                                       logits_processor=processors, **generate_inputs(self.model, prompt_ids, images),
+                                       **self.generate_kwargs)
         if self.cache == "static":
             gen.cache_implementation = "static"
             try:

@@ -31,6 +31,13 @@ from portagrpo.kernels import logprob_impl
 from portagrpo.model.loading import apply_lora, build_tiny_model, check_tiny_matches, load_model, load_tokenizer
 from portagrpo.model.parallel import ParallelStrategy, make_strategy
 from portagrpo.model.scorer import AdaptersOff, ResponseScorer
+from portagrpo.model.vision import (
+    build_tiny_processor,
+    build_tiny_vl_model,
+    check_rows,
+    freeze_vision_tower,
+    processor_for,
+)
 from portagrpo.rewards.functions import RewardResolver
 from portagrpo.rewards.pool import RewardPool
 from portagrpo.rollout.engines import ROLLOUT_ENGINES, AheadSampler, EngineInputs, RolloutEngine
@@ -62,6 +69,7 @@ class Data:
     val_records: list[PromptRecord]
     reward: RewardResolver
     reward_pool: RewardPool | None  # reward.num_workers > 0: scoring in worker processes
+    processor: Any = None  # a vision-language policy's processor (its tokenizer is `tokenizer`); None: text only
 
 
 @dataclass
@@ -154,8 +162,10 @@ def total_steps(cfg: Config, loader: PromptLoader) -> int:
 
 
 def build_data(cfg: Config, log: Callable[[str], None]) -> Data:
-    tokenizer = load_tokenizer(cfg.model.tokenizer_path or cfg.model.path,
-                               "model.tokenizer_path" if cfg.model.tokenizer_path else "model.path")
+    processor = processor_for(cfg.model)
+    field = "model.tokenizer_path" if cfg.model.tokenizer_path else "model.path"
+    tokenizer = (processor.tokenizer if processor is not None
+                 else load_tokenizer(cfg.model.tokenizer_path or cfg.model.path, field))
     if cfg.data.task:
         train = task_records(cfg.data.task, cfg.data.train_size, cfg.trainer.seed)
         val = task_records(cfg.data.task, cfg.data.val_size, cfg.trainer.seed + 10_007)
@@ -165,12 +175,13 @@ def build_data(cfg: Config, log: Callable[[str], None]) -> Data:
         train = load_records(cfg.data.train_files, **keys)
         val = load_records(cfg.data.val_files, **keys) if cfg.data.val_files else []
     train, val = _fit_prompts(cfg, tokenizer, train, val, log)
+    check_rows(processor, train + val)
     reward = RewardResolver(cfg.reward.function)
     reward.check_sources({r.data_source for r in train + val})
     pool = (RewardPool(cfg.reward.function, cfg.reward.num_workers, cfg.reward.timeout_s)
             if cfg.reward.num_workers > 0 else None)
     return Data(tokenizer, PromptLoader(train, cfg.data.train_batch_size, cfg.trainer.seed, cfg.data.shuffle), val,
-                reward, pool)
+                reward, pool, processor)
 
 
 def _fit_prompts(cfg: Config, tokenizer, train: list[PromptRecord], val: list[PromptRecord],
@@ -197,6 +208,8 @@ def build_models(cfg: Config, runtime: Runtime, strategy, tokenizer, run_dir: Pa
     attn = runtime.backend.attention_implementation(cfg.model.attn_implementation, runtime.dtype)
     policy_path, ref_path = _model_paths(cfg, runtime, tokenizer, run_dir)
     policy = load_model(policy_path, attn).to(device=runtime.device, dtype=runtime.master_dtype)
+    if cfg.actor.freeze_vision_tower:
+        freeze_vision_tower(policy)
     is_lora = cfg.model.lora.rank > 0
     if is_lora:
         policy = apply_lora(policy, cfg.model.lora).to(device=runtime.device, dtype=runtime.master_dtype)
@@ -222,10 +235,13 @@ def _model_paths(cfg: Config, runtime: Runtime, tokenizer, run_dir: Path) -> tup
     init_dir = Path(run_dir) / "init_model"
     if runtime.comm.is_main and not (init_dir / "config.json").is_file():
         # written whole or not at all: a kill here must leave a run that can start again
-        model = build_tiny_model(cfg.model, tokenizer, cfg.trainer.seed)
+        model = (build_tiny_vl_model(cfg.model.tiny, tokenizer, cfg.trainer.seed) if cfg.model.tiny.vision
+                 else build_tiny_model(cfg.model, tokenizer, cfg.trainer.seed))
         with atomic_path(init_dir, directory=True, what="writing the initial model to") as tmp:
             model.save_pretrained(tmp, safe_serialization=True)
             tokenizer.save_pretrained(tmp)
+            if cfg.model.tiny.vision:  # AutoProcessor loads the run's model directory
+                build_tiny_processor(tokenizer).save_pretrained(tmp)
     runtime.comm.barrier()
     check_tiny_matches(cfg.model.tiny, init_dir)
     return init_dir, cfg.model.ref_path or init_dir

@@ -11,10 +11,11 @@ import torch
 
 from portagrpo.algo.advantages import overlong_penalty
 from portagrpo.batch import RolloutBatch, micro_batches
-from portagrpo.data.records import PromptRecord, tokenize_prompts
+from portagrpo.data.records import PromptRecord, left_pad, tokenize_prompts
 from portagrpo.model.scorer import eval_mode, response_stats
+from portagrpo.model.vision import check_vision_run, vision_prompts, with_rows
 from portagrpo.rewards.functions import ScoredBatch, score_responses
-from portagrpo.rollout.engines import SamplingParams, rollout_groups
+from portagrpo.rollout.engines import GroupPrompts, SamplingParams, rollout_batch, rollout_groups
 from portagrpo.train.build import Data, Models, Runtime
 from portagrpo.train.experience import ExperienceSettings, Scored, ScoredRollout, seed_for, solved_of
 from portagrpo.train.record import StepRecord
@@ -41,6 +42,9 @@ class Sampling:
         self.tokenizer, self.reward, self.reward_pool = data.tokenizer, data.reward, data.reward_pool
         self.scorer, self.ref_scorer, self.strategy = models.scorer, models.ref_scorer, models.strategy
         self.engine = engine
+        self.processor = data.processor
+        if self.processor is not None:
+            check_vision_run(settings, runtime.comm.world_size, engine)
 
     # ---- one round: this rank's share, sampled with its stream
     def local_records(self, records: list[PromptRecord]) -> list[PromptRecord]:
@@ -77,6 +81,9 @@ class Sampling:
         # policy is gathered once for the whole rollout.
         gather = nullcontext() if self.engine.holds_weights else self.strategy.generation(self.scorer)
         with gather, self.runtime.backend.region("rollout"):
+            if self.processor is not None:
+                return vision_rollout(self.engine, self.processor, records, n, params, self.runtime.device,
+                                      uid_base=uid_base, prompt_width=prompt_width)
             return rollout_groups(self.engine, self.tokenizer, records, n, params, self.runtime.device,
                                   uid_base=uid_base, prompt_width=prompt_width)
 
@@ -215,3 +222,19 @@ def _inverse(order: list[int], device) -> torch.Tensor:
     for position, row in enumerate(order):
         back[row] = position
     return torch.tensor(back, dtype=torch.long).to(device, non_blocking=True)
+
+
+def vision_rollout(engine, processor, records: list, n: int, params, device, *, uid_base: int = 0,
+                   prompt_width: int | None = None):
+    """As `rollout_groups`, for vision-language prompts: each record processed once (its image tokens expanded,
+    its images to patches), its prompt n times (a group), left-padded, generated with the images, decoded. The
+    batch keeps the images once per prompt (`RolloutBatch.images`)."""
+    ids, images = vision_prompts(processor, records, device)
+    rows = [x for x in ids for _ in range(n)]
+    prompt_ids, prompt_mask = left_pad(rows, engine.pad_id, width=prompt_width)
+    group = GroupPrompts(records, n, rows, prompt_ids.to(device), prompt_mask.to(device), uid_base)
+    images = with_rows(images, n)
+    batch = rollout_batch(processor.tokenizer, group, engine.generate(group.prompt_ids, group.prompt_mask, params,
+                                                                      images=images))
+    batch.images = images
+    return batch

@@ -1,0 +1,326 @@
+"""Vision-language policies (Qwen2.5-VL architecture): the tiny local model and processor, a rollout's images
+kept once per prompt, and the model inputs a micro-batch's rows take from them.
+
+Where images travel in a step: the processor turns each distinct prompt's images into patches
+(`pixel_values`) and grids (`image_grid_thw`) once, when its prompt is tokenized (`vision_prompts`). A
+`PromptImages` keeps them once per prompt and maps each row (a group's n samples) to its prompt, so
+selecting rows (micro-batches, token-budget groups, mini-batches) copies no pixels. `generate` gets each
+row's patches; a scoring or update forward runs the vision tower once per distinct prompt of the
+micro-batch and hands every row its prompt's image features. The multimodal rotary positions are
+computed from the rows' ids, grids and 2D attention masks (`mrope_positions`), so left padding is fine;
+packing is not used for vision-language rows.
+"""
+from __future__ import annotations
+
+import io
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from portagrpo.errors import UserError
+
+VISION_START, IMAGE_PAD, VISION_END = "<|vision_start|>", "<|image_pad|>", "<|vision_end|>"
+QWEN_VL_SPECIALS = ["<|im_start|>", "<|im_end|>", VISION_START, VISION_END, "<|vision_pad|>", IMAGE_PAD,
+                    "<|video_pad|>"]
+IMAGE_IN_PROMPT = VISION_START + IMAGE_PAD + VISION_END
+# The tiny processor's image sizes: at least 56x56 pixels (4 merged image tokens), at most 112x112 (16).
+TINY_MIN_PIXELS, TINY_MAX_PIXELS = 56 * 56, 112 * 112
+
+
+class VisionError(UserError, ValueError):
+    """A vision-language setting or row that cannot run."""
+
+
+# ---- the tiny model and its processor, built locally
+def build_vl_tokenizer():
+    """portagrpo's character tokenizer with Qwen2.5-VL's special tokens (each one token)."""
+    from tokenizers import AddedToken
+
+    from portagrpo.model.loading import build_char_tokenizer
+
+    tok = build_char_tokenizer()
+    tok.add_special_tokens({"additional_special_tokens": [AddedToken(t, special=True) for t in QWEN_VL_SPECIALS]})
+    return tok
+
+
+def _processor_class():
+    """Qwen2.5-VL's processor without its video part. transformers' `Qwen2_5_VLProcessor` also needs a video
+    processor, which needs torchvision; images need only the image processor and the tokenizer. Registered
+    with transformers' AutoProcessor (by class name) when this module is imported, so a saved one loads with
+    `AutoProcessor.from_pretrained(dir)`."""
+    global _PROCESSOR
+    if _PROCESSOR is None:
+        from transformers import AutoProcessor, PretrainedConfig, Qwen2_5_VLProcessor
+
+        class PortagrpoVLKey(PretrainedConfig):  # a key no model uses: the registration is found by class name
+            model_type = "portagrpo_image_only_vl"
+
+        class PortagrpoVLProcessor(Qwen2_5_VLProcessor):
+            def __init__(self, image_processor=None, tokenizer=None, chat_template=None, **kwargs):
+                super().__init__(image_processor, tokenizer, None, chat_template=chat_template, **kwargs)
+
+        AutoProcessor.register(PortagrpoVLKey, PortagrpoVLProcessor, exist_ok=True)
+        _PROCESSOR = PortagrpoVLProcessor
+    return _PROCESSOR
+
+
+_PROCESSOR = None
+
+
+def build_tiny_processor(tokenizer=None):
+    """Qwen2.5-VL's processor of the VL tokenizer and a `Qwen2VLImageProcessor` (its PIL version) with small
+    images (56x56 to 112x112 pixels)."""
+    from transformers import Qwen2VLImageProcessorPil
+
+    image = Qwen2VLImageProcessorPil(min_pixels=TINY_MIN_PIXELS, max_pixels=TINY_MAX_PIXELS, patch_size=14,
+                                     merge_size=2, temporal_patch_size=2)
+    tokenizer = tokenizer if tokenizer is not None else build_vl_tokenizer()
+    return _processor_class()(image_processor=image, tokenizer=tokenizer, chat_template=tokenizer.chat_template)
+
+
+def build_tiny_vl_model(tiny, tokenizer, seed: int):
+    """A random-init `Qwen2_5_VLForConditionalGeneration`: the text part sized by `model.tiny` (head dim
+    hidden/heads), a vision tower of depth 2, width 32, patch 14 and spatial merge 2."""
+    from transformers import Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration
+
+    ids = {name: tokenizer.convert_tokens_to_ids(tok) for name, tok in [
+        ("image_token_id", IMAGE_PAD), ("video_token_id", "<|video_pad|>"), ("vision_start_token_id", VISION_START),
+        ("vision_end_token_id", VISION_END)]}
+    head_dim = tiny.hidden_size // tiny.num_heads
+    half = head_dim // 2  # mrope sections over temporal, height, width: they sum to half the head dim
+    sections = [half - 2 * (half // 4), half // 4, half // 4]
+    text = dict(vocab_size=len(tokenizer), hidden_size=tiny.hidden_size, intermediate_size=tiny.intermediate_size,
+                num_hidden_layers=tiny.num_layers, num_attention_heads=tiny.num_heads,
+                num_key_value_heads=tiny.num_heads, max_position_embeddings=1024,
+                rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "mrope_section": sections},
+                tie_word_embeddings=tiny.tie_word_embeddings, bos_token_id=tokenizer.bos_token_id,
+                eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id)
+    vision = dict(depth=2, hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=tiny.hidden_size,
+                  patch_size=14, spatial_merge_size=2, temporal_patch_size=2, window_size=56,
+                  fullatt_block_indexes=[1], in_chans=3)
+    config = Qwen2_5_VLConfig(text_config=text, vision_config=vision, tie_word_embeddings=tiny.tie_word_embeddings,
+                              **ids)
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        model = Qwen2_5_VLForConditionalGeneration(config)
+    return model.float()
+
+
+def _hf(model):
+    """The transformers model under our wrappers (the scorer's `.lm`, peft)."""
+    lm = getattr(model, "lm", model)
+    return lm.get_base_model() if hasattr(lm, "get_base_model") else lm
+
+
+def is_vision_language(model) -> bool:
+    """Whether a transformers model (under our wrappers) is a vision-language one."""
+    return getattr(_hf(model).config, "vision_config", None) is not None
+
+
+def vl_body(model):
+    """The multimodal body (vision tower + language model, returning hidden states) under our wrappers."""
+    return _hf(model).model
+
+
+def vision_tower(model):
+    return vl_body(model).visual
+
+
+def freeze_vision_tower(model) -> int:
+    """`actor.freeze_vision_tower`: the vision tower's parameters get no gradient (so they are left out of the
+    optimizer). Returns how many parameters were frozen."""
+    if not is_vision_language(model):
+        raise VisionError("actor.freeze_vision_tower=true but the policy has no vision tower; set it to false, or "
+                          "train a vision-language model (model.tiny.vision=true or a Qwen2.5-VL model.path).")
+    params = list(vision_tower(model).parameters())
+    for p in params:
+        p.requires_grad_(False)
+    return len(params)
+
+
+# ---- a rollout's images, once per prompt
+@dataclass
+class PromptImages:
+    """The processed images of a rollout's distinct prompts, each kept once, and which prompt every row uses."""
+
+    pixel_values: torch.Tensor  # [N, D]: every prompt's image patches, prompt after prompt
+    grid_thw: torch.Tensor  # [M, 3] long: every image's (t, h, w) patch grid, prompt after prompt
+    patch_spans: list[tuple[int, int]]  # per prompt: its rows of pixel_values
+    image_spans: list[tuple[int, int]]  # per prompt: its rows of grid_thw
+    row_prompt: list[int]  # per row of the batch: the prompt whose images it shows
+
+    def select(self, idx: list[int]) -> "PromptImages":
+        """The rows `idx`: the same pixels (no copy), fewer rows pointing at them."""
+        return replace(self, row_prompt=[self.row_prompt[i] for i in idx])
+
+    def to(self, device) -> "PromptImages":
+        return replace(self, pixel_values=self.pixel_values.to(device), grid_thw=self.grid_thw.to(device))
+
+    def distinct(self) -> list[int]:
+        """This batch's prompts, each once, in order of first use."""
+        return list(dict.fromkeys(self.row_prompt))
+
+    def _take(self, prompts: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+        patches = [i for p in prompts for i in range(*self.patch_spans[p])]
+        images = [i for p in prompts for i in range(*self.image_spans[p])]
+        device = self.pixel_values.device
+        take = lambda t, i: t.index_select(0, torch.tensor(i, dtype=torch.long).to(device))  # noqa: E731
+        return take(self.pixel_values, patches), take(self.grid_thw, images)
+
+    def per_row(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """(pixel_values, image_grid_thw) with each row's images in row order (what `generate` takes)."""
+        return self._take(self.row_prompt)
+
+    def grids_per_row(self) -> torch.Tensor:
+        """[M_rows, 3]: each row's image grids in row order."""
+        images = [i for p in self.row_prompt for i in range(*self.image_spans[p])]
+        return self.grid_thw.index_select(0, torch.tensor(images, dtype=torch.long).to(self.grid_thw.device))
+
+
+def _pil(data: bytes):
+    from PIL import Image
+
+    with Image.open(io.BytesIO(data)) as img:
+        return img.convert("RGB")
+
+
+def vision_prompt_text(tokenizer, record) -> str:
+    """The rendered prompt with each `<image>` placeholder as Qwen2.5-VL's vision span."""
+    from portagrpo.data.images import IMAGE_PLACEHOLDER
+    from portagrpo.data.records import render_prompt
+
+    if record.token_ids is not None:
+        raise VisionError(f"prompt {record.index} has images and was cut by data.truncation, which would cut its "
+                          f"image tokens; raise data.max_prompt_length or set data.filter_overlong_prompts=true.")
+    return render_prompt(tokenizer, record.prompt).replace(IMAGE_PLACEHOLDER, IMAGE_IN_PROMPT)
+
+
+def vision_prompts(processor, records: list, device) -> tuple[list[list[int]], PromptImages | None]:
+    """Each record's prompt tokens (its image spans expanded to the image's tokens) and the records' images,
+    processed once per record. No images at all: (ids, None)."""
+    ids, pixels, grids, patch_spans, image_spans = [], [], [], [], []
+    n_patches = n_images = 0
+    for record in records:
+        text = vision_prompt_text(processor.tokenizer, record)
+        images = [_pil(b) for b in record.images] or None
+        out = processor(text=[text], images=images, return_tensors="pt")
+        ids.append(out["input_ids"][0].tolist())
+        if images:
+            pixels.append(out["pixel_values"])
+            grids.append(out["image_grid_thw"])
+        k, m = (out["pixel_values"].shape[0], len(images)) if images else (0, 0)
+        patch_spans.append((n_patches, n_patches + k))
+        image_spans.append((n_images, n_images + m))
+        n_patches, n_images = n_patches + k, n_images + m
+    if not pixels:
+        return ids, None
+    return ids, PromptImages(torch.cat(pixels).to(device), torch.cat(grids).to(device), patch_spans, image_spans,
+                             list(range(len(records))))
+
+
+def with_rows(images: PromptImages | None, n: int) -> PromptImages | None:
+    """The prompts' images for a rollout of n samples per prompt (rows prompt after prompt)."""
+    if images is None:
+        return None
+    return replace(images, row_prompt=[p for p in images.row_prompt for _ in range(n)])
+
+
+# ---- model inputs
+def mm_token_types(model, input_ids: torch.Tensor, prompt_len: int | None = None) -> torch.Tensor:
+    """1 on the prompt's image tokens, 0 elsewhere (the token types Qwen2.5-VL's rotary positions are computed
+    from). An image token a policy sampled in its response is text: it has no image behind it."""
+    types = (input_ids == hf_config(model).image_token_id).int()
+    if prompt_len is not None:
+        types[:, prompt_len:] = 0
+    return types
+
+
+def hf_config(model):
+    return _hf(model).config
+
+
+def vl_hidden_states(model, input_ids: torch.Tensor, attention_mask: torch.Tensor, images: PromptImages,
+                     prompt_len: int) -> torch.Tensor:
+    """Final hidden states [B, S, H] of left-padded prompt + response rows: the vision tower runs once per
+    distinct prompt of these rows, every row's prompt image tokens get its prompt's image features, and the
+    multimodal rotary positions come from the rows' ids, grids and attention masks (as `generate` computed
+    them: text positions count real tokens only)."""
+    body = vl_body(model)
+    prompts = images.distinct()
+    pixels, grids = images._take(prompts)
+    features = body.get_image_features(pixels, grids, return_dict=True).pooler_output  # one per image
+    per_prompt, at = {}, 0
+    for p in prompts:
+        k = images.image_spans[p][1] - images.image_spans[p][0]
+        per_prompt[p] = list(features[at:at + k])
+        at += k
+    rows = [f for p in images.row_prompt for f in per_prompt[p]]
+    types = mm_token_types(model, input_ids, prompt_len)
+    embeds = body.get_input_embeddings()(input_ids)
+    embeds = embeds.masked_scatter(types.bool()[..., None], torch.cat(rows).to(embeds.dtype))
+    positions, _ = body.get_rope_index(input_ids, types, image_grid_thw=images.grids_per_row(),
+                                       attention_mask=attention_mask)
+    out = body.language_model(inputs_embeds=embeds, attention_mask=attention_mask, position_ids=positions,
+                              use_cache=False)
+    return out.last_hidden_state
+
+
+def generate_inputs(model, prompt_ids: torch.Tensor, images: PromptImages | None) -> dict[str, Any]:
+    """The extra `generate` inputs of vision-language rows: each row's patches, grids and token types."""
+    if images is None:
+        return {}
+    pixels, grids = images.per_row()
+    return {"pixel_values": pixels, "image_grid_thw": grids, "mm_token_type_ids": mm_token_types(model, prompt_ids)}
+
+
+# ---- loading
+def has_processor(path: str | Path | None) -> bool:
+    return path is not None and Path(path).is_dir() and (Path(path) / "preprocessor_config.json").is_file()
+
+
+def load_processor(path: str | Path, field: str = "model.path"):
+    from transformers import AutoProcessor
+
+    _processor_class()  # the image-only processor a tiny model is saved with
+
+    try:
+        return AutoProcessor.from_pretrained(str(path), local_files_only=True)
+    except Exception as err:  # noqa: BLE001 - transformers raises many types
+        first = (str(err).strip().splitlines() or [type(err).__name__])[0][:200]
+        raise VisionError(f"{field}={str(path)!r}: its processor cannot be loaded ({type(err).__name__}: {first}); "
+                          f"give a directory with the model's preprocessor_config.json and tokenizer.") from None
+
+
+def processor_for(model_cfg):
+    """The policy's processor: the tiny one (`model.tiny.vision`), a model directory's own (it has a
+    preprocessor_config.json), or None for a text-only policy."""
+    if model_cfg.path is None:
+        return build_tiny_processor() if model_cfg.tiny.vision else None
+    if model_cfg.tokenizer_path is None and has_processor(model_cfg.path):
+        return load_processor(model_cfg.path)
+    return None
+
+
+def check_rows(processor, records: list) -> None:
+    """Rows with images need a vision-language policy."""
+    with_images = next((r for r in records if r.images), None)
+    if processor is None and with_images is not None:
+        raise VisionError(f"prompt {with_images.index} has images but the policy is text-only; train a "
+                          f"vision-language model (model.tiny.vision=true, or a Qwen2.5-VL model.path with its "
+                          f"processor), or use data without images.")
+
+
+# ---- a vision-language rollout
+def check_vision_run(settings, world_size: int, engine) -> None:
+    """What a vision-language run does not do yet, each refused in one sentence."""
+    if world_size > 1:
+        raise VisionError(f"a vision-language policy trains on one process for now (this run has {world_size}); "
+                          f"set trainer.nproc_per_node=1 and trainer.nnodes=1.")
+    if not getattr(engine, "takes_images", False):
+        raise VisionError(f"rollout.engine {type(engine).__name__} does not sample with images; use "
+                          f"rollout.engine=hf for a vision-language policy.")
+    if settings.mode != "sync" or settings.filter_metric is not None:
+        raise VisionError("a vision-language policy samples with rollout.mode=sync only, without DAPO's group "
+                          "filter (algorithm.filter_groups); set rollout.mode=sync and turn the filter off.")
