@@ -170,3 +170,75 @@ def test_chat_prompts_list_the_tools(toolbox):
     assert tok.decode(ids) == "s:calculator;u:2+2?\na:"  # the template environment trims the block newline
     [plain] = loop.prompt_ids([PromptRecord(1, "2+2?", "4", "x")])
     assert tok.decode(plain) == "2+2?"
+
+
+class PairComm:
+    """Two ranks in two threads: all_reduce_max through a shared slot and a barrier."""
+
+    world_size = 2
+
+    def __init__(self, rank, shared):
+        self.rank, self.shared = rank, shared
+
+    def all_reduce_max(self, tensor):
+        barrier, slots = self.shared
+        slots[self.rank] = tensor.clone()
+        barrier.wait()
+        out = torch.maximum(slots[0], slots[1])
+        barrier.wait()
+        return out
+
+
+class LockstepEngine(ScriptedEngine):
+    """An engine that spans ranks (as vLLM's tensor-parallel group does): every rank must be in every generate."""
+
+    def __init__(self, scripts, barrier):
+        super().__init__(scripts)
+        self.barrier = barrier
+
+    def generate(self, prompt_ids, prompt_mask, params):
+        self.barrier.wait()  # a rank that stops generating early leaves the other waiting: BrokenBarrierError
+        return super().generate(prompt_ids, prompt_mask, params)
+
+
+class InProcessTools:
+    specs = {}
+
+    def answer(self, turns, counts=None):
+        from portagrpo.agent.hermes import parse_tool_calls
+        from portagrpo.agent.sandbox import ToolResult
+        from portagrpo.agent.tools import calculator
+
+        return [[ToolResult(calculator(c.arguments["expression"])) for c in parse_tool_calls(text)] or None
+                for text, _ in turns]
+
+
+def test_ranks_generate_each_turn_together():
+    import threading
+
+    engine_barrier = threading.Barrier(2, timeout=20)
+    shared = (threading.Barrier(2, timeout=20), [None, None])
+    scripts = [{"p0 ": [CALC % "1+1", CALC % "2+2", "#### 4"]}, {"p1 ": ["#### 1"]}]  # 3 turns, and 1
+    out, errors = [None, None], []
+
+    def rank(r):
+        try:
+            engine = LockstepEngine(scripts[r], engine_barrier)
+            loop = MultiTurnRollout(engine, TOK, InProcessTools(), ToolTurns(TOK, 32), 4, comm=PairComm(r, shared))
+            records = [PromptRecord(r, p, "0", "x") for p in scripts[r]]
+            out[r] = (loop.rollout(records, 1, SamplingParams(200), torch.device("cpu"), uid_base=0,
+                                   prompt_width=None, counts=ToolCounts()), engine.calls)
+        except Exception as err:  # noqa: BLE001 - reported below
+            errors.append(err)
+            engine_barrier.abort()
+            shared[0].abort()
+
+    threads = [threading.Thread(target=rank, args=(r,)) for r in (0, 1)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors, errors
+    assert out[0][1] == out[1][1] == [1, 1, 1]  # rank 1 took part in every turn, with a spare row
+    assert out[1][0].model_mask[0].sum() == len(TOK("#### 1")["input_ids"]) + 1  # and kept only its own answer
+    assert out[0][0].model_mask[0].diff(prepend=torch.zeros(1)).clamp(min=0).sum() == 3

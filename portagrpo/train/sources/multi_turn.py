@@ -52,9 +52,12 @@ class Conversation:
 class MultiTurnRollout:
     """Samples conversations with an engine and a toolbox (every rank its own share, as a plain rollout)."""
 
-    def __init__(self, engine, tokenizer, toolbox: Toolbox, turns: ToolTurns, max_turns: int) -> None:
+    def __init__(self, engine, tokenizer, toolbox: Toolbox, turns: ToolTurns, max_turns: int, comm=None) -> None:
+        """`comm`: the training ranks, which then generate each turn together (an engine that spans ranks, vLLM's
+        tensor-parallel group or generation under FSDP2, needs every rank in every `generate`)."""
         self.engine, self.tokenizer, self.toolbox, self.turns, self.max_turns = (engine, tokenizer, toolbox, turns,
                                                                                  max_turns)
+        self.comm = comm if comm is not None and comm.world_size > 1 else None
         self.eos = set(getattr(engine, "eos_ids", None) or stop_token_ids(tokenizer))
         self.schemas = [spec.schema for spec in toolbox.specs.values()]
 
@@ -79,17 +82,26 @@ class MultiTurnRollout:
         talks = [Conversation(ids, {"ground_truth": records[i // n].ground_truth})
                  for i, ids in enumerate(group.ids)]
         going, has_logp = list(range(len(talks))), True
-        while going:
-            has_logp &= self.model_turn([talks[i] for i in going], params, device)
+        while True:
+            room = max((params.max_tokens - len(talks[i].tokens) for i in going), default=0)
+            if self.comm is not None:  # one turn on every rank while any rank has a sample going, of one length
+                going_anywhere, room = self.comm.all_reduce_max(torch.tensor([len(going), room], device=device))
+                going_anywhere, room = int(going_anywhere), int(room)
+            else:
+                going_anywhere = len(going)
+            if not going_anywhere:
+                break
+            has_logp &= self.model_turn([talks[i] for i in going], params, device, room, spare=talks[0])
             going = self.tool_turn(going, talks, params.max_tokens, counts)
         counts.turns += sum(t.turns for t in talks)
         counts.samples += len(talks)
         return self.batch(group, talks, params.max_tokens, has_logp)
 
-    def model_turn(self, talks: list[Conversation], params: SamplingParams, device) -> bool:
-        """One model turn for every sample still going, in one batch; False when the engine reports no log-probs."""
-        ids, mask = left_pad([t.prompt + t.tokens for t in talks], self.engine.pad_id)
-        room = max(params.max_tokens - len(t.tokens) for t in talks)
+    def model_turn(self, talks: list[Conversation], params: SamplingParams, device, room: int,
+                   spare: Conversation) -> bool:
+        """One model turn for every sample still going, in one batch of at most `room` new tokens; False when the
+        engine reports no log-probs. A rank with none going generates for `spare` and keeps nothing."""
+        ids, mask = left_pad([t.prompt + t.tokens for t in talks or [spare]], self.engine.pad_id)
         sampled = self.engine.generate(ids.to(device), mask.to(device), replace(params, max_tokens=room))
         tokens, keep = sampled.responses.tolist(), sampled.mask.tolist()  # the turn's one read
         logps = None if sampled.logp is None else sampled.logp.tolist()
@@ -166,7 +178,7 @@ class MultiTurnSource:
         self.toolbox.sandbox.start()
         turns = ToolTurns(self.sampling.tokenizer, mt.max_tool_response_length)
         self.rollouts = MultiTurnRollout(self.sampling.engine, self.sampling.tokenizer, self.toolbox, turns,
-                                         mt.max_assistant_turns)
+                                         mt.max_assistant_turns, comm=self.sampling.runtime.comm)
         self.first: list[PromptRecord] | None = None
 
     def next(self, step: int) -> ScoredRollout:
