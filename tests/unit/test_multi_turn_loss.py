@@ -242,3 +242,64 @@ def test_ranks_generate_each_turn_together():
     assert out[0][1] == out[1][1] == [1, 1, 1]  # rank 1 took part in every turn, with a spare row
     assert out[1][0].model_mask[0].sum() == len(TOK("#### 1")["input_ids"]) + 1  # and kept only its own answer
     assert out[0][0].model_mask[0].diff(prepend=torch.zeros(1)).clamp(min=0).sum() == 3
+
+
+# ---------------------------------------------------------------- the same exact checks on other devices
+
+def check_on(device_name: str) -> None:
+    """The zero-gradient and hand-masked-loss checks on a backend's device (run in a process of its own for the
+    emulated device and the simulated Ascend: their device is process-global)."""
+    from portagrpo.backends import get_backend
+
+    dev = get_backend(device_name).device(0)
+    cfg = load_config(None, ["data.train_batch_size=2", "rollout.n=2", "actor.ppo_mini_batch_size=4",
+                             "actor.ppo_epochs=2", "actor.loss_agg_mode=seq-mean-token-sum-norm"])
+    settings = ExperienceSettings.from_config(cfg, 1)
+    spec = Objective(0.2, 0.2, 3.0, loss_agg_mode="seq-mean-token-sum-norm", loss_scale_factor=10.0)
+    rb, logits, old, scores = _two_turn_batch(torch.float32)
+    rb, old, scores = rb.to(dev), old.to(dev), scores.to(dev)
+    logits = logits.detach().to(dev).requires_grad_(True)
+    tb, _, _ = ExperienceMaker(settings, Shaping()).train_batch(rb, scores, old, None)
+    loss = _loss(logits, rb, tb.advantages, tb.mask, old, spec)
+    loss.backward()
+    tool = (rb.response_mask.bool() & ~rb.model_mask.bool()).cpu()
+    assert torch.all(logits.grad.cpu()[tool] == 0)
+    hand = rb.response_mask * (1 - tool.to(dev).float())
+    plain = RolloutBatch(**{**rb.tensors(), "model_mask": None})
+    _, adv = shape_and_advantage(scores, plain.uid, hand, Shaping(), old_logp=old)
+    assert loss.detach().cpu().item() == _loss(logits.detach(), plain, adv, hand, old, spec).cpu().item()
+
+
+@pytest.mark.parametrize("device_name", ["cpu", "emu", "npu"])
+def test_the_mask_checks_hold_on_every_backend(device_name, tmp_path):
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    if device_name == "cpu":
+        check_on("cpu")
+        return
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    if device_name == "npu":
+        sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "emulated"))
+        from npu_sim_env import npu_sim_env
+
+        env = npu_sim_env(tmp_path)
+    res = subprocess.run([sys.executable, __file__, device_name], env=env, capture_output=True, text=True,
+                         timeout=600)
+    if res.returncode == 3:
+        pytest.skip(res.stdout.strip())
+    assert res.returncode == 0 and res.stdout.strip().endswith("ok"), res.stdout[-2000:] + res.stderr[-2000:]
+
+
+if __name__ == "__main__":
+    import sys
+
+    import torch.utils.backend_registration as _registration
+
+    if not hasattr(_registration, "_setup_privateuseone_for_python_backend"):
+        print(f"torch {torch.__version__} has no Python device API, which the emulated devices need")
+        sys.exit(3)
+    check_on(sys.argv[1])
+    print(f"{sys.argv[1]}: ok")
