@@ -192,3 +192,44 @@ def test_kill_9_leaves_no_tool_worker_and_resumes_exactly(tmp_path):
         for key in ra:
             if key not in MEASURED_KEYS:
                 assert rb[key] == pytest.approx(ra[key], rel=1e-6, abs=1e-6), key
+
+
+class EveryTurnCallsATool:
+    """A toolbox stand-in: every finished model turn gets a tool result, so conversations go on for turns."""
+
+    specs = {}
+
+    def answer(self, turns, counts=None):
+        from portagrpo.agent.sandbox import ToolResult
+
+        return [[ToolResult("7")] for _ in turns]
+
+
+def test_sampler_logprobs_of_model_tokens_equal_the_trainers_over_the_conversation(tmp_path):
+    """The model's tokens are kept as sampled and the tool turns are the same ids in the trainer's context: the hf
+    engine's log-probs turn by turn equal the trainer's scoring of the whole conversation, on model tokens."""
+    from portagrpo.agent.hermes import ToolTurns
+    from portagrpo.agent.toolbox import ToolCounts
+    from portagrpo.config import load_config
+    from portagrpo.data.records import PromptRecord
+    from portagrpo.tolerances import assert_close
+    from portagrpo.train import Trainer
+    from portagrpo.train.sources.multi_turn import MultiTurnRollout
+
+    cfg = load_config(None, [*FAST, _tools(tmp_path), "rollout.temperature=1.5", "data.max_response_length=160"])
+    t = Trainer(cfg, run_dir=tmp_path / "run", log=lambda m: None).setup()
+    try:
+        s = t.sampling
+        loop = MultiTurnRollout(s.engine, s.tokenizer, EveryTurnCallsATool(), ToolTurns(s.tokenizer, 8), 4)
+        records = [PromptRecord(i, f"{i}+{i}=", str(2 * i), "x") for i in range(4)]
+        s.runtime.backend.seed(11)
+        rb = loop.rollout(records, 2, s.settings.sampling, s.runtime.device, uid_base=0, prompt_width=None,
+                          counts=ToolCounts())
+        turns = rb.model_mask.diff(dim=1, prepend=torch.zeros_like(rb.model_mask[:, :1])).clamp(min=0).sum(1)
+        assert turns.max() >= 2  # conversations of several turns were sampled
+        scored, _ = s.logprobs(t.models.scorer, rb, entropy=False)
+        own = rb.model_mask.bool()
+        assert_close(rb.rollout_logp[own], scored[own].float(), torch.float32, "logprob", "sampler vs trainer")
+        assert torch.all(rb.rollout_logp[~own] == 0)
+    finally:
+        t.close()
