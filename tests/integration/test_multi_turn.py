@@ -233,3 +233,19 @@ def test_sampler_logprobs_of_model_tokens_equal_the_trainers_over_the_conversati
         assert torch.all(rb.rollout_logp[~own] == 0)
     finally:
         t.close()
+
+
+def test_validation_samples_conversations_too(tmp_path, monkeypatch):
+    """Held-out validation of a multi-turn run uses the tools: the reward sees the calculator's result."""
+    monkeypatch.setitem(ROLLOUT_ENGINES.mapping, "fixed", ScriptedTools)
+    reward = tmp_path / "saw_tool.py"
+    reward.write_text("def score(data_source, solution_str, ground_truth, extra_info=None):\n"
+                      "    return 1.0 if 't:42' in solution_str else 0.0\n")
+    run = tmp_path / "run"
+    steps = [a for a in FAST if not a.startswith("trainer.test_freq")]
+    assert main(["train", "--output-dir", str(run), *steps, _tools(tmp_path), "rollout.engine=fixed",
+                 "data.max_response_length=128", "trainer.test_freq=1", "data.val_size=4",
+                 f"reward.function={reward}:score"]) == 0
+    rows = read_metrics(run / "metrics.jsonl")
+    assert all(r["reward_mean"] == 1.0 for r in rows)
+    assert [r["val/reward_mean"] for r in rows if "val/reward_mean" in r] == [1.0, 1.0]

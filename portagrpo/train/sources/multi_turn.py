@@ -180,6 +180,20 @@ class MultiTurnSource:
         self.rollouts = MultiTurnRollout(self.sampling.engine, self.sampling.tokenizer, self.toolbox, turns,
                                          mt.max_assistant_turns, comm=self.sampling.runtime.comm)
         self.first: list[PromptRecord] | None = None
+        self.counts = ToolCounts()  # the current step's
+        # Held-out validation (Sampling.validate) samples through `Sampling.rollout`: this run's rollouts are
+        # conversations, so this source's rollout takes its place on this Sampling object (validation included).
+        self.sampling.rollout = self.rollout
+
+    def rollout(self, records: list[PromptRecord], n: int, params: SamplingParams, uid_base: int,
+                prompt_width: int | None = None) -> RolloutBatch:
+        """`Sampling.rollout` for this run: conversations. Sampling with the training model itself (not an engine
+        holding its own weights), a sharded policy is gathered once for the whole rollout."""
+        s = self.sampling
+        gather = nullcontext() if s.engine.holds_weights else s.strategy.generation(s.scorer)
+        with gather, s.runtime.backend.region("rollout"):
+            return self.rollouts.rollout(records, n, params, s.runtime.device, uid_base=uid_base,
+                                         prompt_width=prompt_width, counts=self.counts)
 
     def next(self, step: int) -> ScoredRollout:
         prompts, self.first = self.first or self.loader.next_batch(), None
@@ -188,16 +202,12 @@ class MultiTurnSource:
         local = max(len(x) for x in self.rollouts.prompt_ids(records))  # one width over ranks, for the gather
         width = int(s.runtime.comm.all_reduce_max(torch.tensor(local, device=s.runtime.device)))
         s.runtime.backend.seed(s.stream_seed(step))
-        counts = ToolCounts()
-        # sampling with the training model itself: a sharded policy is gathered once for the whole rollout
-        gather = nullcontext() if s.engine.holds_weights else s.strategy.generation(s.scorer)
-        with gather, s.runtime.backend.region("rollout"):
-            rb = self.rollouts.rollout(records, s.settings.n, s.settings.sampling, s.runtime.device,
-                                       uid_base=first_uid, prompt_width=width, counts=counts)
+        self.counts = ToolCounts()
+        rb = self.rollout(records, s.settings.n, s.settings.sampling, uid_base=first_uid, prompt_width=width)
         scored = s.scored_rollout(step, rb, time.perf_counter())
         if s.runtime.comm.world_size > 1:  # the gather keeps the plain fields; the model mask goes the same way
             scored.rollout.model_mask = s.runtime.comm.all_gather_cat(rb.model_mask)
-        scored.rollout_metrics = self.global_metrics(counts)
+        scored.rollout_metrics = self.global_metrics(self.counts)
         return scored
 
     def global_metrics(self, counts: ToolCounts) -> dict[str, float]:
