@@ -178,6 +178,10 @@ def run_call(fn, job: ToolJob, limits: Limits, network_isolated: bool | None) ->
         out, over, late = _read_capped(read_fd, time.monotonic() + limits.timeout_s, limits.max_output_bytes)
     finally:
         _kill_group(pid)  # the call and all it forked; its pgid lives while the child is unreaped
+        try:
+            os.kill(pid, signal.SIGKILL)  # the child itself, should it not have reached setsid
+        except ProcessLookupError:
+            pass
         _, status = os.waitpid(pid, 0)
         os.close(read_fd)
         _reap()
