@@ -197,17 +197,30 @@ def test_engines_declare_whether_they_hold_weights_and_vllm_loads_only_when_aske
     policy for one that samples with the training model; vLLM's module is imported only when named."""
     import sys
 
+    import portagrpo.rollout
     from portagrpo.errors import UnknownNameError
     from portagrpo.rollout.engines import ROLLOUT_ENGINES, FixedRollout
 
     assert HFRollout.holds_weights is False and FixedRollout.holds_weights is False
-    monkeypatch.delitem(sys.modules, "portagrpo.rollout.vllm", raising=False)
-    monkeypatch.setattr(ROLLOUT_ENGINES, "_items", {k: v for k, v in ROLLOUT_ENGINES.mapping.items() if k != "vllm"})
-    assert "vllm" in ROLLOUT_ENGINES and "vllm" in ROLLOUT_ENGINES.names()
-    assert "portagrpo.rollout.vllm" not in sys.modules
-    vllm_engine = ROLLOUT_ENGINES.get("vllm", field="rollout.engine")
-    assert vllm_engine.holds_weights is True and "portagrpo.rollout.vllm" in sys.modules
-    with pytest.raises(
-        UnknownNameError, match=r"rollout.engine='vlm' is not a known rollout engine \(did you mean 'vllm'"
-    ):
-        ROLLOUT_ENGINES.get("vlm", field="rollout.engine")
+    with monkeypatch.context() as mp:
+        # vLLM's module unimported, and afterwards as it was (or unimported again): both its sys.modules entry and
+        # the package's attribute, which `import portagrpo.rollout.vllm as m` reads; the import below sets both
+        mp.setitem(sys.modules, "portagrpo.rollout.vllm", None)
+        mp.delitem(sys.modules, "portagrpo.rollout.vllm")
+        mp.setattr(portagrpo.rollout, "vllm", None, raising=False)
+        mp.delattr(portagrpo.rollout, "vllm")
+        mp.setattr(ROLLOUT_ENGINES, "_items", {k: v for k, v in ROLLOUT_ENGINES.mapping.items() if k != "vllm"})
+        assert "vllm" in ROLLOUT_ENGINES and "vllm" in ROLLOUT_ENGINES.names()
+        assert "portagrpo.rollout.vllm" not in sys.modules
+        vllm_engine = ROLLOUT_ENGINES.get("vllm", field="rollout.engine")
+        assert vllm_engine.holds_weights is True and "portagrpo.rollout.vllm" in sys.modules
+        with pytest.raises(
+            UnknownNameError, match=r"rollout.engine='vlm' is not a known rollout engine \(did you mean 'vllm'"
+        ):
+            ROLLOUT_ENGINES.get("vlm", field="rollout.engine")
+    # afterwards one vLLM module again: a test that patches `import portagrpo.rollout.vllm as m` patches the
+    # module whose engine the registry builds
+    import portagrpo.rollout.vllm as engine_mod
+
+    assert ROLLOUT_ENGINES.get("vllm") is engine_mod.VLLMRollout
+    assert sys.modules["portagrpo.rollout.vllm"] is engine_mod
