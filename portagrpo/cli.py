@@ -252,7 +252,8 @@ COMMANDS: dict[str, Command] = {
         "re-train a recorded run on another backend (`portagrpo replay --help`)", _tool("portagrpo.tools.replay")
     ),
     "data": Command(
-        "convert GSM8K / MATH / geo3k files to the training schema (`portagrpo data --help`)", _tool("portagrpo.data.prepare")
+        "convert GSM8K / MATH / geo3k files to the training schema (`portagrpo data --help`)",
+        _tool("portagrpo.data.prepare"),
     ),
     "eval": Command(
         "greedy accuracy and pass@k of a model or run (`portagrpo eval --help`)", _tool("portagrpo.tools.evaluate")
