@@ -30,7 +30,8 @@ ENGINE_LINE = re.compile(r"Initializing a V1 LLM engine \(v([^)]+)\) with config
 
 
 def _run(*args: str) -> subprocess.CompletedProcess:
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT))
+    # vLLM's INFO lines name the engines it built (_assert_real_vllm reads them)
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT), VLLM_LOGGING_LEVEL="INFO")
     return subprocess.run([sys.executable, "-m", "portagrpo", *args], capture_output=True, text=True, timeout=600,
                           env=env, cwd=ROOT)
 
