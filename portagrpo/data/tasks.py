@@ -133,9 +133,12 @@ def colours_task(size: int, seed: int) -> list[dict]:
 
 
 def colour_reward(solution: str, ground_truth: str) -> float:
-    """The share of the colour's letters the response has in place (1 for exactly the colour's name)."""
+    """1 for exactly the colour's name; else 0.9 x the share of the name the response starts with (so the first
+    letter, which only the picture tells, earns the first credit)."""
     answer = solution.strip().lower()
     if answer == ground_truth:
         return 1.0
-    hits = sum(a == b for a, b in zip(answer, ground_truth))
-    return 0.9 * hits / max(len(ground_truth), len(answer), 1)
+    prefix = 0
+    while prefix < min(len(answer), len(ground_truth)) and answer[prefix] == ground_truth[prefix]:
+        prefix += 1
+    return 0.9 * prefix / len(ground_truth)

@@ -150,6 +150,10 @@ def load_model(path: str | Path, attn_implementation: str, field: str = "model.p
                              f".gguf file.") from None
     if extra:
         _forget_gguf_origin(model)
+    if auto is not AutoModelForCausalLM:
+        # save (checkpoints) under the names the model has in memory, not transformers' older hub layout, so a
+        # resume loads a checkpoint's tensors by the policy's own names (from_pretrained reads both layouts)
+        model._weight_conversions = []
     return model.float()
 
 

@@ -277,7 +277,8 @@ def generate_inputs(model, prompt_ids: torch.Tensor, images: PromptImages | None
 
 # ---- loading
 def has_processor(path: str | Path | None) -> bool:
-    return path is not None and Path(path).is_dir() and (Path(path) / "preprocessor_config.json").is_file()
+    return path is not None and Path(path).is_dir() and any(
+        (Path(path) / name).is_file() for name in ("processor_config.json", "preprocessor_config.json"))
 
 
 def load_processor(path: str | Path, field: str = "model.path"):
@@ -295,7 +296,7 @@ def load_processor(path: str | Path, field: str = "model.path"):
 
 def processor_for(model_cfg):
     """The policy's processor: the tiny one (`model.tiny.vision`), a model directory's own (it has a
-    preprocessor_config.json), or None for a text-only policy."""
+    processor_config.json or preprocessor_config.json), or None for a text-only policy."""
     if model_cfg.path is None:
         return build_tiny_processor() if model_cfg.tiny.vision else None
     if model_cfg.tokenizer_path is None and has_processor(model_cfg.path):

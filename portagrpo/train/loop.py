@@ -114,7 +114,8 @@ class Trainer:
                                                self.log))
         self.updater = Updater(UpdateSettings.from_config(cfg, rt.comm.world_size), rt, p.models, p.optim,
                                p.objective, self.log)
-        self.checkpoints = Checkpointer(self.run_dir, rt, p.models, p.optim, p.data.loader, p.data.tokenizer,
+        saved_with = p.data.tokenizer if p.data.processor is None else p.data.processor  # a VL model's processor
+        self.checkpoints = Checkpointer(self.run_dir, rt, p.models, p.optim, p.data.loader, saved_with,
                                         keep=cfg.trainer.max_ckpt_to_keep, lora_rank=cfg.model.lora.rank, log=self.log)
         self.checkpoints.source = self.source
         if self.resume_from is not None:

@@ -189,3 +189,27 @@ def test_what_a_vision_language_run_does_not_do_is_refused_in_one_sentence(tmp_p
         _trainer(tmp_path / "text", "model.tiny.vision=false")
     with pytest.raises(UserError, match=r"actor.freeze_vision_tower=true but the policy has no vision tower"):
         _trainer(tmp_path / "freeze", "data.task=repeat", "model.tiny.vision=false", "actor.freeze_vision_tower=true")
+
+
+def test_checkpoints_carry_the_processor_and_a_resumed_run_continues_exactly(tmp_path):
+    from safetensors.torch import load_file
+
+    from portagrpo.cli import main
+
+    def train(run, *extra):
+        return main(["train", "--output-dir", str(run), *FAST, "trainer.save_freq=2", "trainer.progress_bar=false",
+                     *extra])
+
+    assert train(tmp_path / "whole", "trainer.total_steps=4") == 0
+    assert train(tmp_path / "cut", "trainer.total_steps=2") == 0
+    model_dir = tmp_path / "cut" / "checkpoints" / "step_00000002" / "model"
+    processor = vision.load_processor(model_dir)  # AutoProcessor loads from the checkpoint's model directory
+    assert processor.image_processor.size["shortest_edge"] == vision.TINY_MIN_PIXELS
+    assert train(tmp_path / "cut", "trainer.total_steps=4", "--resume", str(tmp_path / "cut")) == 0
+    whole = load_file(tmp_path / "whole" / "checkpoints" / "step_00000004" / "model" / "model.safetensors")
+    resumed = load_file(tmp_path / "cut" / "checkpoints" / "step_00000004" / "model" / "model.safetensors")
+    assert whole.keys() == resumed.keys()
+    for name in whole:
+        assert torch.allclose(whole[name], resumed[name], rtol=1e-6, atol=1e-7), name
+    # the checkpoint's model directory is a policy of its own (model.path), its processor with it
+    assert train(tmp_path / "from_path", "trainer.total_steps=1", f"model.path={model_dir}") == 0
