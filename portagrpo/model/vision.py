@@ -162,7 +162,7 @@ class PromptImages:
         """This batch's prompts, each once, in order of first use."""
         return list(dict.fromkeys(self.row_prompt))
 
-    def _take(self, prompts: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+    def take(self, prompts: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
         patches = [i for p in prompts for i in range(*self.patch_spans[p])]
         images = [i for p in prompts for i in range(*self.image_spans[p])]
         device = self.pixel_values.device
@@ -171,7 +171,7 @@ class PromptImages:
 
     def per_row(self) -> tuple[torch.Tensor, torch.Tensor]:
         """(pixel_values, image_grid_thw) with each row's images in row order (what `generate` takes)."""
-        return self._take(self.row_prompt)
+        return self.take(self.row_prompt)
 
     def grids_per_row(self) -> torch.Tensor:
         """[M_rows, 3]: each row's image grids in row order."""
@@ -249,8 +249,8 @@ def vl_hidden_states(model, input_ids: torch.Tensor, attention_mask: torch.Tenso
     them: text positions count real tokens only)."""
     body = vl_body(model)
     prompts = images.distinct()
-    pixels, grids = images._take(prompts)
-    features = body.get_image_features(pixels, grids, return_dict=True).pooler_output  # one per image
+    pixels, grids = images.take(prompts)
+    features = body.get_image_features(pixels, grids, return_dict=True).pooler_output if len(grids) else ()
     per_prompt, at = {}, 0
     for p in prompts:
         k = images.image_spans[p][1] - images.image_spans[p][0]
@@ -259,7 +259,8 @@ def vl_hidden_states(model, input_ids: torch.Tensor, attention_mask: torch.Tenso
     rows = [f for p in images.row_prompt for f in per_prompt[p]]
     types = mm_token_types(model, input_ids, prompt_len)
     embeds = body.get_input_embeddings()(input_ids)
-    embeds = embeds.masked_scatter(types.bool()[..., None], torch.cat(rows).to(embeds.dtype))
+    if rows:  # rows whose prompts have no image keep their plain embeddings
+        embeds = embeds.masked_scatter(types.bool()[..., None], torch.cat(rows).to(embeds.dtype))
     positions, _ = body.get_rope_index(input_ids, types, image_grid_thw=images.grids_per_row(),
                                        attention_mask=attention_mask)
     out = body.language_model(inputs_embeds=embeds, attention_mask=attention_mask, position_ids=positions,

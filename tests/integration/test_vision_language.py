@@ -80,6 +80,7 @@ def _rollout(n=3):
                      images=(_png((84, 56), (0, 0, 250)),)),
         PromptRecord(2, [{"role": "user", "content": "<image>name it"}], "green", "x",
                      images=(_png((56, 56), (0, 250, 0)),)),
+        PromptRecord(3, [{"role": "user", "content": "no picture"}], "none", "x"),  # a text-only row among them
     ]
     engine = HFRollout(scorer, processor.tokenizer, contextlib.nullcontext)
     batch = vision_rollout(engine, processor, records, n, SamplingParams(max_tokens=6), "cpu")
@@ -93,13 +94,13 @@ def test_images_are_kept_once_per_prompt_and_scoring_matches_the_sampler():
     images = batch.images
     assert images.grid_thw.tolist() == [[1, 4, 4], [1, 4, 6], [1, 4, 4]]  # one per prompt, not per sample
     assert images.pixel_values.shape[0] == 16 + 24 + 16
-    assert images.row_prompt == [0, 0, 0, 1, 1, 1, 2, 2, 2]
+    assert images.row_prompt == [0, 0, 0, 1, 1, 1, 2, 2, 2, 3, 3, 3] and images.image_spans[3] == (3, 3)
     assert batch.select([7, 1]).images.pixel_values is images.pixel_values  # selecting rows copies no pixels
     with torch.no_grad():
         logp = response_stats(scorer, batch, temperature=1.0, compute_entropy=False).logp
     # the scorer sees the image features and the multimodal positions generate used (left padding included)
     assert torch.allclose(logp, batch.rollout_logp, atol=1e-5)
-    assert batch.response_mask.sum() > 9
+    assert batch.response_mask.sum() > 12
 
 
 def test_micro_batched_scoring_equals_one_full_pass_as_image_slices_follow_the_samples():
@@ -110,14 +111,15 @@ def test_micro_batched_scoring_equals_one_full_pass_as_image_slices_follow_the_s
     stats = lambda b: response_stats(scorer, b, temperature=1.0, compute_entropy=True)  # noqa: E731
     with torch.no_grad():
         full = stats(batch)
-        reordered = [8, 3, 0, 5, 1, 7, 2, 4, 6]  # rows of different prompts interleaved, out of order
-        for rows in [torch.tensor(reordered)] + micro_batches(batch, 2) + micro_batches(batch, 2, token_budget=70):
+        reordered = [8, 3, 11, 0, 5, 1, 9, 7, 2, 4, 10, 6]  # rows of different prompts interleaved, out of order
+        only_text = torch.tensor([10, 9])  # a micro-batch without any image
+        for rows in [torch.tensor(reordered), only_text] + micro_batches(batch, 2) + micro_batches(batch, 2, 70):
             part = stats(batch.select(rows))
             assert torch.allclose(part.logp, full.logp[rows], atol=1e-5), rows.tolist()
             assert torch.allclose(part.entropy, full.entropy[rows], atol=1e-5), rows.tolist()
     # the images matter: another prompt's images give other log-probs
-    swapped = batch.select(list(range(9)))
-    swapped.images = swapped.images.select([6, 7, 8, 3, 4, 5, 0, 1, 2])
+    swapped = batch.select(list(range(12)))
+    swapped.images = swapped.images.select([6, 7, 8, 3, 4, 5, 0, 1, 2, 9, 10, 11])
     with torch.no_grad():
         other = stats(swapped).logp
     assert (other[:3] - full.logp[:3]).abs().max() > 1e-4
