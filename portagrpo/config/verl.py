@@ -57,6 +57,7 @@ DIRECT = {
     AR + "actor.kl_loss_type": "actor.kl_loss_type",
     AR + "actor.entropy_coeff": "actor.entropy_coeff",
     AR + "actor.grad_clip": "actor.grad_clip",
+    AR + "actor.freeze_vision_tower": "actor.freeze_vision_tower",
     AR + "actor.lora.rank": "model.lora.rank",
     AR + "actor.lora.alpha": "model.lora.alpha",
     AR + "actor.lora.dropout": "model.lora.dropout",

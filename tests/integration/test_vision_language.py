@@ -215,3 +215,17 @@ def test_checkpoints_carry_the_processor_and_a_resumed_run_continues_exactly(tmp
         assert torch.allclose(whole[name], resumed[name], rtol=1e-6, atol=1e-7), name
     # the checkpoint's model directory is a policy of its own (model.path), its processor with it
     assert train(tmp_path / "from_path", "trainer.total_steps=1", f"model.path={model_dir}") == 0
+
+
+def test_verls_freeze_vision_tower_key_and_the_one_rank_refusal():
+    from types import SimpleNamespace
+
+    from portagrpo.errors import UserError
+    from portagrpo.rollout.engines import HFRollout
+
+    cfg = load_config(None, ["actor_rollout_ref.actor.freeze_vision_tower=true"])
+    assert cfg.actor.freeze_vision_tower is True
+    settings = SimpleNamespace(mode="sync", filter_metric=None)
+    with pytest.raises(UserError, match=r"trains on one process for now \(this run has 2\)"):
+        vision.check_vision_run(settings, 2, HFRollout)
+    vision.check_vision_run(settings, 1, HFRollout)
