@@ -321,8 +321,8 @@ def check_vision_run(settings, world_size: int, engine) -> None:
         raise VisionError(f"a vision-language policy trains on one process for now (this run has {world_size}); "
                           f"set trainer.nproc_per_node=1 and trainer.nnodes=1.")
     if not getattr(engine, "takes_images", False):
-        raise VisionError(f"rollout.engine {type(engine).__name__} does not sample with images; use "
-                          f"rollout.engine=hf for a vision-language policy.")
+        raise VisionError(f"the rollout engine ({type(engine).__name__}) does not sample with images; use "
+                          f"rollout.engine=hf with rollout.precision=auto for a vision-language policy.")
     if settings.mode != "sync" or settings.filter_metric is not None:
         raise VisionError("a vision-language policy samples with rollout.mode=sync only, without DAPO's group "
                           "filter (algorithm.filter_groups); set rollout.mode=sync and turn the filter off.")

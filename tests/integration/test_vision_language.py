@@ -185,7 +185,7 @@ def test_trains_two_steps_from_a_geo3k_parquet(tmp_path):
 def test_what_a_vision_language_run_does_not_do_is_refused_in_one_sentence(tmp_path):
     from portagrpo.errors import UserError
 
-    with pytest.raises(UserError, match=r"FixedRollout does not sample with images; use rollout.engine=hf"):
+    with pytest.raises(UserError, match=r"\(FixedRollout\) does not sample with images; use rollout.engine=hf"):
         _trainer(tmp_path / "fixed", "rollout.engine=fixed")
     with pytest.raises(UserError, match=r"prompt 0 has images but the policy is text-only"):
         _trainer(tmp_path / "text", "model.tiny.vision=false")
