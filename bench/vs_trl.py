@@ -103,7 +103,7 @@ def run_trl(spec: dict) -> dict:
     from transformers import TrainerCallback
     from trl import GRPOConfig, GRPOTrainer
 
-    from portagrpo.data.tasks import repeat_reward
+    from portagrpo.rewards.tasks import repeat_reward
 
     want = spec["settings"]
     rows = [json.loads(line) for line in Path(spec["data"]).read_text().splitlines()]

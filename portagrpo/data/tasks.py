@@ -10,8 +10,6 @@ from typing import Protocol
 
 from portagrpo.registry import Registry
 
-REPEAT_LEN = 8
-
 
 class TaskGenerator(Protocol):
     def __call__(self, size: int, seed: int) -> list[dict]: ...
@@ -36,17 +34,6 @@ def repeat_task(size: int, seed: int) -> list[dict]:
     return [
         _row(f"repeat {d}", d, "portagrpo/repeat", i) for i, d in enumerate(str(rng.randrange(10)) for _ in range(size))
     ]
-
-
-def repeat_reward(solution: str, ground_truth: str) -> float:
-    """Mean over the first REPEAT_LEN characters: 1 for the digit asked for, 0.25 for another digit."""
-    credit = 0.0
-    for ch in solution[:REPEAT_LEN]:
-        if ch == ground_truth:
-            credit += 1.0
-        elif ch.isdigit():
-            credit += 0.25
-    return credit / REPEAT_LEN
 
 
 NAMES = ["tom", "ana", "li", "sam", "mia", "raj", "eva", "kim"]
@@ -130,15 +117,3 @@ def colours_task(size: int, seed: int) -> list[dict]:
         row["images"] = [{"bytes": colour_png(COLOURS[name], rng), "path": None}]
         rows.append(row)
     return rows
-
-
-def colour_reward(solution: str, ground_truth: str) -> float:
-    """1 for exactly the colour's name; else 0.9 x the share of the name the response starts with (so the first
-    letter, which only the picture tells, earns the first credit)."""
-    answer = solution.strip().lower()
-    if answer == ground_truth:
-        return 1.0
-    prefix = 0
-    while prefix < min(len(answer), len(ground_truth)) and answer[prefix] == ground_truth[prefix]:
-        prefix += 1
-    return 0.9 * prefix / len(ground_truth)

@@ -11,10 +11,10 @@ from decimal import Decimal, InvalidOperation
 from pathlib import Path
 from typing import Any, Protocol
 
-from portagrpo.data.tasks import colour_reward, repeat_reward
 from portagrpo.errors import UserError
 from portagrpo.registry import Registry
 from portagrpo.rewards.geo3k import geo3k_reward
+from portagrpo.rewards.tasks import colour_reward, repeat_reward
 
 
 class RewardFn(Protocol):

@@ -211,3 +211,13 @@ def test_no_plug_point_is_typed_any():
                     assert "Any" != ast.unparse(field.annotation), f"{rel}: {name}.{field.target.id} is typed Any"
     loop = (ROOT / "portagrpo/train/loop.py").read_text()
     assert "getattr(" not in loop
+
+
+def test_rewards_do_not_import_data():
+    """One arrow between rewards/ and data/: data (its converters) may use the reward's answer parsing; the rewards,
+    the built-in tasks' graders included (rewards/tasks.py), never import data/."""
+    mods = modules()
+    for name, path in mods.items():
+        if name.startswith("portagrpo.rewards"):
+            data = {m for m in imports_of(name, path, set(mods)) if m.startswith("portagrpo.data")}
+            assert not data, f"{name} imports {sorted(data)}"
