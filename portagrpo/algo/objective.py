@@ -72,11 +72,37 @@ class Objective:
     entropy_coeff: float = 0.0
 
 
+@dataclass(frozen=True)
+class LossMetrics:
+    """One micro-batch's loss metrics, detached 0-dim tensors. The loss terms already carry the micro-batch's share
+    of its mini-batch (normalised by the mini-batch's counts), so they add up over micro-batches; the others are
+    means over the micro-batch's tokens."""
+
+    loss_policy: torch.Tensor
+    ppo_kl: torch.Tensor
+    clipfrac: torch.Tensor
+    clipfrac_lower: torch.Tensor
+    ratio_mean: torch.Tensor
+    kl: torch.Tensor | None = None  # with a reference: the KL-loss estimator, or k1 without a KL loss
+    loss_kl: torch.Tensor | None = None  # with a KL loss
+    entropy: torch.Tensor | None = None  # set by the caller when this forward's entropy is the step's metric
+
+    def loss_terms(self) -> dict[str, torch.Tensor]:
+        """The terms that add up over micro-batches."""
+        return {k: v for k, v in (("loss_policy", self.loss_policy), ("loss_kl", self.loss_kl)) if v is not None}
+
+    def token_means(self) -> dict[str, torch.Tensor]:
+        """The means over this micro-batch's tokens (a mini-batch's is their token-weighted mean)."""
+        pairs = (("ppo_kl", self.ppo_kl), ("clipfrac", self.clipfrac), ("clipfrac_lower", self.clipfrac_lower),
+                 ("ratio_mean", self.ratio_mean), ("kl", self.kl), ("entropy", self.entropy))
+        return {k: v for k, v in pairs if v is not None}
+
+
 def total_loss(logp: torch.Tensor, old_logp: torch.Tensor, advantages: torch.Tensor, mask: torch.Tensor,
                spec: Objective, *, num_tokens, num_seqs, ref_logp: torch.Tensor | None = None,
                entropy: torch.Tensor | None = None, logp_vocab: torch.Tensor | None = None,
                ref_logp_vocab: torch.Tensor | None = None,
-               is_weights: torch.Tensor | None = None) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+               is_weights: torch.Tensor | None = None) -> tuple[torch.Tensor, LossMetrics]:
     """loss = policy - (KL loss: + coef x KL) - entropy_coeff x entropy, each aggregated with the
     mini-batch normalisers `num_tokens`/`num_seqs` (so micro-batches add up to the mini-batch).
     `mask` is the loss mask (rejection sampling may have removed tokens); `is_weights` (rollout
@@ -89,15 +115,15 @@ def total_loss(logp: torch.Tensor, old_logp: torch.Tensor, advantages: torch.Ten
     if is_weights is not None:
         pg_mat = pg_mat * is_weights
     loss = aggregate_loss(pg_mat, mask, spec.loss_agg_mode, **agg)
-    metrics["loss_policy"] = loss.detach()
+    loss_policy, kl, loss_kl = loss.detach(), None, None
     if ref_logp is not None:
         kl_mat = kl_penalty(spec.kl_loss_type or "kl", logp, ref_logp, logp_vocab=logp_vocab,
                             ref_logp_vocab=ref_logp_vocab)
-        metrics["kl"] = masked_mean(kl_mat, mask).detach()
+        kl = masked_mean(kl_mat, mask).detach()
         if spec.kl_loss_type is not None:
-            kl_loss = aggregate_loss(kl_mat, mask, spec.loss_agg_mode, **agg)
-            loss = loss + spec.kl_loss_coef * kl_loss
-            metrics["loss_kl"] = kl_loss.detach()
+            kl_term = aggregate_loss(kl_mat, mask, spec.loss_agg_mode, **agg)
+            loss = loss + spec.kl_loss_coef * kl_term
+            loss_kl = kl_term.detach()
     if spec.entropy_coeff != 0:
         loss = loss - spec.entropy_coeff * aggregate_loss(entropy, mask, spec.loss_agg_mode, **agg)
-    return loss, metrics
+    return loss, LossMetrics(loss_policy=loss_policy, kl=kl, loss_kl=loss_kl, **metrics)

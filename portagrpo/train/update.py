@@ -2,14 +2,14 @@
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Callable
 
 import torch
 
 from portagrpo import algo
 from portagrpo.algo.losses import masked_mean
-from portagrpo.algo.objective import Objective, total_loss
+from portagrpo.algo.objective import LossMetrics, Objective, total_loss
 from portagrpo.batch import RolloutBatch, TrainBatch, micro_batches
 from portagrpo.config import Config
 from portagrpo.model.scorer import eval_mode, response_stats
@@ -63,25 +63,37 @@ class UpdateStats:
     trainer_logp: torch.Tensor | None = None
 
 
+@dataclass(frozen=True)
+class LossMeans:
+    """A step's loss metrics over every rank: loss terms averaged over optimizer steps, the rest token-weighted."""
+
+    loss_policy: float
+    ppo_kl: float
+    clipfrac: float
+    clipfrac_lower: float
+    ratio_mean: float
+    kl: float | None = None
+    loss_kl: float | None = None
+    entropy: float | None = None
+
+
 class MetricSums:
-    """Per-micro-batch metrics, summed: loss terms already carry their share of the mini-batch, so
-    they add up; the other metrics are token-weighted means (value x tokens and the tokens)."""
+    """The micro-batches' `LossMetrics`, summed: loss terms add up (each carries its share of the mini-batch);
+    the token means are summed as value x tokens, with the tokens."""
 
     def __init__(self) -> None:
         self.losses: dict[str, torch.Tensor] = {}
         self.weighted: dict[str, torch.Tensor] = {}
         self.tokens: dict[str, float] = {}
 
-    def add(self, metrics: dict[str, torch.Tensor], tokens: int) -> None:
-        for k, v in metrics.items():
-            value = v.detach().double()
-            if k.startswith("loss_"):
-                self.losses[k] = self.losses.get(k, 0.0) + value
-            else:
-                self.weighted[k] = self.weighted.get(k, 0.0) + value * tokens
-                self.tokens[k] = self.tokens.get(k, 0.0) + tokens
+    def add(self, metrics: LossMetrics, tokens: int) -> None:
+        for k, v in metrics.loss_terms().items():
+            self.losses[k] = self.losses.get(k, 0.0) + v.detach().double()
+        for k, v in metrics.token_means().items():
+            self.weighted[k] = self.weighted.get(k, 0.0) + v.detach().double() * tokens
+            self.tokens[k] = self.tokens.get(k, 0.0) + tokens
 
-    def reduce(self, comm, device, n_updates: int) -> dict[str, float]:
+    def reduce(self, comm, device, n_updates: int) -> LossMeans:
         """Over every rank in one exact fp64 sum on the host (never an fp64 collective)."""
         losses, means = sorted(self.losses), sorted(self.weighted)
         parts = [self.losses[k] for k in losses] + [self.weighted[k] for k in means] + [self.tokens[k] for k in means]
@@ -90,7 +102,7 @@ class MetricSums:
         out = {k: total[i] / n_updates for i, k in enumerate(losses)}
         for i, k in enumerate(means):
             out[k] = total[len(losses) + i] / max(total[len(losses) + len(means) + i], 1.0)
-        return out
+        return LossMeans(**out)
 
 
 class Updater:
@@ -125,10 +137,9 @@ class Updater:
             if seen is not None and comm.world_size > 1:  # every row was written by exactly one rank
                 seen = comm.all_reduce_sum(seen)
         self.scheduler.step()
-        return UpdateStats(loss_policy=m.get("loss_policy", 0.0), clipfrac=m["clipfrac"],
-                           clipfrac_lower=m["clipfrac_lower"], ppo_kl=m["ppo_kl"], ratio_mean=m["ratio_mean"],
-                           grad_norm=sum(grad_norms) / len(grad_norms), lr=lr, entropy=m.get("entropy"),
-                           kl=m.get("kl"), loss_kl=m.get("loss_kl"), trainer_logp=seen)
+        return UpdateStats(loss_policy=m.loss_policy, clipfrac=m.clipfrac, clipfrac_lower=m.clipfrac_lower,
+                           ppo_kl=m.ppo_kl, ratio_mean=m.ratio_mean, grad_norm=sum(grad_norms) / len(grad_norms),
+                           lr=lr, entropy=m.entropy, kl=m.kl, loss_kl=m.loss_kl, trainer_logp=seen)
 
     def _accumulate_gradients(self, mine: TrainBatch, sums: MetricSums, rows: torch.Tensor,
                               seen: torch.Tensor | None) -> None:
@@ -165,7 +176,7 @@ class Updater:
                              logp_vocab=stats.logp_vocab, ref_logp_vocab=self._ref_vocab(rb) if full_kl else None,
                              is_weights=micro.is_weights)
         if s.measure_in_update:  # the entropy metric comes from this forward (no separate scoring pass ran)
-            m["entropy"] = masked_mean(stats.entropy.detach(), mask)
+            m = replace(m, entropy=masked_mean(stats.entropy.detach(), mask))
         return loss, m, logp.detach()
 
     @torch.no_grad()
