@@ -42,7 +42,7 @@ def test_both_trainers_run_the_same_work_and_are_compared(tmp_path):
 
 def test_runs_with_other_settings_are_refused(monkeypatch, tmp_path):
     vs = load_script()
-    args = vs.main.__globals__["argparse"].Namespace(prompts=1, n=4, max_new_tokens=8, threads=1)
+    args = vs.main.__globals__["argparse"].Namespace(prompts=1, n=4, max_new_tokens=8, threads=1, engine="hf")
     asked = vs.wanted_settings(args)
     assert vs.differing(asked, dict(asked)) == []
     ran = {
@@ -57,7 +57,7 @@ def test_runs_with_other_settings_are_refused(monkeypatch, tmp_path):
         "settings": ran if system == "trl" else asked, "step_s": [1.0], "completion_len_mean": 8})
     args = vs.main.__globals__["argparse"].Namespace(prompts=1, n=4, max_new_tokens=8, threads=1, size="3m", rounds=1,
                                                       steps=1, warmup=0, workdir=str(tmp_path), argv=[],
-                                                      variants=["sync-fp32"])
+                                                      variants=["sync-fp32"], engine="hf")
     with pytest.raises(SystemExit, match=r"refusing to compare: the trl run trained with other settings than asked "
                                          r"\(top_k: asked None, ran 50\)"):
         vs.compare(args)
