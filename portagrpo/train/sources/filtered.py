@@ -15,11 +15,10 @@ from portagrpo.algo.advantages import groups_with_spread
 from portagrpo.batch import RolloutBatch
 from portagrpo.data.records import PromptRecord
 from portagrpo.errors import UserError
-from portagrpo.train.build import Models
 from portagrpo.train.experience import ExperienceSettings, Scored, ScoredRollout
 from portagrpo.train.sampling import Sampling
-from portagrpo.train.sources import SOURCES, SourceInputs, SourceState
-from portagrpo.train.sources.sync import resumed_prompts
+from portagrpo.train.sources import SOURCES
+from portagrpo.train.sources.sync import InStepSource
 
 
 def concat_rollouts(parts: list[RolloutBatch]) -> RolloutBatch:
@@ -53,31 +52,14 @@ def round_notice(step: int, rounds: int, kept: int, dropped: int, groups: int, m
 
 
 @SOURCES.register("filtered")
-class FilteredSource:
+class FilteredSource(InStepSource):
     """DAPO's dynamic sampling as a batch source (`algorithm.filter_groups.enable`)."""
 
     @classmethod
     def claims(cls, settings: ExperienceSettings) -> bool:
         return settings.mode == "sync" and settings.filter_metric is not None
 
-    def __init__(self, inputs: SourceInputs) -> None:
-        self.sampling, self.loader, self.log = inputs.sampling, inputs.loader, inputs.log
-        self.first: list[PromptRecord] | None = None
-
-    def next(self, step: int) -> ScoredRollout:
-        prompts, self.first = self.first or self.loader.next_batch(), None
-        return self._filled(step, prompts)
-
-    def push(self, models: Models) -> None:
-        return None
-
-    def state(self) -> SourceState | None:
-        return None
-
-    def restore(self, state: SourceState | None, step_done: int) -> None:
-        self.first = resumed_prompts(state)
-
-    def _filled(self, step: int, prompts: list[PromptRecord]) -> ScoredRollout:
+    def scored(self, step: int, prompts: list[PromptRecord]) -> ScoredRollout:
         s, comm = self.sampling.settings, self.sampling.runtime.comm
         target = len(prompts) * s.n  # responses
         kept_rb: list[RolloutBatch] = []

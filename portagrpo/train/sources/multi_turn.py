@@ -26,10 +26,9 @@ from portagrpo.agent.toolbox import Toolbox, ToolCounts
 from portagrpo.batch import RolloutBatch
 from portagrpo.data.records import PromptRecord, left_pad, tokenize_prompts
 from portagrpo.rollout.engines import GroupPrompts, SamplingParams, decode_responses, stop_token_ids
-from portagrpo.train.build import Models
 from portagrpo.train.experience import ExperienceSettings, ScoredRollout
-from portagrpo.train.sources import SOURCES, SourceInputs, SourceState
-from portagrpo.train.sources.sync import resumed_prompts
+from portagrpo.train.sources import SOURCES, SourceInputs
+from portagrpo.train.sources.sync import InStepSource
 
 
 @dataclass
@@ -163,7 +162,7 @@ class MultiTurnRollout:
 
 
 @SOURCES.register("multi_turn")
-class MultiTurnSource:
+class MultiTurnSource(InStepSource):
     """The step's prompts sampled as tool-using conversations, then scored as a plain step scores."""
 
     @classmethod
@@ -171,7 +170,7 @@ class MultiTurnSource:
         return settings.mode == "multi_turn"
 
     def __init__(self, inputs: SourceInputs) -> None:
-        self.sampling, self.loader, self.log = inputs.sampling, inputs.loader, inputs.log
+        super().__init__(inputs)
         mt = inputs.settings.multi_turn
         self.toolbox = Toolbox.from_file(mt.tool_config_path, Limits(mt.tool_timeout_s, mt.tool_memory_mb),
                                          mt.tool_workers)
@@ -179,7 +178,6 @@ class MultiTurnSource:
         turns = ToolTurns(self.sampling.tokenizer, mt.max_tool_response_length)
         self.rollouts = MultiTurnRollout(self.sampling.engine, self.sampling.tokenizer, self.toolbox, turns,
                                          mt.max_assistant_turns, comm=self.sampling.runtime.comm)
-        self.first: list[PromptRecord] | None = None
         self.counts = ToolCounts()  # the current step's
         # Held-out validation (Sampling.validate) samples through `Sampling.rollout`: this run's rollouts are
         # conversations, so this source's rollout takes its place on this Sampling object (validation included).
@@ -195,8 +193,7 @@ class MultiTurnSource:
             return self.rollouts.rollout(records, n, params, s.runtime.device, uid_base=uid_base,
                                          prompt_width=prompt_width, counts=self.counts)
 
-    def next(self, step: int) -> ScoredRollout:
-        prompts, self.first = self.first or self.loader.next_batch(), None
+    def scored(self, step: int, prompts: list[PromptRecord]) -> ScoredRollout:
         s = self.sampling
         records, first_uid = s.round_ids(step, 0, prompts)
         local = max(len(x) for x in self.rollouts.prompt_ids(records))  # one width over ranks, for the gather
@@ -217,11 +214,3 @@ class MultiTurnSource:
         calls, errors, timeouts, turns, samples = self.sampling.runtime.comm.sum_on_host(local).tolist()
         return ToolCounts(int(calls), int(errors), int(timeouts), int(turns), int(samples)).metrics()
 
-    def push(self, models: Models) -> None:
-        return None
-
-    def state(self) -> SourceState | None:
-        return None
-
-    def restore(self, state: SourceState | None, step_done: int) -> None:
-        self.first = resumed_prompts(state)
