@@ -18,7 +18,7 @@ Semantics are verl 0.9.1's `compute_rollout_correction_and_rejection_mask`
   the loss mask; the response mask (attention) is never touched.
 
 Everything is a pure function of tensors and numbers: verl's threshold strings ("0.5_5.0", "2.0,1.0") are
-parsed, strictly, by the config (`config/rules.py: correction_bounds`), never here. Metrics come back as detached
+parsed, strictly, by the config (`config/bounds.py: correction_bounds`), never here. Metrics come back as detached
 0-dim tensors and nothing here reads a value to the host (STYLE rule 1): the caller reads a batch's metrics once
 and hands them to `refusal`, which says why a batch cannot be corrected (verl raises there).
 """
@@ -126,7 +126,7 @@ def _is_bounds(threshold) -> tuple[float, float | None]:
     if isinstance(threshold, (int, float)) and not isinstance(threshold, bool):
         return threshold, None
     raise TypeError(f"rollout_is_threshold={threshold!r}: pass a number or a (lower, upper) pair (the config parses "
-                    f"verl's strings, config/rules.py: is_threshold).")
+                    f"verl's strings, config/bounds.py: is_threshold).")
 
 
 def is_weights(log_ratio: torch.Tensor, mask: torch.Tensor, level: str, threshold: IsThreshold,

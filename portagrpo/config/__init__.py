@@ -1,5 +1,6 @@
 """The config: schema.py (the dataclasses), load.py (YAML + overrides -> Config), rules.py (what a
 valid config satisfies), verl.py (verl's keys)."""
+from portagrpo.config.bounds import correction_bounds
 from portagrpo.config.load import (
     all_keys,
     from_dict,
@@ -11,7 +12,7 @@ from portagrpo.config.load import (
     to_dict,
     to_yaml,
 )
-from portagrpo.config.rules import correction_bounds, missing_files, validate, validate_world
+from portagrpo.config.rules import missing_files, validate, validate_world
 from portagrpo.config.schema import (
     PRESETS,
     ActorConfig,

@@ -11,7 +11,7 @@ from typing import Any, Literal, Union
 
 import yaml
 
-from portagrpo.config.rules import NUMBER
+from portagrpo.config.bounds import NUMBER
 from portagrpo.config.schema import PRESETS, Config, ConfigError, DataConfig, RolloutConfig
 from portagrpo.fileio import shorten
 
