@@ -199,7 +199,8 @@ def _outcome(text: str, status: int, over: bool, late: bool, limits: Limits) -> 
     if os.WIFSIGNALED(status):
         sig = os.WTERMSIG(status)
         if sig == signal.SIGXCPU:
-            return f"Error: the tool used more than its {math.ceil(limits.timeout_s)}s of CPU time.", "timeout"
+            return (f"Error: the tool used its {math.ceil(limits.timeout_s)}s CPU-time limit and was stopped.",
+                    "timeout")
         return f"Error: the tool's process died ({signal.Signals(sig).name}).", "crash"
     code = os.WEXITSTATUS(status)
     if code == 0:

@@ -223,3 +223,18 @@ def test_a_tool_that_cannot_load_is_one_sentence_at_start(tmp_path):
     with pytest.raises(UserError, match="a tool cannot be loaded in a tool worker: ModuleNotFoundError"):
         box.sandbox.start()
     box.close()
+
+
+def test_both_time_limits_read_as_one_timeout():
+    """A busy tool is stopped by whichever timer fires first (the wall clock or RLIMIT_CPU's SIGXCPU); on a quiet,
+    fast machine that is the CPU timer. Both are the same counted outcome with the same words."""
+    import signal
+
+    from portagrpo.agent.sandbox import _outcome
+
+    limits = Limits(timeout_s=3.0)
+    by_cpu = _outcome("", int(signal.SIGXCPU), over=False, late=False, limits=limits)
+    by_wall = _outcome("", 0, over=False, late=True, limits=limits)
+    assert by_cpu[1] == by_wall[1] == "timeout"
+    assert "limit and was stopped" in by_cpu[0] and "limit and was stopped" in by_wall[0]
+    assert _outcome("", int(signal.SIGSEGV), over=False, late=False, limits=limits)[1] == "crash"
