@@ -157,6 +157,7 @@ class Sampling:
             # the step's one read of the global lengths, so every rank's update plans on the host
             lengths=[(p, r) for p, r in g(torch.tensor(rb.host_lengths(), device=self.runtime.device)).tolist()],
             rollout_logp=None if rb.rollout_logp is None else g(rb.rollout_logp),
+            model_mask=None if rb.model_mask is None else g(rb.model_mask),
         )
         return full, Scored(*(None if v is None else g(v) for v in local.tensors()))
 
