@@ -8,24 +8,11 @@ from typing import TYPE_CHECKING, Any, Callable, ClassVar, Iterable, Iterator, N
 import torch
 
 from portagrpo.registry import Registry
+from portagrpo.rollout.settings import EngineSettings, SamplingParams  # noqa: F401 (SamplingParams: re-exported)
 
 if TYPE_CHECKING:  # annotations only: the engines are handed these, they import nothing of the trainer
     from portagrpo.backends import Backend
     from portagrpo.backends.dist import Collectives
-    from portagrpo.config import Config
-
-
-@dataclass(frozen=True)
-class SamplingParams:
-    """Every knob that shapes the sampled distribution. Engines apply exactly these and nothing
-    from the model's own generation_config, so the log-probs describe what was sampled."""
-
-    max_tokens: int
-    temperature: float = 1.0  # 0 means greedy
-    top_p: float = 1.0
-    top_k: int = -1  # -1 or 0: off
-    min_p: float = 0.0  # 0: off
-    repetition_penalty: float = 1.0  # 1: off
 
 
 def hf_model_of(model):
@@ -137,7 +124,7 @@ class blank_generation_config:
 class EngineInputs:
     """What an engine may take from the run when it builds itself (`from_run`)."""
 
-    cfg: Config
+    settings: EngineSettings  # what the engine reads of the config (rollout/settings.py)
     scorer: torch.nn.Module  # the policy's scorer (anything with `generate`)
     policy: torch.nn.Module  # the Hugging Face model under it (its config)
     tokenizer: Any  # a Hugging Face tokenizer (transformers' own type)
@@ -354,7 +341,7 @@ class FixedRollout:
 
     @classmethod
     def from_run(cls, inputs: EngineInputs) -> "FixedRollout":
-        return cls(inputs.scorer, inputs.tokenizer, inputs.autocast, inputs.generate_kwargs, n=inputs.cfg.rollout.n)
+        return cls(inputs.scorer, inputs.tokenizer, inputs.autocast, inputs.generate_kwargs, n=inputs.settings.n)
 
     def __init__(self, model, tokenizer, autocast, generate_kwargs: dict | None = None, n: int = 1) -> None:
         eos = tokenizer.eos_token_id

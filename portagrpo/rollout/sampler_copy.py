@@ -9,23 +9,16 @@ from pathlib import Path
 import torch
 
 from portagrpo.rollout.engines import EngineInputs, HFRollout, hf_weight_names
+from portagrpo.rollout.settings import EngineSettings
 
 
-def copy_precision(cfg) -> str:
-    """The precision the sampler copy runs in: rollout.precision, or with `auto` (one_step_off) the
-    model's compute precision (bf16 under model.dtype=bf16, else fp32)."""
-    if cfg.rollout.precision != "auto":
-        return cfg.rollout.precision
-    return "bf16" if cfg.model.dtype == "bf16" else "fp32"
-
-
-def copy_attention(cfg, backend) -> str:
+def copy_attention(settings: EngineSettings, backend) -> str:
     """The attention the copy runs with, asked of the backend at the dtype the copy computes in (the
     copy runs without autocast: a bf16 copy is bf16 throughout, an fp32 or int8 one fp32)."""
     from portagrpo.backends import BackendUnavailable
 
-    precision = copy_precision(cfg)
-    dtype, requested = SamplerCopy.PRECISIONS[precision], cfg.model.attn_implementation
+    precision = settings.copy_precision
+    dtype, requested = SamplerCopy.PRECISIONS[precision], settings.attn_implementation
     try:
         return backend.attention_implementation(requested, dtype)
     except BackendUnavailable:
@@ -49,11 +42,11 @@ class CopySource:
     tied: bool
 
     @classmethod
-    def of(cls, cfg, backend, policy, init_model_dir: Path) -> "CopySource":
+    def of(cls, settings: EngineSettings, backend, policy, init_model_dir: Path) -> "CopySource":
         from portagrpo.paths import resolve_model_path
 
-        path = resolve_model_path(cfg.model.path) if cfg.model.path else Path(init_model_dir)
-        return cls(path, copy_attention(cfg, backend), bool(getattr(policy.config, "tie_word_embeddings", False)))
+        path = resolve_model_path(settings.model_path) if settings.model_path else Path(init_model_dir)
+        return cls(path, copy_attention(settings, backend), bool(getattr(policy.config, "tie_word_embeddings", False)))
 
 
 def int8_refusal(device: str):
@@ -77,9 +70,9 @@ class SamplerCopy(HFRollout):
     def from_run(cls, inputs: EngineInputs) -> "SamplerCopy":
         from portagrpo.model.loading import load_model
 
-        source = CopySource.of(inputs.cfg, inputs.backend, inputs.policy, inputs.init_model_dir)
+        source = CopySource.of(inputs.settings, inputs.backend, inputs.policy, inputs.init_model_dir)
         device = next(inputs.policy.parameters()).device  # this rank's device
-        return cls(load_model(source.path, source.attn).to(device), inputs.tokenizer, inputs.cfg.rollout.precision,
+        return cls(load_model(source.path, source.attn).to(device), inputs.tokenizer, inputs.settings.precision,
                    int8_ok=inputs.backend.supports_dynamic_quantization(), device=inputs.backend.name,
                    tied_embeddings=source.tied)
 

@@ -79,17 +79,14 @@ def processed_logprobs(plugin: str | None) -> bool:
     return plugin is None or PLUGIN_SETTINGS[plugin].processed_logprobs
 
 
-def check_sampler_logprobs(plugin: str | None, params: SamplingParams, correction) -> None:
+def check_sampler_logprobs(plugin: str | None, params: SamplingParams, used: tuple[str, ...]) -> None:
     """One sentence when the rollout correction or bypass mode would weigh the loss with log-probs this plugin
     reports wrongly (raw ones, where the sampling settings make them differ from the distribution drawn
     from). Without either, the engine returns no sampler log-probs for such settings (the mismatch metrics are
     then left out) rather than wrong ones."""
     if processed_logprobs(plugin) or raw_is_processed(params):
         return
-    used = [k for k, on in (("rollout_is", correction.rollout_is is not None),
-                            ("rollout_rs", correction.rollout_rs is not None),
-                            ("bypass_mode", correction.bypass_mode)) if on]
-    if used:
+    if used:  # the rollout-correction features on (EngineSettings.correction_uses)
         raise UserError(f"algorithm.rollout_correction.{used[0]} needs the sampler's log-probs under the distribution "
                         f"it drew from, but {plugin} reports raw ones (its sampler ignores vLLM's logprobs_mode), "
                         f"which differ from them at rollout.temperature={params.temperature:g}, top_k={params.top_k}, "
@@ -181,7 +178,7 @@ def check_fp8_reload() -> None:
                         f"rollout.precision=auto.") from None
 
 
-def check_head_size(backend, config, model) -> None:
+def check_head_size(backend, config, settings) -> None:
     """One sentence, before vLLM is built, for a head size the backend's vLLM attention lacks (vLLM's CPU attention
     fails inside its first forward otherwise, after the engine was built)."""
     sizes = backend.spec.vllm_head_sizes
@@ -189,12 +186,13 @@ def check_head_size(backend, config, model) -> None:
     head = getattr(config, "head_dim", None) or (config.hidden_size // heads if heads else None)
     if not sizes or head is None or head in sizes:
         return
-    where = (f"model.path={model.path} has {head}-wide attention heads" if model.path else
-             f"the built-in model's attention heads are {head} wide (model.tiny.hidden_size={model.tiny.hidden_size} "
-             f"/ model.tiny.num_heads={model.tiny.num_heads})")
-    fix = ("use a model with heads of those sizes" if model.path else
+    path = settings.model_path
+    where = (f"model.path={path} has {head}-wide attention heads" if path else
+             f"the built-in model's attention heads are {head} wide (model.tiny.hidden_size="
+             f"{settings.tiny_hidden_size} / model.tiny.num_heads={settings.tiny_num_heads})")
+    fix = ("use a model with heads of those sizes" if path else
            f"set model.tiny.hidden_size to one of those times model.tiny.num_heads (e.g. "
-           f"model.tiny.hidden_size={min(s for s in sizes if s > 0) * model.tiny.num_heads})")
+           f"model.tiny.hidden_size={min(s for s in sizes if s > 0) * settings.tiny_num_heads})")
     raise UserError(f"rollout.engine=vllm on --device {backend.name}: {where}, and vLLM's attention there runs head "
                     f"sizes {', '.join(map(str, sizes))}; {fix}, or use rollout.engine=hf.")
 
@@ -249,32 +247,28 @@ class VLLMRollout:
         from portagrpo.paths import resolve_model_path
         from portagrpo.rollout.engines import stop_token_ids
 
-        cfg, r = inputs.cfg, inputs.cfg.rollout
-        comm = inputs.comm
+        s, comm = inputs.settings, inputs.comm
         config = inputs.policy.config
-        group, tp_rank = tp_layout(r.tensor_model_parallel_size, comm.rank, comm.world_size,
-                                   comm.env.local_world_size, getattr(config, "num_attention_heads", 1),
+        group, tp_rank = tp_layout(s.tensor_parallel_size, comm.rank, comm.world_size, comm.env.local_world_size,
+                                   getattr(config, "num_attention_heads", 1),
                                    getattr(config, "num_key_value_heads", None))
         plugin = inputs.backend.spec.vllm_plugin
-        check_head_size(inputs.backend, config, cfg.model)
-        check_sampler_logprobs(plugin, SamplingParams(cfg.data.max_response_length, r.temperature, r.top_p, r.top_k,
-                                                      r.min_p, r.repetition_penalty),
-                               cfg.algorithm.rollout_correction)
+        check_head_size(inputs.backend, config, s)
+        check_sampler_logprobs(plugin, s.sampling, s.correction_uses)
         tied = bool(getattr(config, "tie_word_embeddings", False))
         return cls(inputs.scorer, inputs.tokenizer, inputs.autocast, inputs.generate_kwargs,
-                   model_path=str(resolve_model_path(cfg.model.path) if cfg.model.path else inputs.init_model_dir),
-                   dtype={"fp32": "float32", "bf16": "bfloat16", "fp64": "float32"}[cfg.model.dtype],
-                   seed=cfg.trainer.seed + 7919 * group,  # one per engine: vLLM needs a TP group's ranks seeded alike
-                   gpu_memory_utilization=r.vllm_gpu_memory_utilization, bucket_mb=r.vllm_weight_bucket_mb,
-                   max_model_len=r.vllm_max_model_len or cfg.data.max_prompt_length + cfg.data.max_response_length,
+                   model_path=str(resolve_model_path(s.model_path) if s.model_path else inputs.init_model_dir),
+                   dtype=s.vllm_dtype,
+                   seed=s.seed + 7919 * group,  # one per engine: vLLM needs a TP group's ranks seeded alike
+                   gpu_memory_utilization=s.vllm_gpu_memory_utilization, bucket_mb=s.vllm_weight_bucket_mb,
+                   max_model_len=s.max_model_len,
                    tied_embeddings=tied, empty_cache=inputs.backend.empty_cache, world_size=comm.world_size,
                    plugin=plugin, eos_ids=stop_token_ids(inputs.tokenizer, inputs.policy),
-                   tensor_parallel=TensorParallel(r.tensor_model_parallel_size, group, tp_rank,
-                                                  comm.all_gather_object),
-                   fp8=fp8_allowed(r.precision, inputs.backend, inputs.policy, r.tensor_model_parallel_size),
+                   tensor_parallel=TensorParallel(s.tensor_parallel_size, group, tp_rank, comm.all_gather_object),
+                   fp8=fp8_allowed(s.precision, inputs.backend, inputs.policy, s.tensor_parallel_size),
                    reseed=inputs.backend.seed, sleep_mode=inputs.backend.spec.vllm_sleep_mode,
                    env=dict(inputs.backend.spec.vllm_env),
-                   weights=PolicyWeights(inputs.scorer, inputs.policy, lora=cfg.model.lora.rank > 0, tied=tied))
+                   weights=PolicyWeights(inputs.scorer, inputs.policy, lora=s.lora, tied=tied))
 
     def __init__(self, model, tokenizer, autocast, generate_kwargs: dict | None = None, *, model_path: str,
                  dtype: str = "bfloat16", seed: int = 0, gpu_memory_utilization: float = 0.5,

@@ -41,6 +41,7 @@ from portagrpo.model.vision import (
 from portagrpo.rewards.functions import RewardResolver
 from portagrpo.rewards.pool import RewardPool
 from portagrpo.rollout.engines import ROLLOUT_ENGINES, AheadSampler, EngineInputs, RolloutEngine
+from portagrpo.rollout.settings import EngineSettings
 from portagrpo.tolerances import DTYPES
 
 
@@ -269,7 +270,8 @@ def build_engine(cfg: Config, runtime: Runtime, models: Models, tokenizer, run_d
 
         engine = SamplerCopy
     return engine.from_run(EngineInputs(
-        cfg=cfg, scorer=models.scorer, policy=models.policy, tokenizer=tokenizer, autocast=runtime.autocast,
+        settings=EngineSettings.from_config(cfg), scorer=models.scorer, policy=models.policy, tokenizer=tokenizer,
+        autocast=runtime.autocast,
         generate_kwargs=models.strategy.generate_kwargs, backend=runtime.backend, rank=runtime.comm.rank,
         world_size=runtime.comm.world_size, init_model_dir=Path(run_dir) / "init_model", comm=runtime.comm))
 
@@ -285,11 +287,11 @@ def build_sampler_process(cfg: Config, runtime: Runtime, models: Models, tokeniz
     backend, threads = runtime.backend, torch.get_num_threads()
     env = runtime.comm.env
     device = backend.sampler_process_device(env.local_rank, env.local_world_size, cfg.rollout.devices)
-    precision = cfg.rollout.precision if cfg.rollout.precision != "auto" else (
-        "bf16" if cfg.model.dtype == "bf16" else "fp32")
+    settings = EngineSettings.from_config(cfg)
+    precision = settings.copy_precision
     if precision == "int8" and not backend.supports_dynamic_quantization():
         raise int8_refusal(backend.name)
-    source = CopySource.of(cfg, backend, models.policy, Path(run_dir) / "init_model")
+    source = CopySource.of(settings, backend, models.policy, Path(run_dir) / "init_model")
     spec = SamplerSpec(str(source.path), source.attn, tokenizer, precision, source.tied, threads, device, backend.name)
     eos = stop_token_ids(tokenizer, models.policy)
     return SamplerProcess(spec, tokenizer.pad_token_id if tokenizer.pad_token_id is not None else eos[0])

@@ -10,6 +10,7 @@ from portagrpo.backends.probe import RuntimeProbe
 from portagrpo.config import load_config
 from portagrpo.errors import UserError
 from portagrpo.rollout.sampler_copy import CopySource
+from portagrpo.rollout.settings import EngineSettings
 
 
 class _Devices:
@@ -31,7 +32,7 @@ POLICY = SimpleNamespace(config=SimpleNamespace(tie_word_embeddings=False))
 
 def _source(tmp_path, *overrides, backend=None):
     cfg = load_config(None, ["model.dtype=bf16", "model.attn_implementation=flash_attention_2", *overrides])
-    return CopySource.of(cfg, backend or _cuda(), POLICY, tmp_path / "init_model")
+    return CopySource.of(EngineSettings.from_config(cfg), backend or _cuda(), POLICY, tmp_path / "init_model")
 
 
 @pytest.mark.parametrize("overrides", [["rollout.mode=one_step_off"], ["rollout.precision=bf16"],
@@ -55,6 +56,6 @@ def test_a_missing_flash_attn_package_is_still_its_own_reason(tmp_path):
 
 def test_auto_attention_of_a_bf16_copy_is_flash_attention(tmp_path):
     cfg = load_config(None, ["model.dtype=bf16", "rollout.mode=one_step_off"])
-    assert CopySource.of(cfg, _cuda(), POLICY, tmp_path).attn == "flash_attention_2"
+    assert CopySource.of(EngineSettings.from_config(cfg), _cuda(), POLICY, tmp_path).attn == "flash_attention_2"
     cfg = load_config(None, ["model.dtype=bf16", "rollout.precision=fp32"])
-    assert CopySource.of(cfg, _cuda(), POLICY, tmp_path).attn == "sdpa"
+    assert CopySource.of(EngineSettings.from_config(cfg), _cuda(), POLICY, tmp_path).attn == "sdpa"

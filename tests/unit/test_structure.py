@@ -221,3 +221,17 @@ def test_rewards_do_not_import_data():
         if name.startswith("portagrpo.rewards"):
             data = {m for m in imports_of(name, path, set(mods)) if m.startswith("portagrpo.data")}
             assert not data, f"{name} imports {sorted(data)}"
+
+
+def test_engines_read_no_config():
+    """An engine is built from `EngineSettings.from_config` (rollout/settings.py), as the phases are from theirs:
+    no other rollout module imports the config or reaches a `cfg`."""
+    mods = modules()
+    for name, path in mods.items():
+        if name.startswith("portagrpo.rollout") and name != "portagrpo.rollout.settings":
+            config = {m for m in imports_of(name, path, set(mods)) if m.startswith("portagrpo.config")}
+            assert not config, f"{name} imports {sorted(config)}"
+            tree = ast.parse(path.read_text())
+            names = {n.id for n in ast.walk(tree) if isinstance(n, ast.Name)}
+            attrs = {n.attr for n in ast.walk(tree) if isinstance(n, ast.Attribute)}
+            assert "cfg" not in names | attrs, f"{name} reads a config"

@@ -630,7 +630,7 @@ def test_a_head_size_vllms_attention_lacks_is_refused_before_the_engine_is_built
         _trainer(tmp_path)  # the default tiny policy
     assert str(err.value).endswith("(e.g. model.tiny.hidden_size=128), or use rollout.engine=hf.")
     assert not cpu_vllm.instances
-    model = types.SimpleNamespace(path="/models/odd", tiny=None)
+    model = types.SimpleNamespace(model_path="/models/odd")  # EngineSettings' fields
     with pytest.raises(UserError, match=re.escape("model.path=/models/odd has 24-wide attention heads")):
         check_head_size(cpu.CPUBackend(), types.SimpleNamespace(hidden_size=96, num_attention_heads=4), model)
     check_head_size(cpu.CPUBackend(), types.SimpleNamespace(head_dim=64, hidden_size=96, num_attention_heads=4), model)
