@@ -309,9 +309,6 @@ def multi_turn_problems(cfg: Config) -> list[str]:
     if cfg.rollout.mode != "sync":
         p.append(f"{MT}.enable=true with rollout.mode={cfg.rollout.mode} is not built (a sampler process of its "
                  f"own would have to run the tools); use rollout.mode=sync.")
-    if cfg.algorithm.filter_groups.enable:
-        p.append(f"{MT}.enable=true with algorithm.filter_groups.enable=true is not built (DAPO's rounds would "
-                 f"drop the model-token mask); set algorithm.filter_groups.enable=false.")
     return p
 
 

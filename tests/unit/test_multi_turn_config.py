@@ -40,15 +40,18 @@ def test_bad_values_are_one_sentence_each(override, words):
     assert words in _problems([override])
 
 
-def test_enable_needs_a_tool_file_and_refuses_one_step_off_and_dapo(tmp_path):
+def test_enable_needs_a_tool_file_and_refuses_one_step_off(tmp_path):
     text = _problems(["rollout.multi_turn.enable=true"])
     assert "needs rollout.multi_turn.tool_config_path" in text
     text = _problems(["rollout.multi_turn.enable=true", "rollout.multi_turn.tool_config_path=x.yaml",
                       "rollout.mode=one_step_off"])
     assert "rollout.mode=one_step_off is not built" in text and "use rollout.mode=sync" in text
-    text = _problems(["rollout.multi_turn.enable=true", "rollout.multi_turn.tool_config_path=x.yaml",
-                      "algorithm.filter_groups.enable=true"])
-    assert "algorithm.filter_groups.enable=true is not built" in text
+    tools = tmp_path / "tools.yaml"
+    tools.write_text("tools: []\n")
+    cfg = load_config(None, ["rollout.multi_turn.enable=true", f"rollout.multi_turn.tool_config_path={tools}",
+                             "algorithm.filter_groups.enable=true"])  # DAPO's rounds, sampled as conversations
+    s = ExperienceSettings.from_config(cfg, 1)
+    assert s.mode == "multi_turn" and s.filter_metric == "acc"
     text = _problems(["rollout.multi_turn.enable=true", f"rollout.multi_turn.tool_config_path={tmp_path}/none.yaml"],
                      check_files=True)
     assert "none.yaml' does not exist" in text

@@ -4,10 +4,14 @@ carry no advantage, so they are dropped and more prompts are sampled until the s
 Every rank samples its share of each round; the rounds are gathered so that every rank keeps the same
 groups; once `data.train_batch_size` groups are kept, each rank scores its contiguous share of them
 (old and reference log-probs) and those are gathered back, as in a plain step.
+
+How a round is sampled is the source's hook (`RoundSampler`): a plain rollout here, tool-using conversations for
+the multi-turn source (train/sources/multi_turn.py), which runs these same rounds when the filter is on.
 """
 from __future__ import annotations
 
 import time
+from typing import Protocol
 
 import torch
 
@@ -16,27 +20,38 @@ from portagrpo.batch import RolloutBatch
 from portagrpo.data.records import PromptRecord
 from portagrpo.errors import UserError
 from portagrpo.train.experience import ExperienceSettings, Scored, ScoredRollout
-from portagrpo.train.sampling import Sampling
-from portagrpo.train.sources import SOURCES
+from portagrpo.train.sources import SOURCES, SourceInputs
 from portagrpo.train.sources.sync import InStepSource
 
 
-def concat_rollouts(parts: list[RolloutBatch]) -> RolloutBatch:
-    """Gathered batches of the same prompt width, one after the other (token tensors and lengths only)."""
-    def cat(name):
-        values = [getattr(p, name) for p in parts]
-        return None if any(v is None for v in values) else torch.cat(values)
+def concat_rollouts(parts: list[RolloutBatch], pad_id: int) -> RolloutBatch:
+    """Gathered batches one after the other (token tensors, lengths and the model-token mask). Prompts of different
+    widths (rounds of multi-turn prompts, rendered with the tools' schemas) are left-padded to the widest, with
+    `pad_id` under mask 0."""
+    width = max(p.prompt_len for p in parts)
 
-    return RolloutBatch(prompt_ids=cat("prompt_ids"), prompt_mask=cat("prompt_mask"), responses=cat("responses"),
-                        response_mask=cat("response_mask"), uid=cat("uid"), prompt_index=cat("prompt_index"),
-                        response_text=[], ground_truth=[], data_source=[], extra_info=[],
-                        lengths=[x for p in parts for x in p.host_lengths()], rollout_logp=cat("rollout_logp"))
+    def cat(values, pad=None):
+        if any(v is None for v in values):
+            return None
+        if pad is not None:
+            values = [torch.nn.functional.pad(v, (width - v.shape[1], 0), value=pad) for v in values]
+        return torch.cat(values)
+
+    def field(name, pad=None):
+        return cat([getattr(p, name) for p in parts], pad)
+
+    # a part without a model mask trains all its response tokens: its trained mask says so
+    model_mask = cat([p.trained_mask for p in parts]) if any(p.model_mask is not None for p in parts) else None
+    return RolloutBatch(prompt_ids=field("prompt_ids", pad_id), prompt_mask=field("prompt_mask", 0),
+                        responses=field("responses"), response_mask=field("response_mask"), uid=field("uid"),
+                        prompt_index=field("prompt_index"), response_text=[], ground_truth=[], data_source=[],
+                        extra_info=[], lengths=[x for p in parts for x in p.host_lengths()],
+                        rollout_logp=field("rollout_logp"), model_mask=model_mask)
 
 
-def _round(sampling: Sampling, step: int, round_: int, prompts: list[PromptRecord]) -> tuple[RolloutBatch, Scored]:
-    """One sampling round over `prompts` (global), gathered: the batch and its scores (no log-probs yet)."""
-    rb = sampling.sample(step, prompts, round_, width=sampling.settings.prompt_length)
-    return sampling.gather(rb, sampling.local_scored(step, rb, sampling.score(rb)))
+class RoundSampler(Protocol):
+    def __call__(self, step: int, round_: int, prompts: list[PromptRecord]) -> RolloutBatch:
+        """This rank's rollout of its share of a round's global `prompts` (not yet scored or gathered)."""
 
 
 NOTICE_EVERY = 10  # sampling rounds between two notices while a step's batch is still not full
@@ -53,11 +68,24 @@ def round_notice(step: int, rounds: int, kept: int, dropped: int, groups: int, m
 
 @SOURCES.register("filtered")
 class FilteredSource(InStepSource):
-    """DAPO's dynamic sampling as a batch source (`algorithm.filter_groups.enable`)."""
+    """DAPO's dynamic sampling as a batch source (`algorithm.filter_groups.enable`). `sample_round`: how each round
+    is sampled (default: a plain rollout at `data.max_prompt_length`)."""
 
     @classmethod
     def claims(cls, settings: ExperienceSettings) -> bool:
         return settings.mode == "sync" and settings.filter_metric is not None
+
+    def __init__(self, inputs: SourceInputs, sample_round: RoundSampler | None = None) -> None:
+        super().__init__(inputs)
+        self.sample_round = sample_round or self.plain_round
+
+    def plain_round(self, step: int, round_: int, prompts: list[PromptRecord]) -> RolloutBatch:
+        return self.sampling.sample(step, prompts, round_, width=self.sampling.settings.prompt_length)
+
+    def gathered_round(self, step: int, round_: int, prompts: list[PromptRecord]) -> tuple[RolloutBatch, Scored]:
+        """One sampling round over `prompts` (global), gathered: the batch and its scores (no log-probs yet)."""
+        rb = self.sample_round(step, round_, prompts)
+        return self.sampling.gather(rb, self.sampling.local_scored(step, rb, self.sampling.score(rb)))
 
     def scored(self, step: int, prompts: list[PromptRecord]) -> ScoredRollout:
         s, comm = self.sampling.settings, self.sampling.runtime.comm
@@ -74,7 +102,7 @@ class FilteredSource(InStepSource):
                                 f"max_num_gen_batches={s.max_rounds}) only {have // s.n} of {len(prompts)} prompt "
                                 f"groups had different {s.filter_metric} values; raise max_num_gen_batches (0: no "
                                 f"limit), or use a task where responses differ.")
-            full_rb, g = _round(self.sampling, step, round_, prompts if round_ == 0 else self.loader.next_batch())
+            full_rb, g = self.gathered_round(step, round_, prompts if round_ == 0 else self.loader.next_batch())
             values = g.correct if s.filter_metric == "acc" else g.scores
             rows = torch.nonzero(groups_with_spread(values, full_rb.uid)).flatten().cpu()  # the same on every rank
             errors += float(g.errors.sum())
@@ -93,7 +121,7 @@ class FilteredSource(InStepSource):
         the shares are gathered back in rank order, as in a plain step."""
         comm = self.sampling.runtime.comm
         t_gen = t_scored = time.perf_counter()
-        batch = concat_rollouts(kept_rb).select(torch.arange(target))
+        batch = concat_rollouts(kept_rb, self.sampling.engine.pad_id).select(torch.arange(target))
         scores = torch.cat([k.scores for k in kept])[:target]
         correct = torch.cat([k.correct for k in kept])[:target]
         per = target // comm.world_size

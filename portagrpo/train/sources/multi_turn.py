@@ -28,6 +28,7 @@ from portagrpo.data.records import PromptRecord, left_pad, tokenize_prompts
 from portagrpo.rollout.engines import GroupPrompts, SamplingParams, decode_responses, stop_token_ids
 from portagrpo.train.experience import ExperienceSettings, ScoredRollout
 from portagrpo.train.sources import SOURCES, SourceInputs
+from portagrpo.train.sources.filtered import FilteredSource
 from portagrpo.train.sources.sync import InStepSource
 
 
@@ -163,7 +164,8 @@ class MultiTurnRollout:
 
 @SOURCES.register("multi_turn")
 class MultiTurnSource(InStepSource):
-    """The step's prompts sampled as tool-using conversations, then scored as a plain step scores."""
+    """The step's prompts sampled as tool-using conversations, then scored as a plain step scores; with DAPO's
+    filter (`algorithm.filter_groups.enable`), FilteredSource's rounds, each sampled as conversations."""
 
     @classmethod
     def claims(cls, settings: ExperienceSettings) -> bool:
@@ -182,6 +184,9 @@ class MultiTurnSource(InStepSource):
         # Held-out validation (Sampling.validate) samples through `Sampling.rollout`: this run's rollouts are
         # conversations, so this source's rollout takes its place on this Sampling object (validation included).
         self.sampling.rollout = self.rollout
+        # DAPO's filter on: the step's batch is FilteredSource's rounds, each round sampled as conversations
+        self.rounds = (FilteredSource(inputs, sample_round=self.sample_round)
+                       if inputs.settings.filter_metric is not None else None)
 
     def rollout(self, records: list[PromptRecord], n: int, params: SamplingParams, uid_base: int,
                 prompt_width: int | None = None) -> RolloutBatch:
@@ -193,17 +198,22 @@ class MultiTurnSource(InStepSource):
             return self.rollouts.rollout(records, n, params, s.runtime.device, uid_base=uid_base,
                                          prompt_width=prompt_width, counts=self.counts)
 
-    def scored(self, step: int, prompts: list[PromptRecord]) -> ScoredRollout:
+    def sample_round(self, step: int, round_: int, prompts: list[PromptRecord]) -> RolloutBatch:
+        """This rank's conversations over its share of a round's `prompts`, left-padded to the widest prompt over
+        ranks (rendered with the tools' schemas, a prompt may be wider than data.max_prompt_length)."""
         s = self.sampling
-        records, first_uid = s.round_ids(step, 0, prompts)
+        records, first_uid = s.round_ids(step, round_, prompts)
         local = max(len(x) for x in self.rollouts.prompt_ids(records))  # one width over ranks, for the gather
         width = int(s.runtime.comm.all_reduce_max(torch.tensor(local, device=s.runtime.device)))
-        s.runtime.backend.seed(s.stream_seed(step))
-        self.counts = ToolCounts()
-        rb = self.rollout(records, s.settings.n, s.settings.sampling, uid_base=first_uid, prompt_width=width)
-        scored = s.scored_rollout(step, rb, time.perf_counter())
-        if s.runtime.comm.world_size > 1:  # the gather keeps the plain fields; the model mask goes the same way
-            scored.rollout.model_mask = s.runtime.comm.all_gather_cat(rb.model_mask)
+        s.runtime.backend.seed(s.stream_seed(step, round_))
+        return self.rollout(records, s.settings.n, s.settings.sampling, uid_base=first_uid, prompt_width=width)
+
+    def scored(self, step: int, prompts: list[PromptRecord]) -> ScoredRollout:
+        self.counts = ToolCounts()  # the step's tool use, over every round it samples
+        if self.rounds is not None:
+            scored = self.rounds.scored(step, prompts)
+        else:
+            scored = self.sampling.scored_rollout(step, self.sample_round(step, 0, prompts), time.perf_counter())
         scored.rollout_metrics = self.global_metrics(self.counts)
         return scored
 
