@@ -13,11 +13,12 @@ from portagrpo.metrics import pass_at_k
 
 
 def load_for_eval(model: str | Path, allow_untrained: bool = False):
-    """(model, tokenizer, description) from a model path, a .gguf, or a run directory's newest checkpoint."""
+    """(model, tokenizer, processor, description) from a model path, a .gguf, or a run directory's newest
+    checkpoint. `processor`: a vision-language model's (its tokenizer is `tokenizer`), else None."""
     from portagrpo.checkpoint import latest_valid_checkpoint
     from portagrpo.config import load_config
     from portagrpo.errors import UserError
-    from portagrpo.model.loading import load_model, load_tokenizer
+    from portagrpo.model.loading import load_model
 
     path = Path(str(model))
     is_run = (path / "config.yaml").is_file() and ((path / "checkpoints").is_dir() or (path / "init_model").is_dir())
@@ -31,19 +32,31 @@ def load_for_eval(model: str | Path, allow_untrained: bool = False):
                 f"initial model; pass --untrained to do that on purpose, or train with trainer.save_freq > 0."
             )
         if ckpt is None:
-            return load_model(base, "sdpa"), load_tokenizer(cfg.model.tokenizer_path or base), f"{base} (no checkpoint)"
+            return load_model(base, "sdpa"), *text_side(cfg.model.tokenizer_path or base), f"{base} (no checkpoint)"
         model_dir = ckpt / "model"
         if (model_dir / "adapter_config.json").is_file():
             from peft import PeftModel
 
             merged = PeftModel.from_pretrained(load_model(base, "sdpa"), str(model_dir)).merge_and_unload()
-            return merged, load_tokenizer(cfg.model.tokenizer_path or base), f"{model_dir} (LoRA merged)"
-        return load_model(model_dir, "sdpa"), load_tokenizer(str(model_dir)), str(model_dir)
+            return merged, *text_side(cfg.model.tokenizer_path or base), f"{model_dir} (LoRA merged)"
+        return load_model(model_dir, "sdpa"), *text_side(model_dir), str(model_dir)
     if not str(model).startswith("pkg:") and not path.exists():
         raise UserError(
             f"--model {str(model)!r} does not exist; give a model directory, a .gguf file or a run directory."
         )
-    return load_model(model, "sdpa", "--model"), load_tokenizer(str(model), "--model"), str(model)
+    return load_model(model, "sdpa", "--model"), *text_side(model, "--model"), str(model)
+
+
+def text_side(path: str | Path, field: str = "model.path"):
+    """(tokenizer, processor) of a model directory: a vision-language model's directory holds its processor,
+    whose tokenizer is the model's; any other gives (tokenizer, None)."""
+    from portagrpo.model.loading import load_tokenizer
+    from portagrpo.model.vision import has_processor, load_processor
+
+    if has_processor(path):
+        processor = load_processor(path, field)
+        return processor.tokenizer, processor
+    return load_tokenizer(str(path), field), None
 
 
 def evaluate(model_spec: str, data_files: list[str], *, n: int = 1, temperature: float = 1.0, top_p: float = 1.0,
@@ -51,19 +64,21 @@ def evaluate(model_spec: str, data_files: list[str], *, n: int = 1, temperature:
              max_new_tokens: int = 256, batch_size: int = 16, device: str = "auto", reward: str = "auto",
              seed: int = 0, progress: bool = True, max_samples: int | None = None,
              allow_untrained: bool = False) -> dict[str, Any]:
-    from tqdm.auto import tqdm
-
     from portagrpo.backends import get_backend
     from portagrpo.data.records import load_records
     from portagrpo.errors import UserError
-    from portagrpo.rewards.functions import RewardResolver, score_responses
-    from portagrpo.rollout.engines import HFRollout, SamplingParams, rollout_groups
+    from portagrpo.rewards.functions import RewardResolver
+    from portagrpo.rollout.engines import HFRollout, SamplingParams
 
     backend = get_backend(device)
     records = load_records(data_files)[:max_samples]
     if not records:
         raise UserError(f"--data {', '.join(map(str, data_files))} holds no prompts; give a file with rows.")
-    model, tokenizer, described = load_for_eval(model_spec, allow_untrained)
+    model, tokenizer, processor, described = load_for_eval(model_spec, allow_untrained)
+    with_images = next((r for r in records if r.images), None)
+    if processor is None and with_images is not None:
+        raise UserError(f"--data prompt {with_images.index} has images but --model {model_spec} is text-only (no "
+                        f"processor files beside it); give a vision-language model or run, or data without images.")
     model.to(backend.device(0)).eval()
     resolver = RewardResolver(reward)
     resolver.check_sources({r.data_source for r in records})
@@ -78,22 +93,8 @@ def evaluate(model_spec: str, data_files: list[str], *, n: int = 1, temperature:
                               "device": backend.name, "n": n}
     for name, k, params in runs:
         backend.seed(seed)
-        correct, scores, examples = [], [], []
-        bar = tqdm(total=len(records), desc=f"eval ({name})", disable=not progress)
-        for start in range(0, len(records), batch_size):
-            chunk = records[start:start + batch_size]
-            rb = rollout_groups(engine, tokenizer, chunk, k, params, backend.device(0))
-            texts = rb.response_text
-            scored = score_responses(resolver, texts, rb.ground_truth, rb.data_source, rb.prompt_index.tolist(),
-                                     rb.extra_info, max_error_frac=1.0)
-            for i, rec in enumerate(chunk):
-                correct.append(scored.correct[i * k:(i + 1) * k])
-                scores.append(scored.scores[i * k:(i + 1) * k])
-                if len(examples) < 10:
-                    examples.append({"index": rec.index, "ground_truth": rec.ground_truth, "response": texts[i * k],
-                                     "correct": scored.correct[i * k]})
-            bar.update(len(chunk))
-        bar.close()
+        correct, scores, examples = _sample_and_score(engine, tokenizer, processor, records, k, params, resolver,
+                                                      batch_size, backend.device(0), name, progress)
         summary = {"reward_mean": sum(map(sum, scores)) / max(1, sum(map(len, scores))),
                    "examples": examples}
         if name == "greedy":
@@ -106,6 +107,37 @@ def evaluate(model_spec: str, data_files: list[str], *, n: int = 1, temperature:
         summary["repetition_penalty"] = repetition_penalty
         report[name] = summary
     return report
+
+
+def _sample_and_score(engine, tokenizer, processor, records: list, k: int, params, resolver, batch_size: int, device,
+                      name: str, progress: bool) -> tuple[list[list[float]], list[list[float]], list[dict[str, Any]]]:
+    """Per prompt: its k samples' correctness and scores, in batches of prompts; the first 10 examples."""
+    from tqdm.auto import tqdm
+
+    from portagrpo.rewards.functions import score_responses
+    from portagrpo.rollout.engines import rollout_groups
+    from portagrpo.train.sampling import vision_rollout
+
+    correct, scores, examples = [], [], []
+    bar = tqdm(total=len(records), desc=f"eval ({name})", disable=not progress)
+    for start in range(0, len(records), batch_size):
+        chunk = records[start:start + batch_size]
+        if processor is not None:  # each prompt with its images, as training samples it
+            rb = vision_rollout(engine, processor, chunk, k, params, device)
+        else:
+            rb = rollout_groups(engine, tokenizer, chunk, k, params, device)
+        texts = rb.response_text
+        scored = score_responses(resolver, texts, rb.ground_truth, rb.data_source, rb.prompt_index.tolist(),
+                                 rb.extra_info, max_error_frac=1.0)
+        for i, rec in enumerate(chunk):
+            correct.append(scored.correct[i * k:(i + 1) * k])
+            scores.append(scored.scores[i * k:(i + 1) * k])
+            if len(examples) < 10:
+                examples.append({"index": rec.index, "ground_truth": rec.ground_truth, "response": texts[i * k],
+                                 "correct": scored.correct[i * k]})
+        bar.update(len(chunk))
+    bar.close()
+    return correct, scores, examples
 
 
 def _check_args(args) -> None:

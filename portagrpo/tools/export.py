@@ -65,6 +65,7 @@ def _write(run_dir: Path, model_dir: Path, dest: Path, merge: bool) -> None:
     from peft import PeftModel
 
     from portagrpo.model.loading import load_model, load_tokenizer
+    from portagrpo.model.vision import has_processor, load_processor
 
     cfg = load_config(run_dir / "config.yaml", check_files=False)
     base_path = cfg.model.path or str(run_dir / "init_model")
@@ -72,6 +73,10 @@ def _write(run_dir: Path, model_dir: Path, dest: Path, merge: bool) -> None:
     merged = PeftModel.from_pretrained(base, str(model_dir)).merge_and_unload()
     merged.save_pretrained(dest, safe_serialization=True)
     load_tokenizer(cfg.model.tokenizer_path or base_path).save_pretrained(dest)
+    # a vision-language run's checkpoint holds its processor (image processor, tokenizer, chat template):
+    # the merged model takes it along, so AutoProcessor loads the export as it loads the checkpoint
+    if has_processor(model_dir):
+        load_processor(model_dir, "the checkpoint's model").save_pretrained(dest)
 
 
 def main_cli(argv: list[str]) -> int:

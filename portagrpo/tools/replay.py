@@ -84,6 +84,7 @@ def replay_steps(cfg, files: list[Path], out_dir: Path, log) -> tuple[list[dict]
     try:
         for path in files:
             record = StepRecord.load(path)
+            check_images(record, trainer.models.policy, path)
             recorded_setting = recorded_setting or record.setting or None
             metrics = trainer.replay(record).metrics
             drift = relative_error(_fingerprint_vector(trainer.fingerprint()), _fingerprint_vector(record.fingerprint))
@@ -97,6 +98,18 @@ def replay_steps(cfg, files: list[Path], out_dir: Path, log) -> tuple[list[dict]
     finally:
         trainer.close()
     return rows, recorded_setting, replayed
+
+
+def check_images(record: StepRecord, policy, path: Path) -> None:
+    """A vision-language step replays with the images it was trained on (a record written before records kept
+    them has the image tokens only, and would train on them as text)."""
+    from portagrpo.model.vision import hf_config, is_vision_language
+
+    if record.images is not None or not is_vision_language(policy):
+        return
+    if bool((record.rollout["prompt_ids"] == hf_config(policy).image_token_id).any()):
+        raise UserError(f"{path} has image tokens but no images (it was recorded by a portagrpo that did not keep "
+                        f"them); record the run again with trainer.record_rollouts=true to replay it.")
 
 
 def judge(rows: list[dict[str, Any]], tolerance: dict[str, float]) -> dict[str, dict[str, Any]]:

@@ -2,7 +2,9 @@
 logged metrics and parameter fingerprint, written by the loop and read back by replay.
 
 On disk a record is one `torch.save` dict (`rollouts/step_00000001.pt`): the rollout's tensors at its
-top level beside `scores`, `correct`, `metrics`, `fingerprint` and `setting`.
+top level beside `scores`, `correct`, `metrics`, `fingerprint` and `setting`, and for a vision-language step
+`images`: its prompts' processed images, once per prompt, and which prompt each row shows (IMAGE_FIELDS), so the
+step replays with the pixels it was trained on.
 """
 from __future__ import annotations
 
@@ -16,10 +18,13 @@ from portagrpo.backends.dist import Collectives
 from portagrpo.batch import RolloutBatch
 from portagrpo.errors import UserError
 from portagrpo.fileio import atomic_path
+from portagrpo.model.vision import PromptImages
 
 ROLLOUT_TENSORS = ("prompt_ids", "prompt_mask", "responses", "response_mask", "uid", "prompt_index")
 # the sampler's log-probs, when the engine reported them; the model's own tokens of a multi-turn rollout
 OPTIONAL_TENSORS = ("rollout_logp", "model_mask")
+# a vision-language step's images (model/vision.py: PromptImages), kept as they were processed
+IMAGE_FIELDS = ("pixel_values", "grid_thw", "patch_spans", "image_spans", "row_prompt")
 
 
 @dataclass
@@ -30,6 +35,7 @@ class StepRecord:
     metrics: dict[str, Any]  # exactly what the step logged
     fingerprint: dict[str, list[float]]  # per parameter (sum, sum of squares) after the step
     setting: dict[str, str]  # device, dtype and kernel that produced it
+    images: dict[str, Any] | None = None  # IMAGE_FIELDS of the global batch, on the host; None: text only
 
     @property
     def step(self) -> int:
@@ -40,6 +46,8 @@ class StepRecord:
         path = folder / f"step_{self.step:08d}.pt"
         payload = {**self.rollout, "scores": self.scores, "correct": self.correct, "metrics": self.metrics,
                    "fingerprint": self.fingerprint, "setting": self.setting}
+        if self.images is not None:
+            payload["images"] = self.images
         with atomic_path(path, what="recording the rollout to") as tmp:
             torch.save(payload, tmp)
         return path
@@ -49,27 +57,37 @@ class StepRecord:
         try:
             raw = torch.load(path, weights_only=False)
             rollout = {k: raw[k] for k in ROLLOUT_TENSORS} | {k: raw[k] for k in OPTIONAL_TENSORS if k in raw}
-            return cls(rollout=rollout, scores=raw["scores"], correct=raw["correct"],
-                       metrics=raw["metrics"], fingerprint=raw["fingerprint"], setting=raw.get("setting", {}))
+            images = {k: raw["images"][k] for k in IMAGE_FIELDS} if raw.get("images") is not None else None
+            return cls(rollout=rollout, scores=raw["scores"], correct=raw["correct"], metrics=raw["metrics"],
+                       fingerprint=raw["fingerprint"], setting=raw.get("setting", {}), images=images)
         except (KeyError, TypeError, RuntimeError, EOFError) as err:
             raise UserError(f"{path} is not a whole rollout record ({type(err).__name__}: {err}); record the run "
                             f"again with trainer.record_rollouts=true.") from None
 
     def rollout_batch(self, device: torch.device) -> RolloutBatch:
-        """The recorded global batch on `device` (token tensors only: no text is kept)."""
+        """The recorded global batch on `device` (token tensors and images only: no text is kept)."""
         r = self.rollout
         lengths = torch.stack([r["prompt_mask"].sum(1), r["response_mask"].sum(1).round().long()], dim=1)
+        images = None if self.images is None else PromptImages(**self.images).to(device)
         return RolloutBatch(**{k: r[k].to(device) for k in ROLLOUT_TENSORS}, response_text=[], ground_truth=[],
                             data_source=[], extra_info=[], lengths=[(int(p), int(n)) for p, n in lengths.tolist()],
                             rollout_logp=r["rollout_logp"].to(device) if "rollout_logp" in r else None,
-                            model_mask=r["model_mask"].to(device) if "model_mask" in r else None)
+                            model_mask=r["model_mask"].to(device) if "model_mask" in r else None, images=images)
 
 
 def record_of(rollout: RolloutBatch, scores: torch.Tensor, correct: torch.Tensor, metrics: dict[str, Any],
               fingerprint: dict[str, list[float]], setting: dict[str, str]) -> StepRecord:
     tensors = {k: getattr(rollout, k) for k in ROLLOUT_TENSORS + OPTIONAL_TENSORS if getattr(rollout, k) is not None}
     return StepRecord({k: v.detach().cpu() for k, v in tensors.items()}, scores.detach().cpu(),
-                      correct.detach().cpu(), metrics, fingerprint, setting)
+                      correct.detach().cpu(), metrics, fingerprint, setting, images_of(rollout.images))
+
+
+def images_of(images: PromptImages | None) -> dict[str, Any] | None:
+    """A rollout's PromptImages as a record keeps them: the tensors on the host, the spans and rows as lists."""
+    if images is None:
+        return None
+    host = images.to("cpu")
+    return {k: (v.detach() if torch.is_tensor(v) else list(v)) for k in IMAGE_FIELDS for v in [getattr(host, k)]}
 
 
 def param_fingerprint(scorer: torch.nn.Module, comm: Collectives) -> dict[str, list[float]]:
