@@ -30,3 +30,17 @@ def test_dry_run_catches_divisions_for_the_world_size(capsys):
     recipe = ROOT / "configs" / "qwen2.5-0.5b-gsm8k-npu.yaml"
     assert main(["train", "--config", str(recipe), "--dry-run", "trainer.nproc_per_node=6"]) == 2
     assert "cannot be split over 6 ranks" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("device", ["cuda", "rocm", "npu"])
+def test_the_vision_language_recipes_are_verls_geo3k_run_on_eight_ranks(device):
+    """Qwen2.5-VL-7B on geo3k as verl's example runs it: FSDP2 over 8 ranks, vLLM rollouts, the geo3k reward."""
+    cfg = load_config(ROOT / "configs" / f"qwen2.5-vl-7b-geo3k-{device}.yaml", check_files=False)
+    assert cfg.model.path.endswith("Qwen2.5-VL-7B-Instruct") and cfg.trainer.device == device
+    assert (cfg.trainer.nproc_per_node, cfg.trainer.parallel, cfg.rollout.engine) == (8, "fsdp2", "vllm")
+    assert (cfg.reward.function, cfg.data.image_key, cfg.data.train_files) == ("geo3k", "images",
+                                                                              ["data/geo3k/train.parquet"])
+    assert (cfg.data.train_batch_size, cfg.rollout.n, cfg.data.max_prompt_length, cfg.data.max_response_length) \
+        == (512, 5, 1024, 2048)
+    assert (cfg.actor.lr, cfg.actor.kl_loss_coef, cfg.actor.kl_loss_type) == (1e-6, 0.01, "low_var_kl")
+    assert cfg.actor.ppo_mini_batch_size == (160 if device == "npu" else 640)
