@@ -30,6 +30,7 @@ from portagrpo.rollout.engines import (
     SamplingParams,
     response_mask_from_tokens,
 )
+from portagrpo.rollout.vllm_images import VisionSpec, check_context, check_expanded, vision_requests, vllm_prompt
 from portagrpo.rollout.vllm_parts import (  # noqa: F401 - also this module's public names
     LOGPROBS_MODE,
     PolicyWeights,
@@ -237,9 +238,13 @@ class VLLMRollout:
     loop). The random numbers come from the process's generators, which the trainer seeds before every rollout
     (run seed, step, rank) and saves in checkpoints, and a tensor-parallel group reseeds alike: the same seeds,
     weights and requests in the same order give the same tokens, and a resumed run continues the stream.
+
+    Images (a vision-language policy): a row's request carries its prompt's images as `multi_modal_data`, and vLLM
+    runs the vision tower that the push keeps current (rollout/vllm_images.py: the form vLLM takes them in).
     """
 
     holds_weights = True
+    takes_images = True
 
     @classmethod
     def from_run(cls, inputs) -> "VLLMRollout":
@@ -249,16 +254,18 @@ class VLLMRollout:
 
         s, comm = inputs.settings, inputs.comm
         config = inputs.policy.config
+        text = config.get_text_config() if hasattr(config, "get_text_config") else config  # a VLM's decoder
         group, tp_rank = tp_layout(s.tensor_parallel_size, comm.rank, comm.world_size, comm.env.local_world_size,
-                                   getattr(config, "num_attention_heads", 1),
-                                   getattr(config, "num_key_value_heads", None))
+                                   getattr(text, "num_attention_heads", 1),
+                                   getattr(text, "num_key_value_heads", None))
         plugin = inputs.backend.spec.vllm_plugin
-        check_head_size(inputs.backend, config, s)
+        check_head_size(inputs.backend, text, s)
+        model_path = str(resolve_model_path(s.model_path) if s.model_path else inputs.init_model_dir)
+        vision = VisionSpec.of(inputs.policy, model_path, s.precision)
         check_sampler_logprobs(plugin, s.sampling, s.correction_uses)
         tied = bool(getattr(config, "tie_word_embeddings", False))
         return cls(inputs.scorer, inputs.tokenizer, inputs.autocast, inputs.generate_kwargs,
-                   model_path=str(resolve_model_path(s.model_path) if s.model_path else inputs.init_model_dir),
-                   dtype=s.vllm_dtype,
+                   model_path=model_path, dtype=s.vllm_dtype, vision=vision,
                    seed=s.seed + 7919 * group,  # one per engine: vLLM needs a TP group's ranks seeded alike
                    gpu_memory_utilization=s.vllm_gpu_memory_utilization, bucket_mb=s.vllm_weight_bucket_mb,
                    max_model_len=s.max_model_len,
@@ -277,7 +284,7 @@ class VLLMRollout:
                  plugin: str | None = None, tensor_parallel: "TensorParallel | None" = None,
                  fp8: bool = False, reseed: Callable[[int], None] | None = None,
                  weights: Callable[[], Any] | None = None, sleep_mode: bool = True,
-                 env: dict[str, str] | None = None) -> None:
+                 env: dict[str, str] | None = None, vision: VisionSpec | None = None) -> None:
         vllm, self._tokens_prompt = _import_vllm()
         plugin_env, additional = check_versions(plugin)
         if fp8:
@@ -299,6 +306,7 @@ class VLLMRollout:
         self.processed_logprobs = processed_logprobs(plugin)
         self.fp8, self.dtype = fp8, getattr(torch, dtype)
         self.sleep_mode = sleep_mode
+        self.vision, self.max_model_len = vision, max_model_len
         # vLLM 0.16+ replaces processed weights through its layerwise reload; before it, load_weights
         self.layerwise = has_layerwise_reload()
         # built from dummy weights, which the first sleep discards anyway: the trainer pushes the policy before
@@ -383,7 +391,8 @@ class VLLMRollout:
 
         self.llm.llm_engine.model_executor.driver_worker.worker.reload_weights(
             weights_iterator=counted(), is_checkpoint_format=True)
-        head = getattr(self._model(), "lm_head", None)
+        model = self._model()  # a vision-language model's LM head is its language model's
+        head = getattr(model, "lm_head", None) or getattr(getattr(model, "language_model", None), "lm_head", None)
         if self.tied and head is not None and hasattr(head, "quant_method"):
             head.quant_method.process_weights_after_loading(head)
         return count
@@ -400,8 +409,12 @@ class VLLMRollout:
         return self._sampling_cls(**sampling_kwargs(params, seed=None, stop_token_ids=self.eos_ids, n=n))
 
     @torch.no_grad()
-    def generate(self, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, params: SamplingParams) -> Sampled:
+    def generate(self, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, params: SamplingParams,
+                 images=None) -> Sampled:
         local = [[t for t, m in zip(ids, mask) if m] for ids, mask in zip(prompt_ids.tolist(), prompt_mask.tolist())]
+        if images is not None:  # each row's prompt with its images (one request object per prompt)
+            local = vision_requests(local, images, self.vision.geometry, self.vision.image_token_id)
+            check_context(local, params.max_tokens, self.max_model_len)
         requests, mine, group_seed = self.tp.requests(local)
         if self.needs_weights:
             self._reload()
@@ -410,10 +423,11 @@ class VLLMRollout:
             if group_seed is not None:
                 self.reseed(group_seed)  # the group's ranks draw the same random numbers
             groups = request_groups(requests, greedy=params.temperature <= 0)
-            prompts = [self._tokens_prompt(prompt_token_ids=ids) for ids, _ in groups]
+            prompts = [vllm_prompt(request, self._tokens_prompt) for request, _ in groups]
             answers = self.llm.generate(prompts, [self._sampling(params, n) for _, n in groups], use_tqdm=False)
         finally:
             self._sleep()
+        check_expanded([request for request, _ in groups], answers)
         completions = [c for answer in answers for c in sorted(answer.outputs, key=lambda c: c.index)]
         if len(completions) != len(requests):
             raise RuntimeError(f"vLLM answered {len(completions)} samples for {len(requests)} requested")

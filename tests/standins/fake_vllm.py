@@ -55,6 +55,21 @@ vllm-ascend's) sources, and the stand-in fails where vLLM would fail or silently
   gives it no weight and does not process it again, so after a reload of the embedding it computes with the old
   one until `lm_head.quant_method.process_weights_after_loading(lm_head)` runs (the stand-in refuses to sample
   from such a stale head, which vLLM does silently);
+- Qwen2.5-VL (when the model directory's config names `Qwen2_5_VLForConditionalGeneration`; read in 0.32.0:
+  multimodal/parse.py, multimodal/processing/processor.py, models/qwen2_vl.py, qwen2_5_vl.py, models/utils.py): a
+  request's `multi_modal_data["image"]` holds raw images, which the model directory's HF processor turns into patches
+  and grids; each image's one `<|image_pad|>` in the prompt ids is replaced by grid_t*grid_h*grid_w/merge^2 pads,
+  matched left to right from the end of the previous match, on every tokenized prompt (so an already-expanded run
+  of N pads becomes 2N-1, silently); fewer pads than images is an error; the answer's `prompt_token_ids` are the
+  expanded ids. A text-only model refuses images. The vision tower runs on the processed patches with the loaded
+  weights, so an image request's tokens depend on its pixels and on the `visual.*` weights, a text request's on
+  neither. Weights load by Hugging Face names through the model's `hf_to_vllm_mapper` prefixes
+  (`model.language_model.` -> `language_model.model.`, `model.visual.` -> `visual.`, `lm_head.` ->
+  `language_model.lm_head.`, `model.` -> `language_model.model.`, applied in turn), and a name that maps to no
+  module is refused (AutoWeightsLoader's "There is no module or parameter named"); the LM head is the language
+  model's (`model.language_model.lm_head`; the model has no `lm_head` of its own). The stand-in refuses to sample
+  while any checkpoint tensor (the tied head aside) has not been loaded since the dummy weights or the last level-2
+  sleep, which vLLM would sample from silently;
 - vllm-ascend (when `ascend` names its version): its sampler reports raw log-probs whatever `logprobs_mode`
   says; `wake_up` raises ValueError while the FRACTAL_NZ weight format is on. 0.11.0 (worker_v1.py:
   `is_enable_nz()`, utils.py) reads VLLM_ASCEND_ENABLE_NZ (int, default 1) once when the worker is built;
@@ -87,24 +102,84 @@ def fp8_linear(name: str) -> bool:
     return "layers" in parts and len(parts) >= 2 and parts[-2] in FP8_LINEARS and parts[-1] == "weight"
 
 
+class VisionModel:
+    """vLLM's Qwen2.5-VL as the stand-in plays it: its weight names, its processor and its prompt expansion."""
+
+    PREFIXES = (("model.language_model.", "language_model.model."), ("model.visual.", "visual."),
+                ("lm_head.", "language_model.lm_head."), ("model.", "language_model.model."))
+    MODULES = ("visual.", "language_model.model.", "language_model.lm_head.")
+    EMBED, HEAD = "language_model.model.embed_tokens.weight", "language_model.lm_head.weight"
+
+    def __init__(self, model_dir: Path, config: dict) -> None:
+        from safetensors import safe_open
+
+        from portagrpo.model.vision import load_processor
+
+        self.processor = load_processor(model_dir)  # the directory's HF processor, as vLLM loads it
+        self.image_token_id = int(config["image_token_id"])
+        self.merge = int(config["vision_config"]["spatial_merge_size"])
+        with safe_open(str(model_dir / "model.safetensors"), "pt") as f:
+            names = [self.vllm_name(n) for n in f.keys()]
+        tied = config.get("tie_word_embeddings", config.get("text_config", {}).get("tie_word_embeddings", False))
+        self.expected = set(names) - ({self.HEAD} if tied else set())
+
+    @classmethod
+    def of(cls, model: str | None) -> "VisionModel | None":
+        config = Path(model or "") / "config.json"
+        if not config.is_file():
+            return None
+        cfg = json.loads(config.read_text())
+        return cls(config.parent, cfg) if "Qwen2_5_VLForConditionalGeneration" in cfg.get("architectures", []) else None
+
+    def vllm_name(self, name: str) -> str:
+        for old, new in self.PREFIXES:  # WeightsMapper.orig_to_new_prefix: each rule in turn on the renamed key
+            if name.startswith(old):
+                name = new + name[len(old):]
+        if not name.startswith(self.MODULES):
+            raise ValueError(f"There is no module or parameter named {name!r} in Qwen2_5_VLForConditionalGeneration")
+        return name
+
+    def process(self, prompt: list[int], images: list) -> tuple[list[int], torch.Tensor, torch.Tensor]:
+        """(expanded prompt ids, pixel_values, image_grid_thw) of one request, as vLLM's multimodal processor makes
+        them: the images through the HF processor, then each image's pad replaced left to right."""
+        out = self.processor.image_processor(images=images, return_tensors="pt")
+        grids = out["image_grid_thw"]
+        ids, at = list(prompt), 0
+        for k, grid in enumerate(grids.tolist()):
+            try:
+                at = ids.index(self.image_token_id, at)
+            except ValueError:
+                raise RuntimeError(f"Expected there to be {len(images)} prompt placeholders corresponding to "
+                                   f"{len(images)} image items, but instead found {k} prompt placeholders!") from None
+            count = grid[0] * grid[1] * grid[2] // self.merge ** 2
+            ids[at:at + 1] = [self.image_token_id] * count
+            at += count
+        return ids, out["pixel_values"], grids
+
+
 class FakeModel:
     def __init__(self, llm: "FakeLLM"):
         self.llm = llm
         # the LM head's quantization method, whose processing (re)packs the head on the CPU
-        self.lm_head = types.SimpleNamespace(quant_method=types.SimpleNamespace(
+        head = types.SimpleNamespace(quant_method=types.SimpleNamespace(
             process_weights_after_loading=lambda layer: llm.process_head()))
+        if llm.vision is None:
+            self.lm_head = head
+        else:  # Qwen2.5-VL: the language model's head; the model has no lm_head of its own
+            self.language_model = types.SimpleNamespace(lm_head=head)
 
     def load_weights(self, weights):
         if "weights" in self.llm.asleep:  # weights offloaded: loading into unmapped memory would fault
             raise RuntimeError("load_weights while the weights pool is asleep")
         if self.llm.fp8:
             raise KeyError("weight_scale_inv: load_weights into an FP8 model after process_weights_after_loading")
-        weights = list(weights)
+        weights = [(self.llm.vllm_name(name), t) for name, t in weights]
         if self.llm.platform == "cpu" and any(fp8_linear(name) for name, _ in weights):
             raise AttributeError("'Parameter' object has no attribute 'weight_loader'")  # packed at load
         self.llm.log.append(("load", [(n, t.clone()) for n, t in weights]))
         for name, tensor in weights:
             self.llm.shards[name] = self.llm.shard_of(tensor).clone()
+            self.llm.fresh.add(name)
         self.llm.loaded = True
 
 
@@ -127,6 +202,9 @@ class FakeLLM:
         if kwargs.get("enable_sleep_mode") and self.platform == "cpu":
             raise ValueError("Sleep mode is not supported on current platform.")
         self.kwargs, self.log = kwargs, []
+        self.vision = VisionModel.of(kwargs.get("model"))
+        self.fresh: set[str] = set()  # tensors loaded since the dummy weights or the last level-2 sleep
+        self.mm_log: list[list] = []  # per generate: each request's (expanded ids, pixel_values, grids) or None
         self.head_stale = False  # a tied LM head packed from an embedding that was replaced since (CPU)
         self.kv_cache_gib = os.environ.get("VLLM_CPU_KVCACHE_SPACE") if self.platform == "cpu" else None
         if self.platform == "cpu":
@@ -177,6 +255,12 @@ class FakeLLM:
 
         torch.set_num_threads = skip_set_num_threads
 
+    def vllm_name(self, name: str) -> str:
+        return name if self.vision is None else self.vision.vllm_name(name)
+
+    def embed_and_head(self) -> tuple[str, str]:
+        return (VisionModel.EMBED, VisionModel.HEAD) if self.vision else ("model.embed_tokens.weight", "lm_head.weight")
+
     def process_head(self) -> None:
         """The LM head's `process_weights_after_loading`: on the CPU, packed again from the weight it holds."""
         self.head_stale = False
@@ -210,9 +294,10 @@ class FakeLLM:
             raise RuntimeError("reload_weights while the weights pool is asleep")
         if not is_checkpoint_format:
             raise NotImplementedError("the stand-in models checkpoint-format reloads only")
-        given = dict(weights_iterator)
+        given = {self.vllm_name(name): t for name, t in weights_iterator}
         self.log.append(("reload", sorted(given), {name: t.clone() for name, t in given.items()}))
-        if self.platform == "cpu" and "model.embed_tokens.weight" in given and "lm_head.weight" not in given:
+        embed, head = self.embed_and_head()
+        if self.platform == "cpu" and embed in given and head not in given:
             self.head_stale = True  # a tied head: not reloaded, so not processed again
         for name, tensor in given.items():
             if name.endswith("_scale_inv"):
@@ -222,6 +307,7 @@ class FakeLLM:
             elif tensor.dtype == torch.float8_e4m3fn:
                 raise RuntimeError(f"{name}: an FP8 tensor for a layer the FP8 method does not quantize")
             self.shards[name] = self.shard_of(tensor).float().clone()
+            self.fresh.add(name)
         self.loaded = True
 
     @staticmethod
@@ -244,9 +330,11 @@ class FakeLLM:
         size = tensor.shape[0] // self.tp
         return tensor.narrow(0, self.tp_rank * size, size)
 
-    def weights_digest(self) -> int:
-        """A number that depends on every loaded weight of the engine, i.e. on all the group's shards."""
-        local = sum(float(t.double().abs().sum()) * (i + 1) for i, (_, t) in enumerate(sorted(self.shards.items())))
+    def weights_digest(self, vision: bool = False) -> int:
+        """A number that depends on every loaded weight of the engine, i.e. on all the group's shards: the language
+        model's, or (`vision`) the vision tower's."""
+        mine = sorted((n, t) for n, t in self.shards.items() if n.startswith("visual.") == vision)
+        local = sum(float(t.double().abs().sum()) * (i + 1) for i, (_, t) in enumerate(mine))
         parts = [local]
         if self.tp_group is not None:
             import torch.distributed as dist
@@ -266,6 +354,7 @@ class FakeLLM:
         else:  # discarded: what comes back on wake_up is whatever the memory holds
             self.shards = {name: torch.rand_like(t.float()) for name, t in self.shards.items()}
             self.loaded = False
+            self.fresh = set()
             self.saved_buffers = True
         self.log.append(("sleep", level))
 
@@ -295,7 +384,8 @@ class FakeLLM:
     def _check_group_in_step(self, prompts, params) -> None:
         import torch.distributed as dist
 
-        mine = ([p["prompt_token_ids"] for p in prompts], [sp.kwargs for sp in params])
+        mine = ([p["prompt_token_ids"] for p in prompts], [sp.kwargs for sp in params],
+                [[img.tobytes() for img in p.get("multi_modal_data", {}).get("image", [])] for p in prompts])
         seen = [None] * self.tp
         dist.all_gather_object(seen, mine, group=self.tp_group)
         if any(other != mine for other in seen):
@@ -336,24 +426,47 @@ class FakeLLM:
                                "(vLLM's CPU GEMM): lm_head was not processed again after the reload")
         if self.tp_group is not None:
             self._check_group_in_step(prompts, params)
+        self._check_all_loaded()
         digest = self.weights_digest()
-        out, rows = [], []
+        vision_digest = self.weights_digest(vision=True) if self.vision else 0
+        out, rows, mm = [], [], []
         for request_id, (p, sp) in enumerate(zip(prompts, params)):
+            prompt, seen = self._prompt(p)
+            mm.append(seen)
+            extra = 0 if seen is None else vision_digest + int(seen[1].double().abs().sum() * 1e3)  # the tower's output
             seed, children = sp.kwargs["seed"], []
             for index in range(sp.kwargs.get("n", 1)):  # parallel_sampling.py: child seed = seed + index
-                ids = self._sample(p["prompt_token_ids"], None if seed is None else seed + index, digest)
+                ids = self._sample(prompt, None if seed is None else seed + index, digest + extra)
                 logprobs = None
                 if sp.kwargs.get("logprobs") is not None:  # the sampled token is always among the returned ones
                     lp = self._logprob()
                     logprobs = [{t: types.SimpleNamespace(logprob=lp, rank=1)} for t in ids]
                 children.append(types.SimpleNamespace(index=index, token_ids=ids, logprobs=logprobs))
                 rows.append(ids)
-            out.append(types.SimpleNamespace(request_id=str(request_id), outputs=children))
+            out.append(types.SimpleNamespace(request_id=str(request_id), prompt_token_ids=prompt, outputs=children))
         if self.tp_group is not None:
             self._check_group_drew_alike(rows)
+        self.mm_log.append(mm)
         self.log.append(("generate", len(prompts), params[0].kwargs, [p.kwargs["seed"] for p in params],
                          [p["prompt_token_ids"] for p in prompts], rows))
         return out
+
+    def _prompt(self, p: dict) -> tuple[list[int], tuple | None]:
+        """A request's prompt ids as the model sees them, and (expanded ids, pixel_values, grids) for one with
+        images."""
+        images = (p.get("multi_modal_data") or {}).get("image")
+        if not images:
+            return list(p["prompt_token_ids"]), None
+        if self.vision is None:
+            raise ValueError("multi_modal_data given to a model that takes no images (not a multimodal model)")
+        seen = self.vision.process(list(p["prompt_token_ids"]), images)
+        return seen[0], seen
+
+    def _check_all_loaded(self) -> None:
+        if self.vision is not None and self.vision.expected - self.fresh:
+            missing = sorted(self.vision.expected - self.fresh)
+            raise RuntimeError(f"sampling with {len(missing)} tensors nothing was loaded into (e.g. {missing[0]}): "
+                               f"vLLM would compute with the dummy weights there")
 
     def _logprob(self) -> float:
         """vLLM's default logprobs_mode reports the raw distribution's log-prob (uniform over 22 ids),
@@ -373,7 +486,11 @@ def modules(reload: bool = True) -> dict[str, types.ModuleType]:
     mod.LLM = FakeLLM
     mod.SamplingParams = sampling_params
     inputs = types.ModuleType("vllm.inputs")
-    inputs.TokensPrompt = lambda prompt_token_ids: {"prompt_token_ids": prompt_token_ids}
+    def tokens_prompt(prompt_token_ids, multi_modal_data=None):  # a TypedDict: a plain dict of what was given
+        return {"prompt_token_ids": prompt_token_ids,
+                **({} if multi_modal_data is None else {"multi_modal_data": multi_modal_data})}
+
+    inputs.TokensPrompt = tokens_prompt
     out = {"vllm": mod, "vllm.inputs": inputs}
     if reload:
         for name in ("vllm.model_executor", "vllm.model_executor.model_loader",
