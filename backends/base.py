@@ -32,6 +32,9 @@ class BackendSpec:
     ray_resource: str = "CPU"
     default_attention: str = "sdpa"
     attention_choices: tuple[str, ...] = ("sdpa", "eager")
+    # (decoder attention, the one a vision tower's variable-length windows run through) for an attention that is
+    # this vendor's own; transformers' own implementations (VARLEN_ATTENTION) serve both.
+    vision_attention: tuple[tuple[str, str], ...] = ()
     kernel_choices: tuple[str, ...] = ("reference",)
     default_kernel: str = "reference"
     install_hint: str = ""
@@ -131,6 +134,8 @@ class Backend(Protocol):
 
     def attention_implementation(self, requested: str, dtype: torch.dtype) -> str: ...
 
+    def vision_attention_implementation(self, requested: str, dtype: torch.dtype) -> str: ...
+
     def kernel_implementation(self, requested: str) -> str: ...
 
     def parallel_strategy(self, requested: str) -> str: ...
@@ -165,6 +170,11 @@ def fsdp2_sum_reduction_available() -> str | None:
     from .fsdp_compat import fsdp2_problem
 
     return fsdp2_problem()
+
+
+# transformers' attention implementations that run a vision tower's cu_seqlens windows themselves (Qwen2.5-VL's
+# vision attention): sdpa and eager one call per window, flash-attention one variable-length call for all.
+VARLEN_ATTENTION = ("sdpa", "eager", "flash_attention_2", "flash_attention_3")
 
 
 class BaseBackend:
@@ -314,6 +324,20 @@ class BaseBackend:
                 f"model.attn_implementation={requested!r} is not available on --device {self.name}; "
                 f"choose one of {', '.join(('auto',) + self.spec.attention_choices)}."
             )
+        return choice
+
+    def vision_attention_implementation(self, requested: str, dtype: torch.dtype) -> str:
+        """The attention of a vision tower's blocks at the tower's compute dtype, asked as the decoder's is (from
+        `model.attn_implementation`): the decoder's choice where transformers' own implementation serves variable-
+        length windows too, else the vendor attention's windowed form from the data row, else refused."""
+        choice = self.attention_implementation(requested, dtype)
+        windowed = dict(self.spec.vision_attention).get(choice)
+        if windowed is not None:
+            return windowed
+        if choice not in VARLEN_ATTENTION:
+            raise BackendUnavailable(
+                f"model.attn_implementation={requested!r} gives {choice} on --device {self.name}, which has no form "
+                f"for a vision tower's variable-length windows; use sdpa or eager for a vision-language policy.")
         return choice
 
     def kernel_implementation(self, requested: str) -> str:

@@ -13,6 +13,7 @@ import torch
 from .accelerator import AcceleratorBackend
 from .base import BackendSpec, BackendUnavailable
 from .npu_env import SET_ENV_HINT, autoload_disabled_reason, cann_found, torch_npu_installed
+from .npu_varlen import FUSED_DTYPES, NPU_VISION_ATTENTION, register_npu_vision_attention
 from .probe import RuntimeProbe
 
 NPU_ATTENTION = "npu_fusion"
@@ -25,6 +26,8 @@ SPEC = BackendSpec(
     ray_resource="NPU",
     default_attention=NPU_ATTENTION,
     attention_choices=(NPU_ATTENTION, "sdpa", "eager"),
+    # a vision tower's windows (cu_seqlens) go to npu_fusion_attention's TND layout, one call for them all
+    vision_attention=((NPU_ATTENTION, NPU_VISION_ATTENTION),),
     kernel_choices=("reference", "chunked"),
     default_kernel="chunked",
     # HCCL on Atlas A2/A3 answers "Unsupported data type" for float64.
@@ -55,7 +58,9 @@ def npu_attention_forward(
     """transformers attention-interface adapter around `torch_npu.npu_fusion_attention`.
 
     query: [B, N, Sq, D], key/value: [B, Nkv, Skv, D]; attention_mask: bool [B, 1, Sq, Skv]
-    with True = attend (the sdpa mask), or None for plain causal. Returns ([B, Sq, N, D], None).
+    with True = attend (the sdpa mask), or None: plain causal, or full attention where the caller says
+    `is_causal=False` (a vision block's window; as sdpa's adapter reads it, from the module by default).
+    Returns ([B, Sq, N, D], None).
 
     The fused op takes the head ratio itself (Nq / Nkv whole), so K/V go in unrepeated. Plain
     causal attention is its sparse_mode 3 (causal from the bottom-right corner, right for a query
@@ -72,7 +77,10 @@ def npu_attention_forward(
     dtype = torch.get_autocast_dtype(device_type) if torch.is_autocast_enabled(device_type) else value.dtype
     query, key, value = query.to(dtype), key.to(dtype), value.to(dtype)
     heads = query.shape[1]
-    if attention_mask is None:
+    causal = kwargs.get("is_causal")
+    if attention_mask is None and not (getattr(module, "is_causal", True) if causal is None else causal):
+        masked, sparse_mode = None, DENSE_MASK  # no mask: every query attends to every key
+    elif attention_mask is None:
         masked, sparse_mode = causal_compressed_mask(query.device), CAUSAL_BOTTOM_RIGHT
     elif attention_mask.dtype == torch.bool:
         masked, sparse_mode = ~attention_mask, DENSE_MASK
@@ -151,6 +159,18 @@ class NPUBackend(AcceleratorBackend):
                                      "(transformers.masking_utils); upgrade transformers or use sdpa.")
         if choice == NPU_ATTENTION:
             register_npu_attention()
+        return choice
+
+    def vision_attention_implementation(self, requested: str, dtype: torch.dtype) -> str:
+        choice = super().vision_attention_implementation(requested, dtype)
+        if choice == NPU_VISION_ATTENTION and dtype not in FUSED_DTYPES:
+            if requested == "auto":
+                return "sdpa"
+            raise BackendUnavailable(f"model.attn_implementation={requested} runs the vision tower through "
+                                     f"npu_fusion_attention, which has no {str(dtype).removeprefix('torch.')} kernels; "
+                                     f"use model.dtype=bf16 or fp32, or model.attn_implementation=sdpa.")
+        if choice == NPU_VISION_ATTENTION:
+            register_npu_vision_attention()
         return choice
 
     def kernel_implementation(self, requested: str) -> str:

@@ -128,8 +128,11 @@ def check_tiny_matches(tiny, init_dir: Path) -> None:
             )
 
 
-def load_model(path: str | Path, attn_implementation: str, field: str = "model.path"):
-    """Load a causal LM from a local directory (or a GGUF file, dequantized) in fp32 master weights."""
+def load_model(path: str | Path, attn_implementation: str, field: str = "model.path",
+               vision_attention: str | None = None):
+    """Load a causal LM from a local directory (or a GGUF file, dequantized) in fp32 master weights. A
+    vision-language model's tower attends with `vision_attention` (the backend's
+    `vision_attention_implementation`) where given, else with `attn_implementation` as transformers sets it."""
     from transformers import AutoModelForCausalLM
 
     problem = model_source_problem(path, field)  # the same check config validation runs for `train`
@@ -154,6 +157,10 @@ def load_model(path: str | Path, attn_implementation: str, field: str = "model.p
         # save (checkpoints) under the names the model has in memory, not transformers' older hub layout, so a
         # resume loads a checkpoint's tensors by the policy's own names (from_pretrained reads both layouts)
         model._weight_conversions = []
+        if vision_attention is not None:
+            from portagrpo.model.vision_attention import set_vision_attention
+
+            set_vision_attention(model, vision_attention)
     return model.float()
 
 

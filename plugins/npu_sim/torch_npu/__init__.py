@@ -31,12 +31,14 @@ from portagrpo_emu import collectives as _collectives  # noqa: E402
 from portagrpo_emu import device as _device  # noqa: E402
 
 from . import hccl as _hccl  # noqa: E402
-from .attention import npu_fusion_attention  # noqa: E402,F401
+from .attention import npu_fusion_attention as _fusion_attention  # noqa: E402
+from .attention import on_npu_only  # noqa: E402
 from .module import NpuModule, sim_device_count  # noqa: E402
 
 SIMULATED = True  # what portagrpo's docs and reports may read to say "simulation", never "hardware"
 __version__ = "0.0.0+simulated"
 
+npu_fusion_attention = on_npu_only(_fusion_attention)
 npu = NpuModule()
 _device.install("npu", module=npu, count=sim_device_count())
 _collectives.register("hccl", "npu", payload=lambda t: t._inner, refuse=_hccl.refuse)

@@ -2,9 +2,19 @@
 semantics (Ascend/op-plugin docs/context/torch_npu-npu_fusion_attention.md at 0d8f401d, and the
 kernel wrapper FlashAttentionKernelNpuOpApi.cpp at 517f2e7d):
 
-- layouts BSH, SBH, BSND, BNSD (case-insensitive; TND is not modelled and is refused);
+- layouts BSH, SBH, BSND, BNSD (case-insensitive) and TND, the varlen case (below);
   `head_num` is the number of query heads; key and value may have fewer heads (GQA/MQA) when
   Nq / Nkv is a whole number: the kernel takes the ratio itself, nobody repeats K/V;
+- TND: query [T, Nq, D], key/value [Tkv, Nkv, D], the sequences one after the other.
+  `actual_seq_qlen` / `actual_seq_kvlen` are required, of one length (1..1024 entries), and are host
+  lists of ints (List[int]; the wrapper takes an IntArrayRef, never a tensor): the cumulative lengths
+  without a leading 0 (lengths 2, 2, 2 -> [2, 4, 6]); a repeated entry is an empty sequence, and trailing
+  0 entries are sequences left out. A token attends only to the keys of its own sequence. T is within
+  1..1M. sparse_mode must be in [0, 5) or (5, 8] (the wrapper's check); modelled are 0/1 without a mask
+  (full attention within each sequence) and 2/3 with the compressed mask (causal within each sequence,
+  from its top-left / bottom-right corner). Stricter than the kernel: the last cumulative length must be
+  T (and Tkv), since the kernel would leave the tokens after it unwritten; softmax_max/softmax_sum are
+  [T, Nq, 8];
 - q, k, v share one dtype (float16, bfloat16, float32); `scale` multiplies q.k and defaults to
   1.0 (not 1/sqrt(d));
 - `atten_mask` is bool or uint8 with True/1 = masked out (does not take part), shaped
@@ -28,9 +38,13 @@ kernel wrapper FlashAttentionKernelNpuOpApi.cpp at 517f2e7d):
   softmax_in is an empty reserved tensor.
 
 Arithmetic runs in float32 and the output is cast to the input dtype; a vendor kernel's bf16 bit
-patterns are not reproduced.
+patterns are not reproduced. `npu_fusion_attention` here also runs on CPU tensors (unit tests load this file
+alone); the installed stand-in (`on_npu_only`, __init__.py) first refuses any tensor not on the NPU, as the
+wrapper's format_trans does ("only npu tensor is supported").
 """
 from __future__ import annotations
+
+import functools
 
 import torch
 
@@ -39,6 +53,8 @@ MAX_TOKENS = 2147483647
 _LAYOUTS = ("BSH", "SBH", "BSND", "BNSD")
 MAX_HEAD_DIM = 768  # the head-dim range of the doc's constraints section
 MAX_QUERY_HEADS = 256  # the query-head range of the same section
+MAX_VARLEN_SEQUENCES = 1024  # "varlen场景下长度最大支持1K": entries of actual_seq_qlen in the TND case
+MAX_VARLEN_TOKENS = 1 << 20  # T (B * S) within 1..1M
 
 
 def _to_bnsd(t: torch.Tensor, layout: str, heads: int | None) -> torch.Tensor:
@@ -98,9 +114,7 @@ def npu_fusion_attention(query, key, value, head_num, input_layout, pse=None, pa
     if unmodelled:
         raise NotImplementedError(f"the simulated npu_fusion_attention does not model {sorted(unmodelled)}")
     layout = str(input_layout).upper()
-    if layout == "TND":
-        raise NotImplementedError("the simulated npu_fusion_attention does not model the TND (varlen) layout")
-    if layout not in _LAYOUTS:
+    if layout not in _LAYOUTS + ("TND",):
         raise RuntimeError("The input_layout should be BSH/SBH/BNSD/BSND/TND(case-insensitive), "
                            f"but got {input_layout}")
     if head_num <= 0:
@@ -114,6 +128,9 @@ def npu_fusion_attention(query, key, value, head_num, input_layout, pse=None, pa
                            f"{query.dtype}, {key.dtype}, {value.dtype}")
     if query.dtype not in (torch.float16, torch.bfloat16, torch.float32):
         raise RuntimeError(f"npu_fusion_attention: dtype {query.dtype} is not supported (float16, bfloat16, float32)")
+    if layout == "TND":
+        return _varlen(query, key, value, head_num, atten_mask, scale, keep_prob, actual_seq_qlen, actual_seq_kvlen,
+                       sparse_mode)
     if sparse_mode not in (0, 1, 2, 3, 4):
         if sparse_mode in (5, 6, 7, 8):
             raise NotImplementedError(f"the simulated npu_fusion_attention does not model sparse_mode={sparse_mode}")
@@ -165,6 +182,13 @@ def npu_fusion_attention(query, key, value, head_num, input_layout, pse=None, pa
             if sparse_mode == 0 and (pre_tockens < MAX_TOKENS or next_tockens < MAX_TOKENS):
                 masked = masked | _band(q_len, kv_len, pre_tockens, next_tockens, False, q.device)
 
+    out, softmax_max, softmax_sum = _attend(q, k, v, groups, masked, scale, keep_prob)
+    reserved = torch.empty(0, device=query.device, dtype=query.dtype)
+    return _from_bnsd(out, layout), softmax_max, softmax_sum, reserved, 0, 0, 0
+
+
+def _attend(q, k, v, groups: int, masked, scale: float, keep_prob: float):
+    """[B, N, Sq, D] attention in float32 (True in `masked` = left out): (out in q's dtype, row max, row sum)."""
     # the kernel pairs query head h with key/value head h // (Nq/Nkv)
     k32 = k.float().repeat_interleave(groups, dim=1)
     v32 = v.float().repeat_interleave(groups, dim=1)
@@ -179,8 +203,86 @@ def npu_fusion_attention(query, key, value, head_num, input_layout, pse=None, pa
     if keep_prob < 1:
         keep = torch.rand(probs.shape, device=probs.device) < keep_prob
         probs = probs * keep / keep_prob
-    out = torch.matmul(probs, v32).to(query.dtype)
-    softmax_max = safe_max.expand(*safe_max.shape[:-1], 8).contiguous()
-    softmax_sum = row_sum.expand(*row_sum.shape[:-1], 8).contiguous()
+    out = torch.matmul(probs, v32).to(q.dtype)
+    return (out, safe_max.expand(*safe_max.shape[:-1], 8).contiguous(),
+            row_sum.expand(*row_sum.shape[:-1], 8).contiguous())
+
+
+def _host_cumulative(name: str, lengths) -> list[int]:
+    if not isinstance(lengths, (list, tuple)) or not all(type(x) is int for x in lengths):
+        raise TypeError(f"npu_fusion_attention(): argument '{name}' must be a list of ints (List[int], host values), "
+                        f"not {type(lengths).__name__}")
+    return list(lengths)
+
+
+def _segments(cumulative: list[int], total: int, name: str) -> tuple[torch.Tensor, torch.Tensor, list[int]]:
+    """Per token: its sequence and its position in it; and each sequence's length. Checks the cumulative list."""
+    used = len(cumulative)
+    while used and cumulative[used - 1] == 0:  # trailing zeros: sequences left out
+        used -= 1
+    ends = cumulative[:used]
+    if any(b < a for a, b in zip([0] + ends, ends)):
+        raise RuntimeError(f"npu_fusion_attention: {name} must be cumulative (non-decreasing), got {cumulative}")
+    if (ends[-1] if ends else 0) != total:
+        raise RuntimeError(f"npu_fusion_attention: the last entry of {name} ({ends[-1] if ends else 0}) must be the "
+                           f"number of tokens, {total} (the simulation refuses what the kernel leaves unwritten)")
+    lengths = [b - a for a, b in zip([0] + ends, ends)] + [0] * (len(cumulative) - used)
+    seq = torch.repeat_interleave(torch.arange(len(lengths)), torch.tensor(lengths, dtype=torch.long))
+    starts = torch.tensor([0] + ends[:-1] + [total] * (len(cumulative) - used), dtype=torch.long)
+    return seq, torch.arange(total) - starts[seq], lengths
+
+
+def _varlen(query, key, value, head_num, atten_mask, scale, keep_prob, actual_seq_qlen, actual_seq_kvlen,
+            sparse_mode):
+    """input_layout TND (the varlen case): each token attends within its own sequence."""
+    if actual_seq_qlen is None or actual_seq_kvlen is None or not len(actual_seq_qlen) \
+            or len(actual_seq_qlen) != len(actual_seq_kvlen):
+        raise RuntimeError("the size of actual_seq_qlen and actual_seq_kvlen must be the same and cannot be empty.")
+    cu_q = _host_cumulative("actual_seq_qlen", actual_seq_qlen)
+    cu_k = _host_cumulative("actual_seq_kvlen", actual_seq_kvlen)
+    if len(cu_q) > MAX_VARLEN_SEQUENCES:
+        raise RuntimeError(f"npu_fusion_attention: actual_seq_qlen has {len(cu_q)} entries; the varlen case takes at "
+                           f"most {MAX_VARLEN_SEQUENCES}")
+    if not ((0 <= sparse_mode < 5) or (5 < sparse_mode <= 8)):
+        raise RuntimeError(f"The sparse_mode value must be in range of [0,5) or (5,8], but got {sparse_mode}")
+    if any(t.dim() != 3 for t in (query, key, value)):
+        raise RuntimeError(f"npu_fusion_attention: TND takes [T, N, D] query, key and value, got "
+                           f"{[list(t.shape) for t in (query, key, value)]}")
+    t_q, heads, head_dim = query.shape
+    t_k, kv_heads = key.shape[0], key.shape[1]
+    if heads != head_num or not 1 <= head_num <= MAX_QUERY_HEADS or kv_heads == 0 or head_num % kv_heads:
+        raise RuntimeError(f"npu_fusion_attention: head_num={head_num} with a query of {heads} heads and key/value of "
+                           f"{kv_heads}: Nq must be in [1, {MAX_QUERY_HEADS}] and Nq/Nkv a non-zero integer")
+    if key.shape[-1] != head_dim or value.shape[-1] > head_dim or not 1 <= head_dim <= MAX_HEAD_DIM:
+        raise RuntimeError(f"npu_fusion_attention: head dims must satisfy Dq = Dk >= Dv within [1, {MAX_HEAD_DIM}], "
+                           f"got Dq={head_dim}, Dk={key.shape[-1]}, Dv={value.shape[-1]}")
+    if not (1 <= t_q <= MAX_VARLEN_TOKENS and 1 <= t_k <= MAX_VARLEN_TOKENS):
+        raise RuntimeError(f"npu_fusion_attention: T must be in [1, {MAX_VARLEN_TOKENS}], got {t_q} and {t_k}")
+    seq_q, pos_q, len_q = _segments(cu_q, t_q, "actual_seq_qlen")
+    seq_k, pos_k, len_k = _segments(cu_k, t_k, "actual_seq_kvlen")
+    masked = seq_q[:, None] != seq_k[None, :]  # [T, Tkv]: another sequence's keys
+    if atten_mask is not None and sparse_mode in (2, 3):
+        _check_compressed(atten_mask, sparse_mode)
+        shift = (torch.tensor(len_k) - torch.tensor(len_q))[seq_q] if sparse_mode == 3 else 0
+        masked = masked | (pos_k[None, :] > (pos_q + shift)[:, None])
+    elif atten_mask is not None or sparse_mode not in (0, 1):
+        raise NotImplementedError(f"the simulated npu_fusion_attention models TND without atten_mask (sparse_mode 0/1) "
+                                  f"or with the compressed causal one (2/3), not sparse_mode={sparse_mode} with "
+                                  f"{'a' if atten_mask is not None else 'no'} mask")
+    q, k, v = (t.transpose(0, 1).unsqueeze(0) for t in (query, key, value))  # [1, N, T, D]
+    out, softmax_max, softmax_sum = _attend(q, k, v, head_num // kv_heads, masked.to(query.device), scale, keep_prob)
     reserved = torch.empty(0, device=query.device, dtype=query.dtype)
-    return _from_bnsd(out, layout), softmax_max, softmax_sum, reserved, 0, 0, 0
+    return (out[0].transpose(0, 1), softmax_max[0].transpose(0, 1), softmax_sum[0].transpose(0, 1), reserved, 0, 0, 0)
+
+
+def on_npu_only(op):
+    """The op as the installed stand-in exports it: a tensor argument not on the NPU is refused first, as the
+    wrapper's format_trans does (TORCH_CHECK(is_npu(t), "only npu tensor is supported"))."""
+    @functools.wraps(op)
+    def checked(*args, **kwargs):
+        for t in (*args, *kwargs.values()):
+            if torch.is_tensor(t) and t.device.type != "npu":
+                raise RuntimeError(f"npu_fusion_attention: only npu tensor is supported, got one on {t.device}")
+        return op(*args, **kwargs)
+
+    return checked
