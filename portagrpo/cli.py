@@ -183,12 +183,13 @@ def _setup_and_fit(trainer, main_rank: bool) -> list[dict]:
     return trainer.fit()
 
 
-def _summary(history: list[dict], run_dir, seconds: float | None = None) -> None:
+def _summary(history: list, run_dir, seconds: float | None = None) -> None:
+    """`history`: the run's StepReports."""
     if not history:
         return
     k = max(1, len(history) // 10)
-    first = sum(r["reward_mean"] for r in history[:k]) / k
-    last = sum(r["reward_mean"] for r in history[-k:]) / k
+    first = sum(r.metrics.reward_mean for r in history[:k]) / k
+    last = sum(r.metrics.reward_mean for r in history[-k:]) / k
     took = f" in {seconds:.0f}s" if seconds is not None else ""
     print(f"done{took}: reward first 10% {first:.3f} -> last 10% {last:.3f}; outputs in {run_dir}")
 

@@ -4,7 +4,8 @@ from __future__ import annotations
 import json
 import math
 import uuid
-from dataclasses import dataclass, field, fields
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
 from typing import Any
 
@@ -69,6 +70,58 @@ class StepMetrics:
         return {**out, **(self.rollout_corr or {}), **(self.rollout_metrics or {})}
 
 
+class _RowView(Mapping):
+    """Read-only access to the row a logger writes (`row()`), by its keys: what callers of `Trainer.fit()` and
+    `Trainer.step()` have always indexed. The typed fields stay the object's content."""
+
+    def row(self) -> dict[str, Any]:
+        raise NotImplementedError
+
+    def __getitem__(self, key: str) -> Any:
+        return self.row()[key]
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self.row())
+
+    def __len__(self) -> int:
+        return len(self.row())
+
+
+@dataclass(frozen=True, eq=False)
+class ValMetrics(_RowView):
+    """Held-out validation after a step (`Sampling.validate`), logged as `val/*`."""
+
+    reward_mean: float
+    acc: float
+    k: int = 1  # rollout.val_n: samples per prompt
+    pass_at_k: float | None = None  # share of prompts with a correct sample among k (k > 1)
+
+    def row(self) -> dict[str, float]:
+        out = {"val/reward_mean": self.reward_mean, "val/acc": self.acc}
+        if self.pass_at_k is not None:
+            out[f"val/pass@{self.k}"] = self.pass_at_k
+        return out
+
+
+@dataclass(frozen=True, eq=False)
+class StepReport(_RowView):
+    """One step as it reaches the loggers and the Ray driver: its metrics and the validation that followed it,
+    typed. Only a logger flattens it, into the row that metrics.jsonl holds (`row()`)."""
+
+    metrics: StepMetrics
+    val: ValMetrics | None = None
+
+    @property
+    def step(self) -> int:
+        return self.metrics.step
+
+    def with_val(self, val: ValMetrics | None) -> "StepReport":
+        return replace(self, val=val)
+
+    def row(self) -> dict[str, Any]:
+        return {**self.metrics.as_dict(), **(self.val.row() if self.val is not None else {})}
+
+
 # Keys every step's row has (derived: the fields that are never None).
 REQUIRED_KEYS = tuple(f.name for f in fields(StepMetrics) if f.default is not None)
 
@@ -118,10 +171,10 @@ class WandbTracker:
         self.run = wandb.init(project=project or "portagrpo", name=name or Path(run_dir).name, id=run_id,
                               resume="allow", dir=str(run_dir), config=config)
 
-    def log(self, metrics: dict[str, Any]) -> None:
-        numbers = {k: v for k, v in metrics.items()
+    def log(self, report: StepReport) -> None:
+        numbers = {k: v for k, v in report.row().items()
                    if k != "step" and isinstance(v, (int, float)) and math.isfinite(v)}
-        self.run.log(numbers, step=int(metrics["step"]))
+        self.run.log(numbers, step=report.step)
 
     def close(self) -> None:
         self.run.finish()
@@ -157,13 +210,13 @@ class MlflowTracker:
         for start in range(0, len(params), 100):  # MLflow takes at most 100 parameters per call
             self.client.log_batch(self.run_id, params=params[start:start + 100])
 
-    def log(self, metrics: dict[str, Any]) -> None:
+    def log(self, report: StepReport) -> None:
         import time
 
         from mlflow.entities import Metric
 
-        stamp, step = int(time.time() * 1000), int(metrics["step"])
-        batch = [Metric(mlflow_key(k), float(v), stamp, step) for k, v in metrics.items()
+        stamp, step = int(time.time() * 1000), report.step
+        batch = [Metric(mlflow_key(k), float(v), stamp, step) for k, v in report.row().items()
                  if k != "step" and isinstance(v, (int, float)) and math.isfinite(v)]
         self.client.log_batch(self.run_id, metrics=batch)
 
@@ -210,7 +263,9 @@ class MetricsLogger:
             except ImportError:  # tensorboard is a core dependency, but keep training without it
                 self.writer = None
 
-    def log(self, metrics: dict[str, Any]) -> None:
+    def log(self, report: StepReport) -> None:
+        """One step, flattened here into its row for each sink (jsonl, TensorBoard, the trackers)."""
+        metrics = report.row()
         clean = {k: (None if isinstance(v, float) and not math.isfinite(v) else v) for k, v in metrics.items()}
         try:  # a line torn by a full disk is dropped on resume, like one torn by a kill
             with self.path.open("a") as fh:
@@ -220,9 +275,9 @@ class MetricsLogger:
         if self.writer is not None:
             for key, value in metrics.items():
                 if key != "step" and isinstance(value, (int, float)) and math.isfinite(value):
-                    self.writer.add_scalar(key, value, metrics["step"])
+                    self.writer.add_scalar(key, value, report.step)
         for tracker in self.trackers:
-            tracker.log(metrics)
+            tracker.log(report)
 
     def plot(self) -> Path | None:
         return plot_reward(self.path, self.run_dir / "reward.png")

@@ -20,6 +20,7 @@ from typing import Any, Callable
 
 from portagrpo.config import Config, to_dict
 from portagrpo.errors import UserError
+from portagrpo.metrics import StepReport, ValMetrics
 
 # Ray's switch for a cluster that never leaves this machine (made for laptops): with it off, Ray
 # takes 127.0.0.1 as the node's address instead of resolving the machine's routable one.
@@ -70,11 +71,11 @@ class TrainWorker:
         return {"step_done": self.trainer.step_done, "total_steps": self.trainer.total_steps,
                 "strategy": self.trainer.models.strategy.name, "backend": self.trainer.runtime.backend.name}
 
-    def step(self, validate: bool) -> dict[str, Any]:
+    def step(self, validate: bool) -> StepReport:
         with self._leaving_on_failure():
             return self.trainer.advance(validate)
 
-    def validate(self) -> dict[str, float]:
+    def validate(self) -> ValMetrics | None:
         with self._leaving_on_failure():
             return self.trainer.validate()
 
@@ -224,12 +225,12 @@ class RayRun:
         self.workers = []
 
     # The driver loop's view of the run (`portagrpo.train.driver.Steps`): every worker takes part, rank 0 answers.
-    def advance(self, validate: bool) -> dict[str, Any]:
-        metrics = self._call("step", validate)[0]
-        self.step_done = metrics["step"]  # the workers' loop counts steps; the driver only reads its count
-        return metrics
+    def advance(self, validate: bool) -> StepReport:
+        report = self._call("step", validate)[0]  # the typed report, as the worker's loop made it
+        self.step_done = report.step  # the workers' loop counts steps; the driver only reads its count
+        return report
 
-    def validate(self) -> dict[str, float]:
+    def validate(self) -> ValMetrics | None:
         return self._call("validate")[0]
 
     def save(self) -> str | None:
@@ -252,7 +253,7 @@ class RayRun:
 
 
 def train_with_ray(cfg: Config, run_dir: Path, resume: str | None = None, address: str | None = None, log=print,
-                   on_step: Callable[[RayRun, dict], None] | None = None) -> list[dict[str, Any]]:
+                   on_step: Callable[[RayRun, StepReport], None] | None = None) -> list[StepReport]:
     """The driver: claims the run directory, starts the workers, then runs the shared driver loop.
     `on_step(run, metrics)` is called after every step (progress hooks, tests)."""
     from portagrpo.config import to_yaml

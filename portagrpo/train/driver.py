@@ -4,9 +4,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Protocol
+from typing import Callable, Protocol
 
-from portagrpo.metrics import MetricsLogger
+from portagrpo.metrics import MetricsLogger, StepReport, ValMetrics
 
 
 @dataclass(frozen=True)
@@ -34,17 +34,17 @@ class Steps(Protocol):
     @property
     def step_done(self) -> int: ...
 
-    def advance(self, validate: bool) -> dict[str, Any]:
+    def advance(self, validate: bool) -> StepReport:
         """One training step (and then validation when asked); its metrics."""
 
-    def validate(self) -> dict[str, float]: ...
+    def validate(self) -> ValMetrics | None: ...
 
     def save(self) -> Path | str | None: ...
 
 
 def drive(run: Steps, cadence: Cadence, logger: MetricsLogger | None, *, progress: bool,
           log: Callable[[str], None], desc: str = "grpo",
-          on_step: Callable[[dict[str, Any]], None] | None = None) -> list[dict[str, Any]]:
+          on_step: Callable[[StepReport], None] | None = None) -> list[StepReport]:
     """Train from `run.step_done` to `cadence.total`; the metrics of every step taken."""
     from tqdm.auto import tqdm
 
@@ -53,20 +53,21 @@ def drive(run: Steps, cadence: Cadence, logger: MetricsLogger | None, *, progres
     try:
         if cadence.validate_first(run.step_done):
             val = run.validate()
-            if val:
-                log("step 0 validation: " + ", ".join(f"{k}={v:.3f}" for k, v in val.items()))
+            if val is not None:
+                log("step 0 validation: " + ", ".join(f"{k}={v:.3f}" for k, v in val.row().items()))
         while run.step_done < cadence.total:
-            metrics = run.advance(cadence.validate_after(run.step_done + 1))
+            report = run.advance(cadence.validate_after(run.step_done + 1))
             if logger is not None:
-                logger.log(metrics)
-            history.append(metrics)
+                logger.log(report)
+            history.append(report)
             bar.update(1)
-            bar.set_postfix(reward=f"{metrics['reward_mean']:.3f}", loss=f"{metrics['loss_policy']:.3f}",
-                            tok_s=f"{metrics['response_tokens_per_s']:.0f}")
+            m = report.metrics
+            bar.set_postfix(reward=f"{m.reward_mean:.3f}", loss=f"{m.loss_policy:.3f}",
+                            tok_s=f"{m.response_tokens_per_s:.0f}")
             if cadence.save_after(run.step_done):
                 run.save()
             if on_step is not None:
-                on_step(metrics)
+                on_step(report)
     finally:
         bar.close()
     return history

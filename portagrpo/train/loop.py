@@ -19,11 +19,10 @@ import time
 from dataclasses import dataclass
 from datetime import datetime
 from pathlib import Path
-from typing import Any
 
 from portagrpo.config import Config, to_dict, to_yaml
 from portagrpo.fileio import write_text_atomic
-from portagrpo.metrics import MetricsLogger, make_trackers
+from portagrpo.metrics import MetricsLogger, StepReport, ValMetrics, make_trackers
 from portagrpo.train.build import Models, Parts, Runtime, build, make_runtime, push_weights
 from portagrpo.train.driver import Cadence, drive
 from portagrpo.train.experience import Experience, ExperienceMaker, ExperienceSettings
@@ -38,7 +37,7 @@ from portagrpo.train.update import Updater, UpdateSettings
 
 @dataclass
 class StepOutput:
-    metrics: dict[str, Any]
+    metrics: StepReport  # typed; a logger flattens it (read-only key access gives the logged row)
     experience: Experience
 
 
@@ -147,16 +146,14 @@ class Trainer:
         t = self.cfg.trainer
         return Cadence(self.total_steps, t.test_freq, t.save_freq, t.val_before_train)
 
-    def fit(self, progress: bool | None = None) -> list[dict[str, Any]]:
+    def fit(self, progress: bool | None = None) -> list[StepReport]:
         main = self.runtime.comm.is_main
         show = (self.cfg.progress_bar if progress is None else progress) and main
         return drive(self, self.cadence, self.logger, progress=show, log=self.log if main else (lambda m: None))
 
-    def advance(self, validate: bool) -> dict[str, Any]:
-        metrics = self.step().metrics
-        if validate:
-            metrics.update(self.validate())
-        return metrics
+    def advance(self, validate: bool) -> StepReport:
+        report = self.step().metrics
+        return report.with_val(self.validate()) if validate else report
 
     def step(self) -> StepOutput:
         """Sample, score and update on the next prompt batch."""
@@ -182,9 +179,9 @@ class Trainer:
         self.runtime.backend.synchronize()
         times = StepTimes(start, exp.t_gen, exp.t_scored, t_update, time.perf_counter())
         self.step_done = step
-        return StepOutput(step_metrics(step, exp, stats, times, self.runtime).as_dict(), exp)
+        return StepOutput(StepReport(step_metrics(step, exp, stats, times, self.runtime)), exp)
 
-    def validate(self) -> dict[str, float]:
+    def validate(self) -> ValMetrics | None:
         return self.sampling.validate(self.step_done, self.parts.data.val_records)
 
     def save(self) -> Path | None:
@@ -200,7 +197,7 @@ class Trainer:
             setting = {"device": self.runtime.backend.name, "dtype": self.cfg.model.dtype,
                        "kernel": self.models.kernel_name}
             exp = out.experience
-            record_of(exp.batch.rollout, exp.raw_scores, exp.correct, out.metrics, fingerprint,
+            record_of(exp.batch.rollout, exp.raw_scores, exp.correct, out.metrics.row(), fingerprint,
                       setting).save(self.run_dir / "rollouts")
 
     def close(self, failed: bool = False) -> None:

@@ -12,6 +12,7 @@ import torch
 from portagrpo.algo.advantages import overlong_penalty
 from portagrpo.batch import RolloutBatch, micro_batches
 from portagrpo.data.records import PromptRecord, left_pad, tokenize_prompts
+from portagrpo.metrics import ValMetrics
 from portagrpo.model.scorer import eval_mode, response_stats
 from portagrpo.model.vision import check_vision_run, vision_prompts, with_rows
 from portagrpo.rewards.functions import ScoredBatch, score_responses
@@ -186,10 +187,11 @@ class Sampling:
                              t_gen=t_start, t_scored=t_start)
 
     # ---- held-out validation
-    def validate(self, step: int, val_records: list[PromptRecord]) -> dict[str, float]:
-        """Held-out mean reward and accuracy after `step`; the split is shared across ranks and reduced."""
+    def validate(self, step: int, val_records: list[PromptRecord]) -> ValMetrics | None:
+        """Held-out mean reward and accuracy after `step`; the split is shared across ranks and reduced. None
+        without a validation split."""
         if not val_records:
-            return {}
+            return None
         s, comm = self.settings, self.runtime.comm
         state = torch.get_rng_state()  # validation must not shift the training RNG stream
         self.runtime.backend.seed(seed_for(s.seed, step, 3 + 10 * comm.rank))
@@ -211,10 +213,8 @@ class Sampling:
                                    (w * solved_of(correct)).sum()])
         torch.set_rng_state(state)
         score_sum, correct_sum, count, solved = comm.sum_on_host(totals).tolist()
-        out = {"val/reward_mean": score_sum / count, "val/acc": correct_sum / count}
-        if k > 1:
-            out[f"val/pass@{k}"] = solved / (count / k)
-        return out
+        return ValMetrics(reward_mean=score_sum / count, acc=correct_sum / count, k=k,
+                          pass_at_k=solved / (count / k) if k > 1 else None)
 
 
 def _inverse(order: list[int], device) -> torch.Tensor:
