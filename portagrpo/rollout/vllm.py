@@ -305,8 +305,7 @@ class VLLMRollout:
         self.weights = weights
         self.processed_logprobs = processed_logprobs(plugin)
         self.fp8, self.dtype = fp8, getattr(torch, dtype)
-        self.sleep_mode = sleep_mode
-        self.vision, self.max_model_len = vision, max_model_len
+        self.sleep_mode, self.vision, self.max_model_len = sleep_mode, vision, max_model_len
         # vLLM 0.16+ replaces processed weights through its layerwise reload; before it, load_weights
         self.layerwise = has_layerwise_reload()
         # built from dummy weights, which the first sleep discards anyway: the trainer pushes the policy before
@@ -315,6 +314,8 @@ class VLLMRollout:
         extra: dict[str, Any] = {"load_format": "dummy"}
         if world_size > 1:
             extra["distributed_executor_backend"] = "external_launcher"
+        if vision is not None:  # prompts carry images, never videos: vLLM profiles no video input (no video processor)
+            extra["limit_mm_per_prompt"] = {"video": 0}
         if fp8:
             from portagrpo.rollout.fp8 import QUANTIZATION_CONFIG
 

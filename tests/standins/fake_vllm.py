@@ -131,11 +131,12 @@ class VisionModel:
         cfg = json.loads(config.read_text())
         return cls(config.parent, cfg) if "Qwen2_5_VLForConditionalGeneration" in cfg.get("architectures", []) else None
 
-    def vllm_name(self, name: str) -> str:
-        for old, new in self.PREFIXES:  # WeightsMapper.orig_to_new_prefix: each rule in turn on the renamed key
+    @classmethod
+    def vllm_name(cls, name: str) -> str:
+        for old, new in cls.PREFIXES:  # WeightsMapper.orig_to_new_prefix: each rule in turn on the renamed key
             if name.startswith(old):
                 name = new + name[len(old):]
-        if not name.startswith(self.MODULES):
+        if not name.startswith(cls.MODULES):
             raise ValueError(f"There is no module or parameter named {name!r} in Qwen2_5_VLForConditionalGeneration")
         return name
 
@@ -144,17 +145,23 @@ class VisionModel:
         them: the images through the HF processor, then each image's pad replaced left to right."""
         out = self.processor.image_processor(images=images, return_tensors="pt")
         grids = out["image_grid_thw"]
-        ids, at = list(prompt), 0
-        for k, grid in enumerate(grids.tolist()):
-            try:
-                at = ids.index(self.image_token_id, at)
-            except ValueError:
-                raise RuntimeError(f"Expected there to be {len(images)} prompt placeholders corresponding to "
-                                   f"{len(images)} image items, but instead found {k} prompt placeholders!") from None
-            count = grid[0] * grid[1] * grid[2] // self.merge ** 2
-            ids[at:at + 1] = [self.image_token_id] * count
-            at += count
-        return ids, out["pixel_values"], grids
+        counts = [t * h * w // self.merge ** 2 for t, h, w in grids.tolist()]
+        return expand_image_pads(prompt, self.image_token_id, counts), out["pixel_values"], grids
+
+
+def expand_image_pads(prompt: list[int], pad: int, counts: list[int]) -> list[int]:
+    """vLLM's prompt update for Qwen2-VL images: image k's one pad (the first at or after the end of image k-1's
+    replacement) becomes counts[k] pads; an image without a pad left is an error."""
+    ids, at = list(prompt), 0
+    for k, count in enumerate(counts):
+        try:
+            at = ids.index(pad, at)
+        except ValueError:
+            raise RuntimeError(f"Expected there to be {len(counts)} prompt placeholders corresponding to {len(counts)} "
+                               f"image items, but instead found {k} prompt placeholders!") from None
+        ids[at:at + 1] = [pad] * count
+        at += count
+    return ids
 
 
 class FakeModel:

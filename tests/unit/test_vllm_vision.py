@@ -78,7 +78,7 @@ def test_a_vision_language_policy_samples_on_vllm_with_its_images_and_pushes_its
     t = _trainer(tmp_path)
     engine = t.parts.engine
     (llm,) = cpu_vllm.instances
-    assert engine.takes_images and llm.vision is not None
+    assert engine.takes_images and llm.vision is not None and llm.kwargs["limit_mm_per_prompt"] == {"video": 0}
     records = t.parts.data.loader.next_batch()
     rb = t.sampling.rollout(records, 4, PARAMS, uid_base=0)
     assert rb.responses.shape == (16, 6) and rb.response_mask.any(dim=1).all()
