@@ -1,7 +1,7 @@
 """The vision tower's attention as a backend answers it (`Backend.vision_attention_implementation`), on a tiny
 Qwen2.5-VL: image features, response log-probs and vision-tower gradients on DEVICE (cpu, emu, or npu: the
 simulated Ascend) against the eager reference (the CPU, float32). Run as `python vision_checks.py DEVICE CHECK`
-(emu and npu need their device in their own process); prints ok. Used by test_vision_attention.py."""
+(emu and npu need their device in their own process); prints ok. Used by test_vision_tower_devices.py."""
 import contextlib
 import functools
 import io
@@ -178,6 +178,26 @@ def varlen_adapter_equals_sdpa_per_window():
     same[16:32] = False
     assert torch.equal(moved[:, same], run(q, k, v, torch.float32)[:, same])
     assert (moved[:, 16:32] - ref[:, 16:32]).abs().max() > 0.1
+
+
+def installed_op_refuses_what_the_wrapper_refuses():
+    """The installed stand-in refuses q/k/v off the NPU (the wrapper's "only npu tensor is supported") and
+    cumulative lengths given as a tensor (the op takes host lists)."""
+    import torch_npu
+
+    q = torch.randn(6, 2, 8)
+    lengths = {"actual_seq_qlen": [3, 6], "actual_seq_kvlen": [3, 6]}
+    for args, kwargs, error, words in (((q, q, q), lengths, RuntimeError, "only npu tensor is supported"),
+                                       ((q.to(DEV),) * 3, {**lengths, "actual_seq_qlen": torch.tensor([3, 6])},
+                                        TypeError, "list of ints")):
+        try:
+            torch_npu.npu_fusion_attention(*args, 2, "TND", **kwargs)
+        except error as err:
+            assert words in str(err), str(err)
+        else:
+            raise AssertionError(f"accepted: {words}")
+    out = torch_npu.npu_fusion_attention(*(q.to(DEV),) * 3, 2, "TND", **lengths)
+    assert out[0].device.type == "npu" and out[1].shape == (6, 2, 8)
 
 
 if __name__ == "__main__":

@@ -1,7 +1,7 @@
 """A vision tower's attention asked of the backend like the decoder's (Backend.vision_attention_implementation),
 the NPU's variable-length (TND) adapter and the decoder adapter serving vision windows, on CPU tensors with the
 simulated Ascend's npu_fusion_attention (plugins/npu_sim, loaded alone: plain torch). The same on the emulated
-device and the simulated Ascend itself: tests/emulated/test_vision_attention.py."""
+device and the simulated Ascend itself: tests/emulated/test_vision_tower_devices.py."""
 import dataclasses
 import importlib.util
 from pathlib import Path

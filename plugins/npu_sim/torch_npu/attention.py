@@ -45,6 +45,7 @@ wrapper's format_trans does ("only npu tensor is supported").
 from __future__ import annotations
 
 import functools
+import inspect
 
 import torch
 
@@ -278,11 +279,15 @@ def _varlen(query, key, value, head_num, atten_mask, scale, keep_prob, actual_se
 def on_npu_only(op):
     """The op as the installed stand-in exports it: a tensor argument not on the NPU is refused first, as the
     wrapper's format_trans does (TORCH_CHECK(is_npu(t), "only npu tensor is supported"))."""
+    signature = inspect.signature(op)
+
     @functools.wraps(op)
     def checked(*args, **kwargs):
-        for t in (*args, *kwargs.values()):
+        given = signature.bind(*args, **kwargs).arguments
+        for name in ("query", "key", "value", "pse", "padding_mask", "atten_mask"):  # the op's tensor inputs
+            t = given.get(name)
             if torch.is_tensor(t) and t.device.type != "npu":
-                raise RuntimeError(f"npu_fusion_attention: only npu tensor is supported, got one on {t.device}")
+                raise RuntimeError(f"npu_fusion_attention: only npu tensor is supported, {name} is on {t.device}")
         return op(*args, **kwargs)
 
     return checked
