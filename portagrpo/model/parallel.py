@@ -23,6 +23,7 @@ from portagrpo.backends.dist import Collectives
 from portagrpo.backends.fsdp_compat import fsdp2_problem, keep_gathered, sum_gradients
 from portagrpo.errors import UserError
 from portagrpo.model.loading import decoder_of
+from portagrpo.model.vision import vision_blocks
 from portagrpo.registry import Registry
 
 FULL = StateDictOptions(full_state_dict=True, cpu_offload=True)
@@ -156,7 +157,8 @@ class Replicated(SingleProcess):
 
 
 class FSDP2(SingleProcess):
-    """`fully_shard` on every decoder layer and on the scorer; gradients reduce-scattered as sums."""
+    """`fully_shard` on every decoder layer (and vision block) and on the scorer; gradients reduce-scattered as
+    sums."""
 
     name = "fsdp2"
 
@@ -173,7 +175,8 @@ class FSDP2(SingleProcess):
         # copy) and gradients reduce-scatter in fp32: verl's FSDP2 setting. fp32/fp64 runs move their own dtype.
         low = compute_dtype in (torch.bfloat16, torch.float16)
         mp = {"mp_policy": MixedPrecisionPolicy(param_dtype=compute_dtype, reduce_dtype=torch.float32)} if low else {}
-        for layer in getattr(decoder_of(scorer.lm), "layers", []):
+        # a vision-language policy's vision blocks are units of their own too (frozen ones are gathered, never reduced)
+        for layer in [*vision_blocks(scorer.lm), *getattr(decoder_of(scorer.lm), "layers", [])]:
             fully_shard(layer, **mp)
         fully_shard(scorer, **mp)
         register_fsdp_forward_method(scorer, "generate")

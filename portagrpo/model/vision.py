@@ -8,7 +8,8 @@ selecting rows (micro-batches, token-budget groups, mini-batches) copies no pixe
 row's patches; a scoring or update forward runs the vision tower once per distinct prompt of the
 micro-batch and hands every row its prompt's image features. The multimodal rotary positions are
 computed from the rows' ids, grids and 2D attention masks (`mrope_positions`), so left padding is fine;
-packing is not used for vision-language rows.
+packing is not used for vision-language rows. On several ranks the images are gathered with the rows
+(model/vision_gather.py), and FSDP2 shards each vision block (`vision_blocks`).
 """
 from __future__ import annotations
 
@@ -126,6 +127,12 @@ def vl_body(model):
 
 def vision_tower(model):
     return vl_body(model).visual
+
+
+def vision_blocks(model) -> list:
+    """The vision tower's transformer blocks (FSDP2 shards each, as it shards the decoder layers); none for a
+    text-only policy."""
+    return list(vision_tower(model).blocks) if is_vision_language(model) else []
 
 
 def freeze_vision_tower(model) -> int:
@@ -251,6 +258,7 @@ def vl_hidden_states(model, input_ids: torch.Tensor, attention_mask: torch.Tenso
     prompts = images.distinct()
     pixels, grids = images.take(prompts)
     features = body.get_image_features(pixels, grids, return_dict=True).pooler_output if len(grids) else ()
+    idle = idle_tower(body) if not len(grids) else None
     per_prompt, at = {}, 0
     for p in prompts:
         k = images.image_spans[p][1] - images.image_spans[p][0]
@@ -261,11 +269,31 @@ def vl_hidden_states(model, input_ids: torch.Tensor, attention_mask: torch.Tenso
     embeds = body.get_input_embeddings()(input_ids)
     if rows:  # rows whose prompts have no image keep their plain embeddings
         embeds = embeds.masked_scatter(types.bool()[..., None], torch.cat(rows).to(embeds.dtype))
+    if idle is not None:
+        embeds = embeds + 0 * idle.to(embeds.dtype)
     positions, _ = body.get_rope_index(input_ids, types, image_grid_thw=images.grids_per_row(),
                                        attention_mask=attention_mask)
     out = body.language_model(inputs_embeds=embeds, attention_mask=attention_mask, position_ids=positions,
                               use_cache=False)
     return out.last_hidden_state
+
+
+def idle_tower(body) -> torch.Tensor | None:
+    """Under FSDP2 every rank must run each vision block's all-gathers (and reduce-scatters) with the others: a
+    micro-batch without images (whose rank's peers may have some) still runs the tower, on one blank image of
+    the smallest grid, and adds 0 x its features' sum to the embeddings, so its blocks take part in backward too.
+    None where the tower is not sharded (nothing to keep in step, and no zero gradient changes an optimizer)."""
+    from torch.distributed.fsdp import FSDPModule
+
+    tower = body.visual
+    if not any(isinstance(block, FSDPModule) for block in tower.blocks):
+        return None
+    cfg, param = tower.config, next(tower.parameters())
+    merge = cfg.spatial_merge_size
+    width = cfg.in_channels * cfg.temporal_patch_size * cfg.patch_size ** 2
+    pixels = torch.zeros(merge * merge, width, device=param.device)
+    grid = torch.tensor([[1, merge, merge]], dtype=torch.long, device=param.device)
+    return torch.cat(list(body.get_image_features(pixels, grid, return_dict=True).pooler_output)).sum()
 
 
 def generate_inputs(model, prompt_ids: torch.Tensor, images: PromptImages | None) -> dict[str, Any]:
@@ -315,11 +343,9 @@ def check_rows(processor, records: list) -> None:
 
 
 # ---- a vision-language rollout
-def check_vision_run(settings, world_size: int, engine) -> None:
-    """What a vision-language run does not do yet, each refused in one sentence."""
-    if world_size > 1:
-        raise VisionError(f"a vision-language policy trains on one process for now (this run has {world_size}); "
-                          f"set trainer.nproc_per_node=1 and trainer.nnodes=1.")
+def check_vision_run(settings, engine) -> None:
+    """What a vision-language run does not do yet, each refused in one sentence. (Several ranks do: each samples
+    its share of the prompts with their images, and the images are gathered with the rows, model/vision_gather.py.)"""
     if not getattr(engine, "takes_images", False):
         raise VisionError(f"the rollout engine ({type(engine).__name__}) does not sample with images; use "
                           f"rollout.engine=hf with rollout.precision=auto for a vision-language policy.")

@@ -15,6 +15,7 @@ from portagrpo.data.records import PromptRecord, left_pad, tokenize_prompts
 from portagrpo.metrics import ValMetrics
 from portagrpo.model.scorer import eval_mode, response_stats
 from portagrpo.model.vision import check_vision_run, vision_prompts, with_rows
+from portagrpo.model.vision_gather import gather_images
 from portagrpo.rewards.functions import ScoredBatch, score_responses
 from portagrpo.rollout.engines import GroupPrompts, SamplingParams, rollout_batch, rollout_groups
 from portagrpo.train.build import Data, Models, Runtime
@@ -45,7 +46,7 @@ class Sampling:
         self.engine = engine
         self.processor = data.processor
         if self.processor is not None:
-            check_vision_run(settings, runtime.comm.world_size, engine)
+            check_vision_run(settings, engine)
 
     # ---- one round: this rank's share, sampled with its stream
     def local_records(self, records: list[PromptRecord]) -> list[PromptRecord]:
@@ -56,7 +57,10 @@ class Sampling:
 
     def prompt_width(self, records: list[PromptRecord]) -> int:
         """One left-padded prompt width for all ranks, so rollouts can be gathered."""
-        local = max(len(x) for x in tokenize_prompts(self.tokenizer, records))
+        return self.widest(max(len(x) for x in tokenize_prompts(self.tokenizer, records)))
+
+    def widest(self, local: int) -> int:
+        """The largest of every rank's `local` width."""
         return int(self.runtime.comm.all_reduce_max(torch.tensor(local, device=self.runtime.device)))
 
     def round_ids(self, step: int, round_: int, prompts: list[PromptRecord]) -> tuple[list[PromptRecord], int]:
@@ -84,7 +88,7 @@ class Sampling:
         with gather, self.runtime.backend.region("rollout"):
             if self.processor is not None:
                 return vision_rollout(self.engine, self.processor, records, n, params, self.runtime.device,
-                                      uid_base=uid_base, prompt_width=prompt_width)
+                                      uid_base=uid_base, prompt_width=prompt_width, widen=self.widest)
             return rollout_groups(self.engine, self.tokenizer, records, n, params, self.runtime.device,
                                   uid_base=uid_base, prompt_width=prompt_width)
 
@@ -159,6 +163,8 @@ class Sampling:
             lengths=[(p, r) for p, r in g(torch.tensor(rb.host_lengths(), device=self.runtime.device)).tolist()],
             rollout_logp=None if rb.rollout_logp is None else g(rb.rollout_logp),
             model_mask=None if rb.model_mask is None else g(rb.model_mask),
+            # a vision-language policy's images, gathered so each row's pixels follow it
+            images=None if self.processor is None else gather_images(comm, rb.images, rb.size, self.runtime.device),
         )
         return full, Scored(*(None if v is None else g(v) for v in local.tensors()))
 
@@ -226,13 +232,15 @@ def _inverse(order: list[int], device) -> torch.Tensor:
 
 
 def vision_rollout(engine, processor, records: list, n: int, params, device, *, uid_base: int = 0,
-                   prompt_width: int | None = None):
+                   prompt_width: int | None = None, widen: Callable[[int], int] | None = None):
     """As `rollout_groups`, for vision-language prompts: each record processed once (its image tokens expanded,
     its images to patches), its prompt n times (a group), left-padded, generated with the images, decoded. The
-    batch keeps the images once per prompt (`RolloutBatch.images`)."""
+    batch keeps the images once per prompt (`RolloutBatch.images`). `widen` makes the padded width every rank's
+    widest (image tokens are known only now, and ranks' rollouts are gathered)."""
     ids, images = vision_prompts(processor, records, device)
     rows = [x for x in ids for _ in range(n)]
-    prompt_ids, prompt_mask = left_pad(rows, engine.pad_id, width=prompt_width)
+    width = max(prompt_width or 0, max(len(x) for x in rows))
+    prompt_ids, prompt_mask = left_pad(rows, engine.pad_id, width=width if widen is None else widen(width))
     group = GroupPrompts(records, n, rows, prompt_ids.to(device), prompt_mask.to(device), uid_base)
     images = with_rows(images, n)
     batch = rollout_batch(processor.tokenizer, group, engine.generate(group.prompt_ids, group.prompt_mask, params,
