@@ -36,8 +36,10 @@ from portagrpo.model.vision import (
     build_tiny_vl_model,
     check_rows,
     freeze_vision_tower,
+    is_vision_language,
     processor_for,
 )
+from portagrpo.model.vision_attention import set_vision_attention
 from portagrpo.rewards.functions import RewardResolver
 from portagrpo.rewards.pool import RewardPool
 from portagrpo.rollout.engines import ROLLOUT_ENGINES, AheadSampler, EngineInputs, RolloutEngine
@@ -209,6 +211,7 @@ def build_models(cfg: Config, runtime: Runtime, strategy, tokenizer, run_dir: Pa
     attn = runtime.backend.attention_implementation(cfg.model.attn_implementation, runtime.dtype)
     policy_path, ref_path = _model_paths(cfg, runtime, tokenizer, run_dir)
     policy = load_model(policy_path, attn).to(device=runtime.device, dtype=runtime.master_dtype)
+    _tower_attention(policy, cfg, runtime)
     if cfg.actor.freeze_vision_tower:
         freeze_vision_tower(policy)
     is_lora = cfg.model.lora.rank > 0
@@ -225,8 +228,18 @@ def build_models(cfg: Config, runtime: Runtime, strategy, tokenizer, run_dir: Pa
         ref = (load_model(ref_path, attn, "model.ref_path" if cfg.model.ref_path else "model.path")
                .to(device=runtime.device, dtype=runtime.master_dtype).eval())
         ref.requires_grad_(False)
+        _tower_attention(ref, cfg, runtime)
         ref_scorer = strategy.wrap(ResponseScorer(ref, kernel), trainable=False, compute_dtype=runtime.dtype)
     return Models(policy, scorer, ref, ref_scorer, strategy, kernel_name, is_lora)
+
+
+def _tower_attention(model, cfg: Config, runtime: Runtime) -> None:
+    """A vision-language model's tower attends over its variable-length windows with what the backend answers for
+    `model.attn_implementation` (backends/: `vision_attention_implementation`); asked only of such a model, so a
+    backend without a windowed form never refuses a text policy."""
+    if is_vision_language(model):
+        set_vision_attention(model, runtime.backend.vision_attention_implementation(cfg.model.attn_implementation,
+                                                                                    runtime.dtype))
 
 
 def _model_paths(cfg: Config, runtime: Runtime, tokenizer, run_dir: Path) -> tuple[Path | str, Path | str]:

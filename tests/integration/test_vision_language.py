@@ -226,3 +226,25 @@ def test_verls_freeze_vision_tower_key_and_no_rank_refusal():
     assert cfg.actor.freeze_vision_tower is True
     # several ranks train a vision-language policy (tests/distributed/test_vision_data_parallel.py)
     vision.check_vision_run(SimpleNamespace(mode="sync", filter_metric=None), HFRollout)
+
+
+def test_the_trainer_gives_the_tower_the_backends_vision_attention(tmp_path, monkeypatch):
+    """build_models asks the backend for the tower's attention (the decoder's choice in its windowed form) and sets
+    it on the policy and its reference; the decoder keeps its own."""
+    from portagrpo.backends.cpu import CPUBackend
+
+    asked = []
+
+    def answer(self, requested, dtype):
+        asked.append((requested, dtype))
+        return "eager"  # not what transformers would pick by itself (sdpa)
+
+    monkeypatch.setattr(CPUBackend, "vision_attention_implementation", answer)
+    t = _trainer(tmp_path / "run", "actor.use_kl_loss=true")
+    try:
+        assert asked and asked[0][0] == "auto"
+        for model in (t.models.policy, t.models.ref):
+            assert model.config.vision_config._attn_implementation == "eager"
+            assert model.config._attn_implementation != "eager"
+    finally:
+        t.close()
