@@ -348,7 +348,8 @@ def check_vision_run(settings, engine) -> None:
     its share of the prompts with their images, and the images are gathered with the rows, model/vision_gather.py.)"""
     if not getattr(engine, "takes_images", False):
         raise VisionError(f"the rollout engine ({type(engine).__name__}) does not sample with images; use "
-                          f"rollout.engine=hf with rollout.precision=auto for a vision-language policy.")
+                          f"rollout.engine=hf with rollout.precision=auto, or rollout.engine=vllm, for a "
+                          f"vision-language policy.")
     if settings.mode != "sync" or settings.filter_metric is not None:
         raise VisionError("a vision-language policy samples with rollout.mode=sync only, without DAPO's group "
                           "filter (algorithm.filter_groups); set rollout.mode=sync and turn the filter off.")
