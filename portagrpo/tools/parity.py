@@ -1,5 +1,6 @@
 """The parity suite: a fixed scenario replayed on any backend and compared, stage by stage,
-with float64 CPU golden outputs stored in the package (`portagrpo/parity_data/`).
+with float64 CPU golden outputs stored in the package (`portagrpo/tools/parity_data/`). The multi-turn
+(tool spans under the model mask) and vision-language (images) stages are in tools/parity_stages.py.
 
 No sampling enters: token ids, masks, rewards, old/reference log-probs and a tiny model's
 weights are fixtures. `python -m portagrpo.tools.parity --regenerate` rebuilds them; the test suite
@@ -8,6 +9,7 @@ checks that rebuilding reproduces the stored numbers.
 from __future__ import annotations
 
 import contextlib
+import math
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
@@ -17,9 +19,11 @@ import torch
 from portagrpo import algo
 from portagrpo.algo.objective import Objective, Shaping, shape_and_advantage, total_loss
 from portagrpo.algo.rollout_correction import is_weights
+from portagrpo.errors import UserError
 from portagrpo.kernels import logprob_impl
 from portagrpo.model.scorer import ResponseScorer
 from portagrpo.tolerances import DTYPES, relative_error, tolerance
+from portagrpo.tools import parity_stages
 
 DATA_DIR = Path(__file__).resolve().parent / "parity_data"
 SCENARIO_FILE = "scenario.safetensors"
@@ -34,6 +38,13 @@ TEMPERATURE = 0.9
 ROLLOUT_IS_THRESHOLD = 2.0
 LOSS_SCALE = 7.0
 OPT_STEPS = 3
+
+
+def _tolerance(stage: str, dtype: torch.dtype) -> float:
+    """The stage's bound: its quantity's tolerance in `dtype`, or 0 for a stage that holds exactly."""
+    if stage in parity_stages.EXACT:
+        return 0.0
+    return tolerance(dtype, parity_stages.QUANTITY.get(stage) or _quantity(stage))
 
 
 def _quantity(stage: str) -> str:
@@ -78,6 +89,10 @@ def build_scenario(seed: int = 1234) -> dict[str, torch.Tensor]:
     ref_logp, _ = _token_stats(_model(out, "ref", torch.device("cpu"), torch.float64), out, "reference",
                                torch.device("cpu"), contextlib.nullcontext, entropy=False)
     out["ref_logp"] = ref_logp * response_mask
+    # the multi-turn and vision-language stages' inputs, drawn from generators of their own
+    fp64_cpu = (torch.device("cpu"), torch.float64)
+    out.update(parity_stages.multi_turn_scenario(seed, lambda name: _model(out, name, *fp64_cpu), TEMPERATURE))
+    out.update(parity_stages.vlm_scenario(seed))
     return out
 
 
@@ -143,8 +158,8 @@ def _total_loss(model, scn, s: Setting, adv, rows=None, normalizers=None):
     return loss
 
 
-def compute_stages(scn: dict[str, torch.Tensor], s: Setting) -> dict[str, torch.Tensor]:
-    """Every compared quantity, as float64 CPU tensors."""
+def compute_stages(scn: dict[str, torch.Tensor], s: Setting, vision: bool = True) -> dict[str, torch.Tensor]:
+    """Every compared quantity, as float64 CPU tensors (the vision-language stages only with `vision`)."""
     out: dict[str, torch.Tensor] = {}
     mask = scn["response_mask"].to(s.device).to(s.master)
     scores = scn["scores"].to(s.device, s.master)
@@ -179,6 +194,10 @@ def compute_stages(scn: dict[str, torch.Tensor], s: Setting) -> dict[str, torch.
     grads = [p.grad for p in policy.parameters() if p.grad is not None]
     out["grad_norm"] = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g.double()) for g in grads]))
     out["params_after_3_steps"] = _train_steps(scn, s, adv)
+    out.update(parity_stages.multi_turn_stages(scn, s, _model(scn, "policy", s.device, s.master), OBJECTIVE,
+                                               TEMPERATURE))
+    if vision:
+        out.update(parity_stages.vlm_stages(scn, s, OBJECTIVE, TEMPERATURE))
     return {k: v.detach().double().cpu() for k, v in out.items()}
 
 
@@ -216,6 +235,9 @@ def regenerate(data_dir: Path = DATA_DIR) -> dict[str, torch.Tensor]:
     """Rebuild the scenario and its float64 CPU golden outputs into `data_dir`."""
     from safetensors.torch import save_file
 
+    no_vision = parity_stages.vlm_unavailable()
+    if no_vision is not None:
+        raise UserError(f"the parity fixtures cannot be regenerated here: the vision-language stage is {no_vision}.")
     data_dir = Path(data_dir)
     data_dir.mkdir(parents=True, exist_ok=True)
     scn = build_scenario()
@@ -238,10 +260,12 @@ class ParityRow:
     stage: str
     error: float
     tolerance: float
+    skipped: str | None = None  # why this stack cannot run the stage (it neither passes nor fails then)
 
     @property
     def passed(self) -> bool:
-        return self.error <= self.tolerance
+        """Not failed: within tolerance, or skipped."""
+        return self.skipped is not None or self.error <= self.tolerance
 
 
 def run_parity(device: str, dtype: str, kernel: str) -> tuple[str, list[ParityRow]]:
@@ -253,10 +277,16 @@ def run_parity(device: str, dtype: str, kernel: str) -> tuple[str, list[ParityRo
     tdtype = DTYPES[dtype]
     setting = Setting(backend.device(0), dtype, chosen, lambda: backend.autocast(tdtype))
     backend.set_deterministic(False)
-    got = compute_stages(load_fixture(SCENARIO_FILE), setting)
+    no_vision = parity_stages.vlm_unavailable()
+    got = compute_stages(load_fixture(SCENARIO_FILE), setting, vision=no_vision is None)
     golden = load_fixture(GOLDEN_FILE)
-    rows = [ParityRow(stage, relative_error(got[stage], golden[stage]), tolerance(tdtype, _quantity(stage)))
-            for stage in golden]
+    rows = []
+    for stage in golden:
+        bound = _tolerance(stage, tdtype)
+        if no_vision is not None and stage in parity_stages.VLM:
+            rows.append(ParityRow(stage, math.nan, bound, skipped=no_vision))
+        else:
+            rows.append(ParityRow(stage, relative_error(got[stage], golden[stage]), bound))
     return chosen, rows
 
 
@@ -264,9 +294,12 @@ def format_table(backend: str, dtype: str, kernel: str, rows: list[ParityRow]) -
     lines = [f"parity: device {backend}, dtype {dtype}, kernel {kernel}",
              f"{'stage':34} {'rel. error':>11} {'tolerance':>10}  result"]
     for r in rows:
-        lines.append(f"{r.stage:34} {r.error:11.3e} {r.tolerance:10.1e}  {'pass' if r.passed else 'FAIL'}")
-    failed = sum(not r.passed for r in rows)
-    lines.append(f"{len(rows) - failed} passed, {failed} failed")
+        result = "skipped" if r.skipped else "pass" if r.passed else "FAIL"
+        lines.append(f"{r.stage:34} {'-' if r.skipped else f'{r.error:.3e}':>11} {r.tolerance:10.1e}  {result}")
+    failed, skipped = sum(not r.passed for r in rows), sum(r.skipped is not None for r in rows)
+    lines += [f"vlm/*: {why}" for why in dict.fromkeys(r.skipped for r in rows if r.skipped)]
+    tail = f", {skipped} skipped" if skipped else ""
+    lines.append(f"{len(rows) - failed - skipped} passed, {failed} failed{tail}")
     return "\n".join(lines)
 
 
@@ -280,7 +313,8 @@ def to_json(backend: str, dtype: str, kernel: str, rows: list[ParityRow]) -> dic
         "torch": torch_build(),
         "packages": package_versions(),
         "passed": all(r.passed for r in rows),
-        "stages": [{"stage": r.stage, "error": r.error, "tolerance": r.tolerance, "passed": r.passed} for r in rows],
+        "stages": [{"stage": r.stage, "error": None if r.skipped else r.error, "tolerance": r.tolerance,
+                    "passed": r.passed, **({"skipped": r.skipped} if r.skipped else {})} for r in rows],
     }
 
 
@@ -294,7 +328,6 @@ def main_cli(argv: list[str]) -> int:
     p.add_argument("--json", dest="json_path", help="write the report(s) here")
     args = p.parse_args(argv)
     from portagrpo.backends import get_backend
-    from portagrpo.errors import UserError
     from portagrpo.fileio import check_report_destination, write_report
 
     dtypes, kernels = args.dtype.split(","), args.kernels.split(",")

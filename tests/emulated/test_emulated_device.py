@@ -12,6 +12,7 @@ import torch
 import torch.utils.backend_registration as _registration  # noqa: E402
 
 from portagrpo.tolerances import tolerance
+from portagrpo.tools import parity_stages
 
 # The plugin registers its device through PyTorch's Python device API, which torch 2.7 lacks.
 pytestmark = pytest.mark.skipif(not hasattr(_registration, "_setup_privateuseone_for_python_backend"),
@@ -94,6 +95,21 @@ def test_parity_runs_on_emu(tmp_path):
                 "--json", str(tmp_path / "p.json")], tmp_path)
     reports = json.loads((tmp_path / "p.json").read_text())
     assert len(reports) == 4 and all(r["passed"] and r["device"] == "emu" for r in reports), res.stdout[-2000:]
+    skip = parity_stages.VLM if parity_stages.vlm_unavailable() else set()
+    for r in reports:  # the multi-turn and vision-language stages ran too (issues 35, 36)
+        assert parity_stages.STAGES <= {s["stage"] for s in r["stages"]}
+        assert {s["stage"] for s in r["stages"] if s.get("skipped")} == skip
+
+
+def test_arange_and_a_tensor_of_device_scalars_keep_their_shapes():
+    """torch.arange on the device read as size [0] (its generic kernel resizes an empty tensor through arange.out,
+    which the wrapper never saw), and torch.tensor([device scalars]) failed inside torch; Qwen2.5-VL's vision
+    positions and rope index use both (the parity suite's vision-language stage)."""
+    code = ("import torch; from portagrpo.backends import get_backend; d = get_backend('emu').device(0); "
+            "a = torch.arange(1, 7, 2, device=d); s = torch.tensor([a.sum(), a.max()], device=d); "
+            "print(tuple(torch.arange(4, device=d).shape), tuple(a.shape), s.device.type, s.cpu().tolist())")
+    res = subprocess.run([sys.executable, "-c", code], env=ENV, capture_output=True, text=True, timeout=300)
+    assert res.stdout.strip() == "(4,) (3,) emu [9, 5]", res.stdout[-1000:] + res.stderr[-2000:]
 
 
 def test_cpu_recording_replays_on_emu(tmp_path):

@@ -9,6 +9,8 @@ import pytest
 from npu_sim_env import npu_sim_env
 from test_emulated_device import ENV, FAST, HERE, _metrics, assert_trained_alike, pytestmark  # noqa: F401
 
+from portagrpo.tools import parity_stages
+
 
 def _run(args, cwd, env):
     res = subprocess.run([sys.executable, "-m", "portagrpo", *args], env=env, capture_output=True, text=True,
@@ -40,6 +42,10 @@ def test_parity_runs_on_the_simulated_npu(tmp_path):
                 "--json", str(tmp_path / "p.json")], tmp_path, env)
     reports = json.loads((tmp_path / "p.json").read_text())
     assert len(reports) == 4 and all(r["passed"] and r["device"] == "npu" for r in reports), res.stdout[-2000:]
+    skip = parity_stages.VLM if parity_stages.vlm_unavailable() else set()
+    for r in reports:  # the multi-turn and vision-language stages ran too (issues 35, 36)
+        assert parity_stages.STAGES <= {s["stage"] for s in r["stages"]}
+        assert {s["stage"] for s in r["stages"] if s.get("skipped")} == skip
 
 
 def test_cpu_recording_replays_on_the_simulated_npu(tmp_path):

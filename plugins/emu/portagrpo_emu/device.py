@@ -28,6 +28,7 @@ portagrpo_emu.collectives.
 """
 from __future__ import annotations
 
+import functools
 import weakref
 from typing import Any
 
@@ -304,6 +305,13 @@ def _to_copy(src, kwargs):
         return aten._to_copy.default(inner, **kwargs)  # a host copy: a plain CPU tensor
     idx = STATE.index(target) if target is not None else src.device.index
     return _wrap(aten._to_copy.default(inner, **kwargs), idx)
+
+
+def _scalar_below_python(tensor):
+    """`.item()` reached with the Python key excluded: torch.tensor([device scalars]) reads its items so (the
+    generic fallback cannot take this op there). A host read, as on a GPU."""
+    COUNTERS.sync("item")
+    return tensor._inner.item()
 
 
 def _dropout(args, idx):
@@ -589,6 +597,12 @@ def install(name: str = "emu", module: Any = None, count: int | None = None) -> 
     _register_autocast(lib)
     aten_lib = torch.library.Library("aten", "IMPL")
     aten_lib.impl("copy_", _copy_kernel, "PrivateUse1")
+    # arange's generic kernel fills an empty(0) through arange.out, which resizes the CPU payload but not the
+    # wrapper's shape (torch.arange(4, device=...) read as size [0]): run it on the CPU and wrap, as factories.
+    for qual, op in (("arange", aten.arange.default), ("arange.start", aten.arange.start),
+                     ("arange.start_step", aten.arange.start_step)):
+        aten_lib.impl(qual, functools.partial(_factory_fallback, op), "PrivateUse1")
+    aten_lib.impl("_local_scalar_dense", _scalar_below_python, "PrivateUse1")
     _KEEP.append(aten_lib)
     _KEEP.append(lib)
     _INSTALLED = True
