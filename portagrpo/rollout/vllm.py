@@ -33,6 +33,7 @@ from portagrpo.rollout.engines import (
 from portagrpo.rollout.vllm_images import VisionSpec, check_context, check_expanded, vision_requests, vllm_prompt
 from portagrpo.rollout.vllm_parts import (  # noqa: F401 - also this module's public names
     LOGPROBS_MODE,
+    CpuGemmWeights,
     PolicyWeights,
     SleepState,
     TensorParallel,
@@ -328,6 +329,7 @@ class VLLMRollout:
                                 **extra,  # generation_config="vllm": no sampling defaults from the model's file
                                 **({"additional_config": additional} if additional else {}))
         self.state = SleepState()
+        self.in_place = None if fp8 else CpuGemmWeights.of(self._model)  # vLLM's CPU build
         self._sleep()  # hand the memory to training until the first rollout
 
     def _sleep(self) -> None:
@@ -364,6 +366,8 @@ class VLLMRollout:
             from portagrpo.rollout.fp8 import fp8_checkpoint
 
             count = self._reload_layerwise(fp8_checkpoint(named, self.dtype))
+        elif self.in_place is not None:  # into the weights its CPU GEMMs are prepared from, in place
+            count = self.in_place.load(named)
         elif self.layerwise:
             count = self._reload_layerwise(named)
         else:

@@ -1,6 +1,7 @@
 """The parts of the vLLM engine (rollout/vllm.py) that need no vLLM: sampling settings and log-probs as vLLM
 takes and returns them, weight buckets, tensor-parallel groups under the external launcher, the random streams,
-the sleep pools, the trainer's process state around an engine build, and the policy's weights for a reload."""
+the sleep pools, the trainer's process state around an engine build, the policy's weights for a reload, and the
+push into the weights of vLLM's CPU GEMMs (which imports vLLM's layer classes when the engine is built)."""
 from __future__ import annotations
 
 import contextlib
@@ -203,3 +204,75 @@ class PolicyWeights:
         finally:
             if self.lora:
                 self.policy.unmerge_adapter()
+
+
+class CpuGemmWeights:
+    """The push on vLLM's CPU build, in place. There each unquantized linear layer and the LM head compute with a
+    GEMM prepared when the weights are processed (vllm/model_executor/layers/utils.py:
+    `dispatch_cpu_unquantized_gemm`): oneDNN's blocked copy of the weight, held inside a oneDNN handle (or sgl's
+    packed tensor, or zentorch's), after which a linear layer's own weight is dropped. vLLM's layerwise reload
+    replaces such weights by rebuilding every layer from meta tensors, loading it, processing it and copying the
+    result back (4.7x to 15x a copy of the weights, docs/benchmarks.md). Here instead each such layer keeps its weight
+    in checkpoint layout, restored once (empty) from the metadata vLLM records for its reload, with its weight
+    loader: a push loads the tensors into those weights through the model's own `load_weights` (one copy each,
+    fused and sharded as vLLM loads a checkpoint) and prepares each GEMM again from its weight with vLLM's dispatch.
+    What remains above one copy is that preparation, oneDNN's reorder into its blocked layout (docs/benchmarks.md):
+    the handle is opaque, so nothing can be copied into it in place. The embedding's own GEMM (unused: it only
+    looks tokens up) is not prepared again. Costs one more copy of the linear weights in memory."""
+
+    def __init__(self, model, gemm_layers: list, dispatch) -> None:
+        self.model, self.gemm_layers, self.dispatch = model, gemm_layers, dispatch
+
+    @classmethod
+    def of(cls, get_model) -> "CpuGemmWeights | None":
+        """For the model (`get_model()`, asked once vLLM's parts are found) that vLLM's CPU build processed with
+        unquantized GEMMs only; None elsewhere (another platform, a quantized layer, a vLLM without these parts),
+        where the engine's other paths load the weights."""
+        try:
+            from vllm.model_executor.layers.linear import LinearBase, UnquantizedLinearMethod
+            from vllm.model_executor.layers.utils import dispatch_cpu_unquantized_gemm
+            from vllm.model_executor.layers.vocab_parallel_embedding import (
+                ParallelLMHead,
+                UnquantizedEmbeddingMethod,
+                VocabParallelEmbedding,
+            )
+            from vllm.model_executor.model_loader.reload.layerwise import get_layerwise_info
+            from vllm.model_executor.model_loader.reload.meta import materialize_meta_tensor
+            from vllm.model_executor.model_loader.reload.sanitize import restore_layer_refs
+        except ImportError:
+            return None
+        model = get_model()
+        plain = (UnquantizedLinearMethod, UnquantizedEmbeddingMethod)
+        layers = [m for m in model.modules() if isinstance(m, (LinearBase, VocabParallelEmbedding))]
+        packed = [m for m in layers if hasattr(m, "cpu_linear")]
+        if not packed or not all(isinstance(getattr(m, "quant_method", None), plain) for m in layers):
+            return None
+        dropped = {m: get_layerwise_info(m) for m in packed if m.weight.numel() == 0}  # packed, weight dropped
+        metas = {m: info.restore_metadata[0].get("weight") for m, info in dropped.items()}
+        if not all(meta is not None and meta.is_meta for meta in metas.values()):
+            return None
+        for layer, meta in metas.items():  # its checkpoint-layout weight again (empty until the first push), its
+            with dropped[layer].restore_device:  # loader bound to the layer (the metadata holds it unbound)
+                layer.weight = restore_layer_refs(materialize_meta_tensor(meta), layer)
+        # the GEMMs vLLM computes with: linear layers (except those it keeps on plain weights, e.g. MLA's kv_b_proj)
+        # and the LM head; an embedding's own is never used
+        gemm = [m for m in packed if isinstance(m, ParallelLMHead) or (
+            isinstance(m.quant_method, UnquantizedLinearMethod) and not getattr(m, "_cpu_skip_gemm_dispatch", False))]
+        return cls(model, gemm, dispatch_cpu_unquantized_gemm)
+
+    @torch.no_grad()
+    def load(self, named: Iterable[tuple[str, torch.Tensor]]) -> int:
+        """Every tensor into the kept weights, then every GEMM prepared again from them; returns the tensor count."""
+        count = 0
+
+        def counted():
+            nonlocal count
+            for pair in named:
+                count += 1
+                yield pair
+
+        self.model.load_weights(counted())
+        for layer in self.gemm_layers:
+            self.dispatch(layer, remove_weight=False)
+        return count
+
