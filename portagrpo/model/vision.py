@@ -30,6 +30,13 @@ IMAGE_IN_PROMPT = VISION_START + IMAGE_PAD + VISION_END
 TINY_MIN_PIXELS, TINY_MAX_PIXELS = 56 * 56, 112 * 112
 
 
+# The first transformers whose Qwen2.5-VL this module runs, computing what the parity golden does: 4.x lacks the API
+# called here (get_image_features(..., return_dict=True), get_rope_index taking token types, the PIL image
+# processor); up to 5.5.3 a still image's multimodal rotary positions were scaled as a video's (transformers issue
+# 45325, fixed in 5.5.4).
+VL_MIN_TRANSFORMERS = "5.5.4"
+
+
 class VisionError(UserError, ValueError):
     """A vision-language setting or row that cannot run."""
 
@@ -70,9 +77,35 @@ def _processor_class():
 _PROCESSOR = None
 
 
+def transformers_version() -> str:
+    """The installed transformers' version (read here, in one place, so a test can stand in another)."""
+    import transformers
+
+    return transformers.__version__
+
+
+def vision_support_problem() -> str | None:
+    """Why this environment's transformers cannot run a vision-language policy, in one sentence; None if it can."""
+    from packaging.version import Version
+
+    have = transformers_version()
+    if Version(have) >= Version(VL_MIN_TRANSFORMERS):
+        return None
+    return (f"a vision-language policy needs transformers {VL_MIN_TRANSFORMERS} or newer and this environment has "
+            f"{have} (4.x lacks the Qwen2.5-VL API portagrpo calls; up to 5.5.3 a still image's rotary positions "
+            f"were placed as a video's); install transformers>={VL_MIN_TRANSFORMERS}.")
+
+
+def require_vision_support() -> None:
+    problem = vision_support_problem()
+    if problem is not None:
+        raise VisionError(problem)
+
+
 def build_tiny_processor(tokenizer=None):
     """Qwen2.5-VL's processor of the VL tokenizer and a `Qwen2VLImageProcessor` (its PIL version) with small
     images (56x56 to 112x112 pixels)."""
+    require_vision_support()
     from transformers import Qwen2VLImageProcessorPil
 
     image = Qwen2VLImageProcessorPil(min_pixels=TINY_MIN_PIXELS, max_pixels=TINY_MAX_PIXELS, patch_size=14,
@@ -84,6 +117,7 @@ def build_tiny_processor(tokenizer=None):
 def build_tiny_vl_model(tiny, tokenizer, seed: int):
     """A random-init `Qwen2_5_VLForConditionalGeneration`: the text part sized by `model.tiny` (head dim
     hidden/heads), a vision tower of depth 2, width 32, patch 14 and spatial merge 2."""
+    require_vision_support()
     from transformers import Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration
 
     ids = {name: tokenizer.convert_tokens_to_ids(tok) for name, tok in [
@@ -311,6 +345,7 @@ def has_processor(path: str | Path | None) -> bool:
 
 
 def load_processor(path: str | Path, field: str = "model.path"):
+    require_vision_support()
     from transformers import AutoProcessor
 
     _processor_class()  # the image-only processor a tiny model is saved with

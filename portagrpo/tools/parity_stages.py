@@ -24,6 +24,7 @@ from portagrpo.algo.objective import Objective, Shaping, shape_and_advantage, to
 from portagrpo.batch import RolloutBatch
 from portagrpo.kernels import logprob_impl
 from portagrpo.model.scorer import ResponseScorer, response_stats
+from portagrpo.model.vision import VL_MIN_TRANSFORMERS as VISION_MIN
 
 # stage -> the quantity whose tolerance it takes (portagrpo/tolerances.py)
 QUANTITY = {"multi_turn/logprob": "logprob", "multi_turn/adv": "advantage", "multi_turn/total_loss": "loss",
@@ -33,10 +34,8 @@ QUANTITY = {"multi_turn/logprob": "logprob", "multi_turn/adv": "advantage", "mul
 EXACT = {"multi_turn/tool_span_grad"}
 STAGES = set(QUANTITY) | EXACT
 VLM = {stage for stage in STAGES if stage.startswith("vlm/")}
-# The first transformers whose tiny Qwen2.5-VL computes what the golden's does. 4.x lacks the API model/vision.py
-# calls (get_image_features(..., return_dict=True), get_rope_index taking token types); up to 5.5.3 a still
-# image's multimodal rotary positions were scaled as a video's are (fixed in 5.5.4: transformers issue 45325).
-VL_MIN_TRANSFORMERS = "5.5.4"
+# the first transformers whose tiny Qwen2.5-VL computes what the golden's does (model/vision.py says why)
+VL_MIN_TRANSFORMERS = VISION_MIN
 
 
 class Setting(Protocol):
@@ -178,10 +177,11 @@ def multi_turn_stages(scn: dict[str, torch.Tensor], s: Setting, policy: torch.nn
 
 def vlm_unavailable() -> str | None:
     """Why this stack's transformers cannot run the vision-language stage against the golden, or None."""
-    import transformers
     from packaging.version import Version
 
-    have = transformers.__version__
+    from portagrpo.model.vision import transformers_version
+
+    have = transformers_version()
     if Version(have) >= Version(VL_MIN_TRANSFORMERS):
         return None
     return (f"skipped on transformers {have}: the vision-language stage needs {VL_MIN_TRANSFORMERS} or newer (4.x "

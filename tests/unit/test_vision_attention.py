@@ -17,6 +17,7 @@ from portagrpo.backends.cuda import CUDABackend
 from portagrpo.backends.npu import NPU_ATTENTION, NPUBackend, npu_attention_forward, register_npu_attention
 from portagrpo.backends.npu_varlen import NPU_VISION_ATTENTION, npu_varlen_attention_forward
 from portagrpo.backends.probe import RuntimeProbe
+from portagrpo.model.vision import vision_support_problem
 from portagrpo.tolerances import assert_close
 
 SIM = Path(__file__).resolve().parents[2] / "plugins" / "npu_sim" / "torch_npu" / "attention.py"
@@ -181,6 +182,7 @@ def _features(model, pixels, grids):
         return torch.cat(vl_body(model).get_image_features(pixels, grids, return_dict=True).pooler_output)
 
 
+@pytest.mark.skipif(vision_support_problem() is not None, reason=str(vision_support_problem()))
 def test_a_vl_policy_loads_with_the_backends_vision_attention_and_matches_eager(tmp_path):
     """load_model(vision_attention=...) sets the tower's attention, the language model keeps the decoder's; the
     tower on the decoder adapter (what a VL model loaded with npu_fusion alone gets: one call per window) and on

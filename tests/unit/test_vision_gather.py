@@ -13,6 +13,9 @@ from portagrpo.data.records import PromptRecord  # noqa: E402
 from portagrpo.model import vision  # noqa: E402
 from portagrpo.model.vision_gather import gather_images  # noqa: E402
 
+pytestmark = pytest.mark.skipif(vision.vision_support_problem() is not None,
+                                reason=str(vision.vision_support_problem()))
+
 
 class ThreadComm:
     """K ranks as K threads of one process: all-gathers meet at a barrier."""

@@ -13,6 +13,7 @@ pytest.importorskip("PIL")
 from PIL import Image  # noqa: E402
 
 from portagrpo.errors import UserError  # noqa: E402
+from portagrpo.model.vision import vision_support_problem  # noqa: E402
 from portagrpo.rollout.engines import SamplingParams  # noqa: E402
 from portagrpo.rollout.vllm_images import ImageGeometry, VisionPrompt, check_expanded, unpatch  # noqa: E402
 
@@ -25,6 +26,8 @@ VL = ["trainer.progress_bar=false", "rollout.engine=vllm", "model.tiny.vision=tr
       "actor.ppo_mini_batch_size=16", "actor.micro_batch_size=8", "data.max_response_length=6",
       "trainer.test_freq=0", "actor.use_kl_loss=false", "rollout.temperature=0.8"]
 PARAMS = SamplingParams(6, 0.8)
+
+pytestmark = pytest.mark.skipif(vision_support_problem() is not None, reason=str(vision_support_problem()))
 
 
 @pytest.fixture()
