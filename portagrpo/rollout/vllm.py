@@ -376,6 +376,8 @@ class VLLMRollout:
                 model.load_weights(bucket)  # positional: one model class names the argument all_weights
                 count += 1
                 bucket.clear()  # drop this bucket's gathered tensors before the next ones are gathered
+        if not self.sleep_mode:  # KV blocks cached under the old weights (a level-2 sleep clears them)
+            self.llm.reset_prefix_cache()
         self.needs_weights = False
         return count
 

@@ -350,6 +350,12 @@ class FakeLLM:
             dist.all_gather_object(parts, local, group=self.tp_group)  # the forward's all-reduce
         return int(sum(parts) * 1e3) % 2**31
 
+    def reset_prefix_cache(self, reset_running_requests=False, reset_connector=False):
+        """vLLM forgets which prompt blocks its KV cache holds (its sleep does too); what a stale prefix cache would
+        serve after a push is checked against real vLLM only (tests/real_vllm)."""
+        self.prefix_cache_resets = getattr(self, "prefix_cache_resets", 0) + 1
+        return True
+
     def sleep(self, level=1):
         if self.asleep:
             self.log.append(("sleep-ignored", level))
