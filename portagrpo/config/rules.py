@@ -275,11 +275,15 @@ def rollout_mode_problems(cfg: Config) -> list[str]:
     if r.mode == "sync":
         return []
     p = []
-    if r.engine != "hf":
-        engine = {"vllm": "vLLM"}.get(r.engine, f"the {r.engine} engine")
-        p.append(f"rollout.mode={r.mode} runs the hf engine in a sampler process of its own, and portagrpo has not "
-                 f"built it for rollout.engine={r.engine} (a limit of portagrpo, not of {engine}); use "
-                 f"rollout.mode=sync with rollout.engine={r.engine}, or rollout.engine=hf to overlap.")
+    if r.engine not in ("hf", "vllm"):
+        p.append(f"rollout.mode={r.mode} runs the hf engine in a sampler process of its own (or vLLM's), and "
+                 f"portagrpo has not built it for rollout.engine={r.engine} (a limit of portagrpo, not of the "
+                 f"{r.engine} engine); use rollout.mode=sync with rollout.engine={r.engine}, or rollout.engine=hf or "
+                 f"vllm to overlap.")
+    if r.engine == "vllm" and r.tensor_model_parallel_size > 1:
+        p.append(f"rollout.mode={r.mode} with rollout.tensor_model_parallel_size={r.tensor_model_parallel_size} is not "
+                 f"built: each rank's sampler process holds a whole vLLM engine of its own (a limit of portagrpo, not "
+                 f"of vLLM); use rollout.tensor_model_parallel_size=1, or rollout.mode=sync.")
     if cfg.algorithm.filter_groups.enable:
         p.append(f"rollout.mode={r.mode} with algorithm.filter_groups.enable=true is not built (DAPO's extra "
                  f"sampling rounds would wait on the sampler process); use rollout.mode=sync for DAPO.")

@@ -1,12 +1,13 @@
 """The sampler in a process of its own (`rollout.mode: one_step_off`).
 
-The process holds its own copy of the policy (`SamplerCopy`: rollout.precision fp32, bf16 or int8) and
-answers two messages, in the order they were sent: new weights (loaded, then requantized) and a
-generation request (prompts, sampling settings and the request's seed, which the process seeds its
-generator with, so a request's tokens depend only on the weights, the prompts and that seed). The
-trainer sends the weights after each update and the next request right after taking a batch, so the
-process samples batch k+1 while the trainer updates on batch k. One thread per process unless
-trainer.num_threads says.
+The process holds its own copy of the policy: with rollout.engine=hf a `SamplerCopy` (rollout.precision fp32,
+bf16 or int8), with rollout.engine=vllm a vLLM engine (`VLLMRollout`, in model.dtype) built from the run's initial
+model. It answers two messages, in the order they were sent: new weights (loaded, then requantized or prepared
+for vLLM's kernels) and a generation request (prompts, sampling settings and the request's seed, which the
+process seeds its generators with, so a request's tokens depend only on the weights, the prompts and that seed;
+vLLM samples from those generators too). The trainer sends the weights after each update and the next request
+right after taking a batch, so the process samples batch k+1 while the trainer updates on batch k. One thread
+per process unless trainer.num_threads says.
 
 What travels, and how, so that nothing outlives the processes (a kill -9 of the run leaves nothing in
 /dev/shm or /tmp) and a push costs one host copy in the sampler's precision:
@@ -34,6 +35,7 @@ import torch
 from portagrpo.errors import UserError
 from portagrpo.procs import sigint_ignored
 from portagrpo.rollout.engines import Sampled, SamplingParams, hf_weight_names
+from portagrpo.rollout.vllm_parts import seed_streams
 
 
 @dataclass(frozen=True)
@@ -48,6 +50,45 @@ class SamplerSpec:
     threads: int
     device: str = "cpu"  # "cpu", or an accelerator's "type:index"
     backend: str = "cpu"  # imported in the process first (a vendor's torch plugin registers its device)
+    engine: str = "hf"  # hf: a SamplerCopy in `precision`; vllm: a VLLMRollout built with the keywords `vllm`
+    vllm: dict | None = None
+
+    @property
+    def weights_dtype(self) -> torch.dtype:
+        """What the process's copy holds, so what pushes are staged in: the copy's precision, or vLLM's dtype."""
+        if self.engine == "vllm":
+            return getattr(torch, self.vllm["dtype"])
+        from portagrpo.rollout.sampler_copy import SamplerCopy
+
+        return SamplerCopy.PRECISIONS[self.precision]
+
+
+def vllm_engine_kwargs(settings, backend, policy, eos_ids: list[int], model_path: str, rank: int) -> dict:
+    """The keywords the sampler process builds its `VLLMRollout` with: what `VLLMRollout.from_run` gives the
+    trainer's engine, for one engine of its own per rank (no tensor parallelism, no sleep: the process has its
+    device to itself). What vLLM's build would refuse from inside the process is refused here first, in one
+    sentence: the installed versions, the head size, raw log-probs under a correction that needs processed ones."""
+    from portagrpo.rollout.vllm import (
+        _import_vllm,
+        check_head_size,
+        check_sampler_logprobs,
+        check_versions,
+        fp8_allowed,
+        installed_vllm,
+    )
+
+    if installed_vllm() is None:
+        _import_vllm()  # not installed: the import fails, with the install hint
+    plugin = backend.spec.vllm_plugin
+    check_versions(plugin)
+    config = policy.config
+    check_head_size(backend, config.get_text_config() if hasattr(config, "get_text_config") else config, settings)
+    check_sampler_logprobs(plugin, settings.sampling, settings.correction_uses)
+    tied = bool(getattr(config, "tie_word_embeddings", False))
+    return dict(model_path=model_path, dtype=settings.vllm_dtype, seed=settings.seed + 7919 * rank,
+                gpu_memory_utilization=settings.vllm_gpu_memory_utilization, bucket_mb=settings.vllm_weight_bucket_mb,
+                max_model_len=settings.max_model_len, tied_embeddings=tied, eos_ids=list(eos_ids), plugin=plugin,
+                fp8=fp8_allowed(settings.precision, backend, policy), sleep_mode=False, env=dict(backend.spec.vllm_env))
 
 
 def _send(conn, message: tuple) -> None:
@@ -145,18 +186,47 @@ class StagedWeights:
 
 
 def _build_sampler(spec: SamplerSpec):
+    """(engine, where it samples)."""
     from portagrpo.backends import get_backend
     from portagrpo.model.loading import load_model
     from portagrpo.rollout.sampler_copy import SamplerCopy
 
     backend = get_backend(spec.backend)
+    if spec.engine == "vllm":
+        return _build_vllm(spec, backend), spec.device
     if spec.device != "cpu":
         backend.set_device(torch.device(spec.device).index)
     # The backend prepares, in this process too, the attention it chose in the trainer's: a vendor kernel it
     # registers with transformers when chosen (Ascend's npu_fusion) exists only in the process that chose it.
     attn = backend.attention_implementation(spec.attn, SamplerCopy.PRECISIONS[spec.precision])
     model = load_model(spec.model_path, attn).to(spec.device)
-    return SamplerCopy(model, spec.tokenizer, spec.precision, tied_embeddings=spec.tied_embeddings)
+    engine = SamplerCopy(model, spec.tokenizer, spec.precision, tied_embeddings=spec.tied_embeddings)
+    return engine, str(next(engine.master.parameters()).device)
+
+
+# The launcher's variables, which this process inherits from its rank: vLLM's engine here is a world of its own
+# (the uni-process executor), never a member of the trainers' process group.
+LAUNCHER_ENV = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK", "MASTER_ADDR", "MASTER_PORT")
+
+
+def _build_vllm(spec: SamplerSpec, backend):
+    """A vLLM engine on the sampler's device, loaded with the run's initial model through the engine's own push.
+    On an accelerator the process sees only that device (the backend's visible-devices variable, set before
+    anything here touches the device): vLLM's single-process executor places its engine on device 0."""
+    from portagrpo.model.loading import load_model
+    from portagrpo.rollout.vllm import VLLMRollout
+
+    for name in LAUNCHER_ENV:
+        os.environ.pop(name, None)
+    if spec.device != "cpu" and backend.spec.visible_devices_env:
+        var, index = backend.spec.visible_devices_env[0], torch.device(spec.device).index
+        seen = [d for d in os.environ.get(var, "").split(",") if d.strip()]
+        os.environ[var] = seen[index] if seen else str(index)
+    engine = VLLMRollout(None, spec.tokenizer, None, **spec.vllm)
+    initial = load_model(spec.model_path, spec.attn)  # built with dummy weights: v0 is the run's initial model
+    engine.update_weights(initial.state_dict().items())
+    del initial
+    return engine
 
 
 def serve(spec: SamplerSpec, conn, weights_fd: int, parent_pid: int) -> None:
@@ -174,8 +244,8 @@ def serve(spec: SamplerSpec, conn, weights_fd: int, parent_pid: int) -> None:
     exit_with_parent(parent_pid, "sampler process")
     torch.set_num_threads(spec.threads)
     try:
-        engine = _build_sampler(spec)
-        _send(conn, ("ready", str(next(engine.master.parameters()).device)))
+        engine, device = _build_sampler(spec)
+        _send(conn, ("ready", device))
     except BaseException:  # noqa: BLE001 - reported to the trainer, which stops with it
         _send(conn, ("error", traceback.format_exc()))
         return
@@ -192,7 +262,7 @@ def serve(spec: SamplerSpec, conn, weights_fd: int, parent_pid: int) -> None:
                 _send(conn, ("loaded", engine.update_weights(staged.tensors(*payload))))
             else:
                 ids, mask, params, seed = payload
-                torch.manual_seed(seed)
+                seed_streams(seed)  # torch's generators (the hf engine's), and Python's and NumPy's (vLLM's too)
                 sampled = engine.generate(ids.to(spec.device), mask.to(spec.device), params)
                 _send(conn, ("sampled", Sampled(*(None if t is None else t.cpu() for t in sampled))))
         except BaseException:  # noqa: BLE001
@@ -209,12 +279,10 @@ class SamplerProcess:
     def __init__(self, spec: SamplerSpec, pad_id: int) -> None:
         import multiprocessing
 
-        from portagrpo.rollout.sampler_copy import SamplerCopy
-
         ctx = multiprocessing.get_context("spawn")  # a fresh interpreter: no forked torch threads or process groups
         self.conn, child_conn = ctx.Pipe(duplex=True)
         self.staging = Staging()
-        self.dtype = SamplerCopy.PRECISIONS[spec.precision]  # what the process's copy holds: pushes come in it
+        self.dtype = spec.weights_dtype  # what the process's copy holds: pushes come in it
         self.tied = spec.tied_embeddings
         self.pad_id = pad_id
         self.process = ctx.Process(target=serve, args=(spec, child_conn, _InheritedFd(self.staging.fd), os.getpid()),

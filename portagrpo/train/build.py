@@ -272,6 +272,8 @@ def build_optimization(cfg: Config, models: Models, total: int) -> Optimization:
 def build_engine(cfg: Config, runtime: Runtime, models: Models, tokenizer, run_dir: Path,
                  log: Callable[[str], None] | None = None):
     name = runtime.backend.rollout_engine(cfg.rollout.engine)
+    if cfg.rollout.mode != "sync":  # vLLM samples in the sampler process; this engine, the training model's, validates
+        name = "hf"
     if cfg.rollout.tensor_model_parallel_size > 1 and name != "vllm" and log is not None:
         log(f"note: rollout.tensor_model_parallel_size={cfg.rollout.tensor_model_parallel_size} has no effect with "
             f"rollout.engine={name}, which samples on every rank with the training model")
@@ -290,24 +292,34 @@ def build_engine(cfg: Config, runtime: Runtime, models: Models, tokenizer, run_d
 
 
 def build_sampler_process(cfg: Config, runtime: Runtime, models: Models, tokenizer, run_dir: Path):
-    """rollout.mode=one_step_off: this rank's sampler process, holding a copy of the initial policy."""
+    """rollout.mode=one_step_off: this rank's sampler process, holding a copy of the initial policy (the hf engine)
+    or a vLLM engine built from it (rollout.engine=vllm)."""
     if cfg.rollout.mode == "sync":
         return None
+    from portagrpo.paths import resolve_model_path
     from portagrpo.rollout.engines import stop_token_ids
-    from portagrpo.rollout.process import SamplerProcess, SamplerSpec
+    from portagrpo.rollout.process import SamplerProcess, SamplerSpec, vllm_engine_kwargs
     from portagrpo.rollout.sampler_copy import CopySource, int8_refusal
 
     backend, threads = runtime.backend, torch.get_num_threads()
     env = runtime.comm.env
     device = backend.sampler_process_device(env.local_rank, env.local_world_size, cfg.rollout.devices)
     settings = EngineSettings.from_config(cfg)
+    eos = stop_token_ids(tokenizer, models.policy)
+    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else eos[0]
+    init_model = Path(run_dir) / "init_model"
+    if backend.rollout_engine(cfg.rollout.engine) == "vllm":
+        path = str(resolve_model_path(settings.model_path) if settings.model_path else init_model)
+        vllm = vllm_engine_kwargs(settings, backend, models.policy, eos, path, runtime.comm.rank)
+        spec = SamplerSpec(path, "eager", tokenizer, settings.copy_precision, vllm["tied_embeddings"], threads, device,
+                           backend.name, engine="vllm", vllm=vllm)
+        return SamplerProcess(spec, pad_id)
     precision = settings.copy_precision
     if precision == "int8" and not backend.supports_dynamic_quantization():
         raise int8_refusal(backend.name)
-    source = CopySource.of(settings, backend, models.policy, Path(run_dir) / "init_model")
+    source = CopySource.of(settings, backend, models.policy, init_model)
     spec = SamplerSpec(str(source.path), source.attn, tokenizer, precision, source.tied, threads, device, backend.name)
-    eos = stop_token_ids(tokenizer, models.policy)
-    return SamplerProcess(spec, tokenizer.pad_token_id if tokenizer.pad_token_id is not None else eos[0])
+    return SamplerProcess(spec, pad_id)
 
 
 def push_weights(engine, models: Models) -> None:

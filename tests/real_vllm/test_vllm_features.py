@@ -1,8 +1,7 @@
 """The trainer's features with `rollout.engine=vllm` against a real vLLM (the CPU build), each through `portagrpo
 train` as a user runs it: record and replay, token TIS and bypass mode (both weigh the loss with the log-probs vLLM
 reports), DAPO's filter_groups (more sampling rounds without a push in between), two training ranks with an engine
-each, and reward rising on the embedded task. `rollout.mode=one_step_off` with vLLM is refused in one sentence that
-says the limit is portagrpo's.
+each, and reward rising on the embedded task (`rollout.mode=one_step_off` with vLLM: test_one_step_off_vllm.py).
 
 Every run is checked to have sampled with vLLM itself: its log names the engine vLLM built (`Initializing a V1 LLM
 engine (vX)`, once per engine, with the installed version), which the stand-in (tests/standins/fake_vllm.py) never
@@ -146,14 +145,3 @@ def test_reward_rises_on_the_embedded_task_with_vllm(tmp_path):
     for row in rows:
         _sampler_matches_trainer(row)
 
-
-def test_one_step_off_with_vllm_is_refused_as_portagrpos_limit():
-    """The overlapped rollout's sampler process runs the hf engine only. Refused when the config is read, before
-    vLLM is imported, in one sentence that names the engine and says the limit is portagrpo's, not vLLM's."""
-    from portagrpo.config import ConfigError, load_config
-
-    with pytest.raises(ConfigError) as err:
-        load_config(None, ["rollout.engine=vllm", "rollout.mode=one_step_off"])
-    text = str(err.value)
-    assert "\n" not in text.strip() and "rollout.engine=vllm" in text, text
-    assert "limit of portagrpo, not of vLLM" in text and "rollout.mode=sync" in text, text

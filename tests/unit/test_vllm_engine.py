@@ -652,3 +652,15 @@ def test_the_cpu_stand_in_refuses_what_vllms_cpu_build_refuses(cpu_vllm):
         llm.generate([{"prompt_token_ids": [1]}], sampling(n=1, seed=None, temperature=1.0))
     model.lm_head.quant_method.process_weights_after_loading(model.lm_head)
     assert llm.generate([{"prompt_token_ids": [1]}], sampling(n=1, seed=None, temperature=1.0))
+
+
+def test_one_step_off_takes_vllm_and_refuses_tensor_parallel_in_one_sentence():
+    """A vLLM sampler process per rank (tests/real_vllm/test_one_step_off_vllm.py runs it): the config takes it;
+    a tensor-parallel vLLM group across the ranks' sampler processes is not built, which one sentence says."""
+    from portagrpo.config import ConfigError, load_config
+
+    assert load_config(None, ["rollout.engine=vllm", "rollout.mode=one_step_off"]).rollout.mode == "one_step_off"
+    with pytest.raises(ConfigError) as err:
+        load_config(None, ["rollout.engine=vllm", "rollout.mode=one_step_off", "rollout.tensor_model_parallel_size=2"])
+    text = str(err.value).strip()
+    assert "\n" not in text and "rollout.tensor_model_parallel_size=2" in text and "rollout.mode=sync" in text, text
