@@ -355,7 +355,8 @@ class VLLMRollout:
 
     def update_weights(self, state: dict[str, torch.Tensor] | Iterable[tuple[str, torch.Tensor]]) -> int:
         """Load the full weights into the engine from an iterator of (name, tensor) that gathers each tensor when
-        asked. vLLM 0.16+: through its layerwise reload, which holds a layer's tensors until that layer is complete
+        asked. On vLLM's CPU build: in place (CpuGemmWeights), and its prefix cache dropped. Elsewhere, vLLM 0.16+:
+        through its layerwise reload, which holds a layer's tensors until that layer is complete
         (FP8: the weights as a block-FP8 checkpoint); returns the tensor count. Before 0.16: `load_weights` bucket
         by bucket, a bucket's tensors freed once loaded, so at most one bucket of gathered weights exists at a
         time; returns the bucket count. The weights stay mapped (the next thing the engine does is generate); the
