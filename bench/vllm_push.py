@@ -11,7 +11,9 @@ process every push alternates with a floor measurement (`{name: tensor.clone()}`
 floor bench/vs_trl.py reports), so that load from other processes falls on both. Reported per (size, push): the
 medians over rounds of the process's median push, floor and push/floor ratio, and the parts of an in-place push
 (loading the tensors; preparing the GEMMs again, which is oneDNN's reorder of each weight into its blocked layout).
-One torch thread.
+With `--generate 8,32,128` a third run per size times vLLM's generation (that many sequences, 8 per prompt, 32
+tokens each) with its prepared GEMMs against torch's `F.linear` on the kept plain weights (what a push that only
+copied would leave vLLM computing with), alternating the two, in an eager engine. One torch thread.
 """
 from __future__ import annotations
 
@@ -29,6 +31,8 @@ PUSHES = ("in-place", "reload")
 
 
 def worker(spec: dict) -> dict:
+    if spec["push"] == "generate":
+        return generate_worker(spec)
     import torch
     from transformers import AutoModelForCausalLM
 
@@ -69,12 +73,53 @@ def worker(spec: dict) -> dict:
     return out
 
 
+def generate_worker(spec: dict) -> dict:
+    """vLLM's generation with its prepared GEMMs against torch's F.linear on the kept plain weights: an engine of
+    its own, eager (vLLM's compiled forward is traced with the prepared GEMMs' closures, so they cannot be swapped
+    under it), loaded with the policy through the in-place push."""
+    import torch
+    import vllm
+    from transformers import AutoModelForCausalLM
+    from vllm.inputs import TokensPrompt
+
+    from portagrpo.rollout.vllm_parts import CpuGemmWeights, _process_state_kept
+
+    torch.set_num_threads(1)
+    with _process_state_kept():
+        llm = vllm.LLM(model=spec["model"], dtype="float32", max_model_len=128, load_format="dummy", seed=0,
+                       enforce_eager=True, generation_config="vllm")
+    model = llm.llm_engine.model_executor.driver_worker.worker.get_model()
+    gemm = CpuGemmWeights.of(lambda: model)
+    policy = AutoModelForCausalLM.from_pretrained(spec["model"], dtype=torch.float32)
+    gemm.load((n, t) for n, t in policy.state_dict().items() if n != "lm_head.weight")
+    prepared = {layer: layer.cpu_linear for layer in gemm.gemm_layers}
+    out = {}
+    for sequences in spec["generate"]:
+        prompts = [TokensPrompt(prompt_token_ids=[5 + i % 50, 6, 7, 8, 9, 10, 11, 12])
+                   for i in range(max(sequences // 8, 1))]
+        params = vllm.SamplingParams(n=min(sequences, 8), temperature=1.0, max_tokens=32, ignore_eos=True,
+                                     detokenize=False)
+        times: dict[str, list[float]] = {"prepared": [], "plain": []}
+        for i in range(spec["reps"]):
+            for kind in (("prepared", "plain") if i % 2 else ("plain", "prepared")):
+                for layer in gemm.gemm_layers:
+                    layer.cpu_linear = prepared[layer] if kind == "prepared" else torch.nn.functional.linear
+                torch.manual_seed(i)
+                t0 = time.perf_counter()
+                llm.generate(prompts, [params] * len(prompts), use_tqdm=False)
+                times[kind].append(time.perf_counter() - t0)
+        out[str(sequences)] = {kind: statistics.median(ts) for kind, ts in times.items()}
+    return {"generate_s": out}
+
+
 def main(argv: list[str]) -> int:
     p = argparse.ArgumentParser(prog="bench/vllm_push.py", description=__doc__.split("\n\n")[0])
     p.add_argument("--sizes", default="3m,24m")
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--pushes", type=int, default=10)
     p.add_argument("--workdir", default=os.path.join(tempfile.gettempdir(), "portagrpo-vllm-push"))
+    p.add_argument("--generate", default="", help="sequences per generation to time with and without vLLM's "
+                                                     "prepared GEMMs (in-place runs), e.g. 8,32,128")
     p.add_argument("--json", default=None)
     p.add_argument("--worker", default=None, help=argparse.SUPPRESS)
     args = p.parse_args(argv)
@@ -85,7 +130,8 @@ def main(argv: list[str]) -> int:
     from vs_trl import build_workdir
 
     sizes = [s.strip() for s in args.sizes.split(",") if s.strip()]
-    runs = [(size, push) for size in sizes for push in PUSHES]
+    generate = [int(b) for b in args.generate.split(",") if b.strip()]
+    runs = [(size, push) for size in sizes for push in PUSHES + (("generate",) if generate else ())]
     results: dict = {f"{size} {push}": [] for size, push in runs}
     env = {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
            "VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_NO_USAGE_STATS": "1", "VLLM_LOGGING_LEVEL": "WARNING",
@@ -93,7 +139,7 @@ def main(argv: list[str]) -> int:
     models = {size: build_workdir(Path(args.workdir) / size, size, 1, 1)["model"] for size in sizes}
     for i in range(args.rounds):
         for size, push in runs[i % len(runs):] + runs[:i % len(runs)]:
-            spec = {"model": models[size], "push": push, "pushes": args.pushes}
+            spec = {"model": models[size], "push": push, "pushes": args.pushes, "generate": generate, "reps": 4}
             res = subprocess.run([sys.executable, __file__, "--worker", json.dumps(spec)], env=env,
                                  capture_output=True, text=True)
             if res.returncode != 0:
@@ -101,9 +147,19 @@ def main(argv: list[str]) -> int:
             results[f"{size} {push}"].append(json.loads(res.stdout.strip().splitlines()[-1]))
     report = {"command": "python bench/vllm_push.py " + " ".join(argv), "rounds": args.rounds,
               "pushes_per_run": args.pushes, "runs": results,
-              "median": {key: {k: statistics.median(r[k] for r in rows) for k in rows[0]} for key, rows in
-                         results.items()}}
+              "median": {key: {k: statistics.median(r[k] for r in rows) for k in rows[0] if k != "generate_s"}
+                         for key, rows in results.items()}}
+    for key, rows in results.items():
+        if "generate_s" in rows[0]:
+            report["median"][key]["generate_s"] = {
+                b: {kind: statistics.median(r["generate_s"][b][kind] for r in rows) for kind in ("prepared", "plain")}
+                for b in rows[0]["generate_s"]}
     for key, m in report["median"].items():
+        if "push_s" not in m:
+            for b, g in m["generate_s"].items():
+                print(f"{key:14} {b} x 32 tokens: {g['prepared']:.3f} s with vLLM's GEMMs, {g['plain']:.3f} s with "
+                      f"F.linear on plain weights ({g['plain'] / g['prepared']:.2f}x)")
+            continue
         parts = (f", of which loading {m['load_s'] * 1e3:.1f} ms and preparing the GEMMs "
                  f"{m['gemm_prepare_s'] * 1e3:.1f} ms" if "load_s" in m else "")
         print(f"{key:14} ({m['fp32_model_mib']:.1f} MiB): push {m['push_s'] * 1e3:7.1f} ms, floor "

@@ -11,7 +11,9 @@ vLLM: the same calls, as portagrpo's engine makes them, go to the real CPU build
   a log-prob (<= 0) for every sampled token, the n samples distinct;
 - unseeded samples reproduced by reseeding the process's generators (what the trainer relies on: it seeds them
   before every rollout), and changed by another seed; a seeded request reproduced by its seed;
-- the push order the engine uses (layerwise reload, then the tied LM head processed again) followed by a generate.
+- the push order the engine uses where vLLM's weights are not loaded in place (layerwise reload, then the tied LM
+  head processed again; on the CPU build the engine loads in place, checked against the trainer in
+  test_vllm_rollout.py) followed by a generate.
 
 Known, deliberate differences (not compared): the stand-in raises ValueError for the `n` misuse, where vLLM 0.32
 raises VLLMValidationError (not a ValueError; older vLLMs raised ValueError), and nothing in portagrpo catches
