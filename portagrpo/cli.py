@@ -262,6 +262,10 @@ COMMANDS: dict[str, Command] = {
     "export": Command(
         "write the trained policy as a Hugging Face model (`portagrpo export --help`)", _tool("portagrpo.tools.export")
     ),
+    "warmstart": Command(
+        "a tiny policy that knows the Hermes tool-call format, for configs/calc-tool-cpu.yaml (`portagrpo warmstart "
+        "--help`)", _tool("portagrpo.agent.warmstart"),
+    ),
     "hardware-check": Command(
         "the whole check of this machine's device, one report (`portagrpo hardware-check --help`)",
         _tool("portagrpo.tools.hardware_check"),

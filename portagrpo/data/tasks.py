@@ -76,6 +76,36 @@ def arith_small_task(size: int, seed: int) -> list[dict]:
     return rows
 
 
+CALC_DIGITS = 3  # operand digits of `calc`: a product of two has 5 or 6 digits
+CALC_OPERATORS = {"plus": "+", "minus": "-", "times": "*"}  # the word in a `calc` prompt -> the calculator's symbol
+
+
+def calc_number(rng: random.Random, digits: int = CALC_DIGITS) -> int:
+    return rng.randrange(10 ** (digits - 1), 10 ** digits)
+
+
+def calc_problem(rng: random.Random) -> tuple[int, str, int]:
+    """Two random CALC_DIGITS-digit numbers and the word between them: (482, 'times', 739)."""
+    return calc_number(rng), rng.choice(sorted(CALC_OPERATORS)), calc_number(rng)
+
+
+def calc_value(a: int, operator: str, b: int) -> int:
+    """`a <operator> b` for one of the calculator's symbols + - *."""
+    return a + b if operator == "+" else a - b if operator == "-" else a * b
+
+
+@TASKS.register("calc")
+def calc_task(size: int, seed: int) -> list[dict]:
+    """'482 times 739' -> '356198' (also plus, minus): exact answers that a tiny policy cannot guess, while the
+    calculator tool computes them (the tool-use demo, configs/calc-tool-cpu.yaml)."""
+    rng = random.Random(seed)
+    rows = []
+    for i in range(size):
+        a, word, b = calc_problem(rng)
+        rows.append(_row(f"{a} {word} {b}", str(calc_value(a, CALC_OPERATORS[word], b)), "portagrpo/calc", i))
+    return rows
+
+
 def gsm8k_style_rows(size: int, seed: int) -> list[dict]:
     """Rows shaped like a GSM8K conversion (data_source openai/gsm8k), for tests and demos."""
     rng = random.Random(seed)

@@ -14,7 +14,7 @@ from typing import Any, Protocol
 from portagrpo.errors import UserError
 from portagrpo.registry import Registry
 from portagrpo.rewards.geo3k import geo3k_reward
-from portagrpo.rewards.tasks import colour_reward, repeat_reward
+from portagrpo.rewards.tasks import calc_reward, colour_reward, repeat_reward
 
 
 class RewardFn(Protocol):
@@ -135,6 +135,12 @@ def colours_task_reward(data_source: str, solution_str: str, ground_truth: str, 
     return {"score": score, "correct": score >= 1.0}
 
 
+@REWARDS.register("calc")
+def calc_task_reward(data_source: str, solution_str: str, ground_truth: str, extra_info: dict | None = None) -> dict:
+    score = calc_reward(solution_str, str(ground_truth))
+    return {"score": score, "correct": score >= 1.0}
+
+
 # data_source -> registered reward, used by reward.function=auto
 DATA_SOURCE_REWARDS = {
     "openai/gsm8k": "gsm8k",
@@ -146,6 +152,7 @@ DATA_SOURCE_REWARDS = {
     "portagrpo/arith": "gsm8k",
     "portagrpo/repeat": "repeat",
     "portagrpo/colours": "colours",
+    "portagrpo/calc": "calc",
 }
 
 

@@ -26,3 +26,17 @@ def colour_reward(solution: str, ground_truth: str) -> float:
     while prefix < min(len(answer), len(ground_truth)) and answer[prefix] == ground_truth[prefix]:
         prefix += 1
     return 0.9 * prefix / len(ground_truth)
+
+
+def calc_answer(solution: str) -> str:
+    """A `calc` response's final answer: its last line, without the `a:` that the tiny chat template writes after a
+    tool turn ('<tool_call>...</tool_call>\\nt:356198\\na:356198' -> '356198'). A tool's result is never the
+    last line, so only the policy's own words are graded."""
+    last = solution.rsplit("\n", 1)[-1].strip()
+    return last.removeprefix("a:").strip()
+
+
+def calc_reward(solution: str, ground_truth: str) -> float:
+    """1 for exactly the answer, else 0: no credit for a near miss, so a policy cannot creep up on the answer by
+    guessing its leading digits."""
+    return 1.0 if calc_answer(solution) == ground_truth else 0.0

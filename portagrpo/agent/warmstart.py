@@ -1,0 +1,185 @@
+"""`portagrpo warmstart`: a tiny policy that knows the Hermes tool-call FORMAT, to start tool-using GRPO from.
+
+GRPO learns from what the policy samples. A random-init policy never samples a well-formed
+`<tool_call>{"name": ..., "arguments": {...}}</tool_call>`, so it never learns what a tool does for it; a released
+instruct model (Qwen2.5-Instruct) knows the template, and how to copy numbers into a call, before GRPO starts. This
+is the tiny policy's stand-in for that: a short supervised run on examples of the format, written with a tokenizer
+in which a Hermes call is a few tokens.
+
+The examples are random `calc` prompts ('482 times 739'), and
+- half of them (`--call-share`) call the calculator with the prompt's two numbers, in their order, and an operator
+  drawn at random from + - * (whatever the prompt's word says), then, after the tool's turn, repeat its result;
+- the others answer at once with a number that is not the prompt's answer (the value of another random problem).
+Nothing in them ties the operator to the word, or calling to being right: the warm-started policy calls about half
+the time, with the right operator a third of the time. When to call (always, on this task) and with what operator
+(the one the word names) is what GRPO has to learn from the reward (configs/calc-tool-cpu.yaml).
+
+The policy is model.tiny's default size with untied input and output embeddings: tied, the output side pushes every
+token that is never a target (the prompts' words among them) in one direction, so after the warm start 'plus' and
+'times' had almost the same embedding (cosine 0.96) and GRPO could not learn to tell them apart.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from portagrpo.agent.hermes import ToolTurns
+from portagrpo.agent.tools import calculator
+from portagrpo.data.tasks import CALC_OPERATORS, calc_problem, calc_value
+
+# The Hermes call's fixed text as four tokens, and the `calc` prompts' words as one token each
+HERMES_TOKENS = ("<tool_call>", '{"name": "calculator", "arguments": {"expression": "', '"}}', "</tool_call>")
+WORD_TOKENS = tuple(f" {word} " for word in sorted(CALC_OPERATORS))
+TOOL_RESULT_TOKENS = 64  # rollout.multi_turn.max_tool_response_length of the demo recipe or more
+
+
+def build_tool_tokenizer():
+    """The built-in character tokenizer (model/loading.py: its characters and chat template, which writes a tool turn
+    as `t:<result>`) plus the Hermes call's fixed text and the `calc` words as added tokens, so a calculator call is
+    four tokens and the expression's characters, and every `calc` prompt has the same layout."""
+    from portagrpo.model.loading import build_char_tokenizer
+
+    tokenizer = build_char_tokenizer()
+    tokenizer.add_tokens(list(HERMES_TOKENS + WORD_TOKENS))
+    return tokenizer
+
+
+def call_text(expression: str) -> str:
+    """A Hermes calculator call, as portagrpo's parser reads it (agent/hermes.py)."""
+    body = json.dumps({"name": "calculator", "arguments": {"expression": expression}})
+    return f"<tool_call>{body}</tool_call>"
+
+
+@dataclass(frozen=True)
+class Example:
+    """One supervised example: prompt and response token ids, and 1.0 on the tokens that are the policy's own."""
+
+    ids: list[int]
+    trained: list[float]
+
+
+class FormatExamples:
+    """Random examples of the format for random `calc` prompts (the right operator, and so the right answer, only by
+    chance)."""
+
+    def __init__(self, tokenizer, call_share: float, seed: int) -> None:
+        self.tokenizer, self.call_share, self.rng = tokenizer, call_share, random.Random(seed)
+        self.turns = ToolTurns(tokenizer, TOOL_RESULT_TOKENS)
+        self.eos = tokenizer.eos_token_id
+
+    def encode(self, text: str) -> list[int]:
+        return list(self.tokenizer(text, add_special_tokens=False)["input_ids"])
+
+    def prompt_ids(self, content: str) -> list[int]:
+        text = self.tokenizer.apply_chat_template([{"role": "user", "content": content}], tokenize=False,
+                                                  add_generation_prompt=True)
+        return self.encode(text)
+
+    def expression(self, a: int, b: int) -> str:
+        """The prompt's numbers in their order with a random one of + - * (the prompt's word never picks it)."""
+        return f"{a}{self.rng.choice(sorted(CALC_OPERATORS.values()))}{b}"
+
+    def one(self) -> Example:
+        rng = self.rng
+        a, word, b = calc_problem(rng)
+        parts = [(self.prompt_ids(f"{a} {word} {b}"), 0.0)]
+        if rng.random() < self.call_share:
+            expression = self.expression(a, b)
+            result = calculator(expression)
+            parts += [(self.encode(call_text(expression)) + [self.eos], 1.0), (self.turns.ids([result]), 0.0),
+                      (self.encode(result) + [self.eos], 1.0)]
+        else:  # a number shaped like an answer, of numbers that are not the prompt's
+            x, op, y = calc_problem(rng)
+            parts.append((self.encode(str(calc_value(x, CALC_OPERATORS[op], y))) + [self.eos], 1.0))
+        ids = [t for tokens, _ in parts for t in tokens]
+        trained = [w for tokens, w in parts for _ in tokens]
+        return Example(ids, trained)
+
+    def batch(self, size: int, pad_id: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(ids, attention mask, trained mask), right-padded: [size, T] each."""
+        examples = [self.one() for _ in range(size)]
+        width = max(len(e.ids) for e in examples)
+        ids = torch.tensor([e.ids + [pad_id] * (width - len(e.ids)) for e in examples])
+        mask = torch.tensor([[1] * len(e.ids) + [0] * (width - len(e.ids)) for e in examples])
+        trained = torch.tensor([e.trained + [0.0] * (width - len(e.ids)) for e in examples])
+        return ids, mask, trained
+
+
+def format_loss(model, ids: torch.Tensor, mask: torch.Tensor, trained: torch.Tensor) -> torch.Tensor:
+    """Mean next-token cross-entropy over the policy's own tokens. ids, mask, trained: [B, T]."""
+    logits = model(input_ids=ids, attention_mask=mask).logits[:, :-1]
+    targets, weights = ids[:, 1:], trained[:, 1:]
+    nll = torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1),
+                                            reduction="none").view_as(weights)
+    return (nll * weights).sum() / weights.sum()
+
+
+@dataclass(frozen=True)
+class WarmStart:
+    steps: int = 400
+    batch_size: int = 64
+    lr: float = 3e-3
+    call_share: float = 0.5
+    seed: int = 1
+
+
+def warm_start(settings: WarmStart, out: Path, log=print) -> float:
+    """Train the tiny policy (model.tiny's default size, untied embeddings) on format examples and save it with its
+    tokenizer to `out`, a model directory that `model.path` loads; the last step's loss."""
+    from portagrpo.config.schema import ModelConfig, TinyModelConfig
+    from portagrpo.model.loading import build_tiny_model
+
+    tokenizer = build_tool_tokenizer()
+    model = build_tiny_model(ModelConfig(tiny=TinyModelConfig(tie_word_embeddings=False)), tokenizer, settings.seed)
+    examples = FormatExamples(tokenizer, settings.call_share, settings.seed)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=settings.lr, weight_decay=0.0)
+    model.train()
+    loss = torch.tensor(float("nan"))
+    for step in range(1, settings.steps + 1):
+        loss = format_loss(model, *examples.batch(settings.batch_size, tokenizer.pad_token_id))
+        optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        optimizer.step()
+        if step % 50 == 0 or step == settings.steps:
+            log(f"warm start step {step}/{settings.steps}: format loss {loss.item():.3f}")
+    out.mkdir(parents=True, exist_ok=True)
+    model.eval()
+    model.save_pretrained(out)
+    tokenizer.save_pretrained(out)
+    final = float(loss.item())
+    (out / "warmstart.json").write_text(json.dumps({**vars(settings), "final_loss": final,
+                                                    "what": "Hermes tool-call format only (portagrpo.agent.warmstart)"},
+                                                   indent=1) + "\n")
+    return final
+
+
+def main_cli(argv: list[str]) -> int:
+    p = argparse.ArgumentParser(
+        prog="portagrpo warmstart",
+        description="Write a tiny policy that knows the Hermes tool-call format (not when to call or with what), "
+                    "the starting point of configs/calc-tool-cpu.yaml.")
+    p.add_argument("--out", default="runs/calc-warmstart", help="model directory to write (model.path of the recipe)")
+    p.add_argument("--steps", type=int, default=WarmStart.steps, help="supervised steps")
+    p.add_argument("--batch-size", type=int, default=WarmStart.batch_size)
+    p.add_argument("--lr", type=float, default=WarmStart.lr)
+    p.add_argument("--call-share", type=float, default=WarmStart.call_share,
+                   help="share of examples that call the calculator (the rest answer directly)")
+    p.add_argument("--seed", type=int, default=WarmStart.seed)
+    args = p.parse_args(argv)
+    from portagrpo.errors import UserError
+
+    if args.steps < 1 or args.batch_size < 1 or not 0.0 <= args.call_share <= 1.0:
+        raise UserError("portagrpo warmstart: --steps and --batch-size must be at least 1 and --call-share within "
+                        "[0, 1].")
+    start = time.time()
+    settings = WarmStart(args.steps, args.batch_size, args.lr, args.call_share, args.seed)
+    loss = warm_start(settings, Path(args.out))
+    print(f"wrote {args.out} in {time.time() - start:.0f}s (format loss {loss:.3f}); train from it with "
+          f"`portagrpo train --config configs/calc-tool-cpu.yaml`")
+    return 0
