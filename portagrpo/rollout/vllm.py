@@ -39,6 +39,7 @@ from portagrpo.rollout.vllm_parts import (  # noqa: F401 - also this module's pu
     TensorParallel,
     _process_state_kept,
     bucket_tensors,
+    check_head_size,
     raw_is_processed,
     request_groups,
     sampled_logprobs,
@@ -178,25 +179,6 @@ def check_fp8_reload() -> None:
         raise UserError(f"rollout.precision=fp8 reloads FP8 weights through vLLM's layerwise reload, which vLLM "
                         f"0.16 added; {found} has none. Install vLLM 0.16 or newer, or use "
                         f"rollout.precision=auto.") from None
-
-
-def check_head_size(backend, config, settings) -> None:
-    """One sentence, before vLLM is built, for a head size the backend's vLLM attention lacks (vLLM's CPU attention
-    fails inside its first forward otherwise, after the engine was built)."""
-    sizes = backend.spec.vllm_head_sizes
-    heads = getattr(config, "num_attention_heads", None)
-    head = getattr(config, "head_dim", None) or (config.hidden_size // heads if heads else None)
-    if not sizes or head is None or head in sizes:
-        return
-    path = settings.model_path
-    where = (f"model.path={path} has {head}-wide attention heads" if path else
-             f"the built-in model's attention heads are {head} wide (model.tiny.hidden_size="
-             f"{settings.tiny_hidden_size} / model.tiny.num_heads={settings.tiny_num_heads})")
-    fix = ("use a model with heads of those sizes" if path else
-           f"set model.tiny.hidden_size to one of those times model.tiny.num_heads (e.g. "
-           f"model.tiny.hidden_size={min(s for s in sizes if s > 0) * settings.tiny_num_heads})")
-    raise UserError(f"rollout.engine=vllm on --device {backend.name}: {where}, and vLLM's attention there runs head "
-                    f"sizes {', '.join(map(str, sizes))}; {fix}, or use rollout.engine=hf.")
 
 
 def _import_vllm():

@@ -276,3 +276,21 @@ class CpuGemmWeights:
             self.dispatch(layer, remove_weight=False)
         return count
 
+
+def check_head_size(backend, config, settings) -> None:
+    """One sentence, before vLLM is built, for a head size the backend's vLLM attention lacks (vLLM's CPU attention
+    fails inside its first forward otherwise, after the engine was built)."""
+    sizes = backend.spec.vllm_head_sizes
+    heads = getattr(config, "num_attention_heads", None)
+    head = getattr(config, "head_dim", None) or (config.hidden_size // heads if heads else None)
+    if not sizes or head is None or head in sizes:
+        return
+    path = settings.model_path
+    where = (f"model.path={path} has {head}-wide attention heads" if path else
+             f"the built-in model's attention heads are {head} wide (model.tiny.hidden_size="
+             f"{settings.tiny_hidden_size} / model.tiny.num_heads={settings.tiny_num_heads})")
+    fix = ("use a model with heads of those sizes" if path else
+           f"set model.tiny.hidden_size to one of those times model.tiny.num_heads (e.g. "
+           f"model.tiny.hidden_size={min(s for s in sizes if s > 0) * settings.tiny_num_heads})")
+    raise UserError(f"rollout.engine=vllm on --device {backend.name}: {where}, and vLLM's attention there runs head "
+                    f"sizes {', '.join(map(str, sizes))}; {fix}, or use rollout.engine=hf.")
