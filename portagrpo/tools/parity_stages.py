@@ -176,17 +176,15 @@ def multi_turn_stages(scn: dict[str, torch.Tensor], s: Setting, policy: torch.nn
 
 
 def vlm_unavailable() -> str | None:
-    """Why this stack's transformers cannot run the vision-language stage against the golden, or None."""
-    from packaging.version import Version
+    """Why this stack's transformers cannot run the vision-language stage against the golden, or None (the gate
+    of model/vision.py, which refuses a vision-language policy there)."""
+    from portagrpo.model.vision import transformers_version, vision_support_problem
 
-    from portagrpo.model.vision import transformers_version
-
-    have = transformers_version()
-    if Version(have) >= Version(VL_MIN_TRANSFORMERS):
+    if vision_support_problem() is None:
         return None
-    return (f"skipped on transformers {have}: the vision-language stage needs {VL_MIN_TRANSFORMERS} or newer (4.x "
-            f"lacks the Qwen2.5-VL API model/vision.py calls; up to 5.5.3 it placed a still image's rotary positions "
-            f"as a video's)")
+    return (f"skipped on transformers {transformers_version()}: the vision-language stage needs {VL_MIN_TRANSFORMERS} "
+            f"or newer (4.x lacks the Qwen2.5-VL API model/vision.py calls; up to 5.5.3 it placed a still image's "
+            f"rotary positions as a video's)")
 
 
 def _png(size: tuple[int, int], g: torch.Generator) -> bytes:
