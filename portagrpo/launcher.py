@@ -42,7 +42,11 @@ def describe_rank_failures(codes: dict[int, int], nproc: int, reports: list[Rank
     left a report (`procs.report_rank_failure`) is named with its cause: the first rank that failed on its
     own, before those that failed only because it was gone. Ranks the launcher itself stopped (SIGTERM)
     after another failed are named last, as stopped."""
-    if reports:
+    reported = {r.rank for r in reports}
+    # a rank ended by a signal (not the launcher's SIGTERM) without a report is the cause when every report is of
+    # a rank that failed only because a peer was gone (its collective lost that rank)
+    signalled = [r for r, c in codes.items() if c < 0 and c != -signal.SIGTERM and r not in reported]
+    if reports and (not reports[0].peer or not signalled):
         first = reports[0]
         others = sorted(r for r in codes if r != first.rank)
         rest = (f" The other rank{'s' if len(others) > 1 else ''} ({', '.join(map(str, others))}) "

@@ -110,3 +110,18 @@ def test_failure_sentences_for_each_way_a_rank_ends():
                            "status 1; the launcher then stopped ranks 2, 3 (of 4 ranks)")
     assert "(of 4 ranks)" in text
     assert describe_rank_failures({}, 2).startswith("a rank of 2 failed")
+
+
+def test_a_signalled_rank_is_the_cause_over_a_peer_that_only_lost_it():
+    """The SIGABRT test above is a race: the surviving rank may or may not leave its report (its collective lost
+    the peer) before the launcher stops it. With the report there, the rank that died by the signal is still named."""
+    from portagrpo.launcher import describe_rank_failures
+    from portagrpo.procs import RankFailure
+
+    peer = RankFailure(0, 2, "the collective all_gather failed (connection closed by peer)", True, 1.0)
+    text = describe_rank_failures({0: 1, 1: -6}, 2, [peer])
+    assert text.startswith("rank 1 was aborted (SIGABRT)") and "rank 0 exited with status 1" in text
+    own = RankFailure(0, 2, "the reward function failed", False, 1.0)  # a rank's own failure still comes first
+    assert describe_rank_failures({0: 1, 1: -6}, 2, [own]).startswith("rank 0 of 2 failed: the reward function")
+    # a peer report with no signalled rank beside it (the other was stopped by the launcher) is still told
+    assert describe_rank_failures({0: 1, 1: -15}, 2, [peer]).startswith("rank 0 of 2 failed: the collective")
