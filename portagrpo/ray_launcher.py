@@ -99,6 +99,16 @@ class TrainWorker:
             self.trainer.close()
 
 
+PEER_GRACE_S = 30.0  # how long the driver waits for the cause after a worker reports only a lost peer
+
+
+def _lost_a_peer(err: Exception) -> bool:
+    """Whether a worker failed only because another rank was gone (its collective failed: backends/dist.py)."""
+    from portagrpo.backends.dist import PeerFailure
+
+    return isinstance(getattr(err, "cause", None), PeerFailure)
+
+
 def _cause(err: Exception) -> str:
     """The worker's own error in one line: a user error's sentence, else its type and first line."""
     cause = getattr(err, "cause", None)
@@ -204,11 +214,27 @@ class RayRun:
             try:
                 results[i] = ray.get(done[0])
             except (ray.exceptions.RayActorError, ray.exceptions.RayTaskError) as err:
+                if _lost_a_peer(err):  # a rank that failed only because another was gone: name that one instead
+                    i, err = self._own_failure(pending, rank_of) or (i, err)
                 self._stop_workers()  # the others may wait in a collective for the failed one
                 raise UserError(f"Ray worker rank {i} on node {self._node_name(i)} failed during {method}: "
                                 f"{_cause(err)}; resume from the last checkpoint with --resume {self.run_dir}."
                                 ) from err
         return [results[i] for i in range(len(refs))]
+
+    def _own_failure(self, pending: list, rank_of: dict) -> tuple[int, Exception] | None:
+        """The first worker among `pending` that failed on its own, waiting up to PEER_GRACE_S for them: a rank whose
+        error made a peer's collective fail ends at about the same time (it abandons its group)."""
+        import ray
+
+        done, _ = ray.wait(pending, num_returns=len(pending), timeout=PEER_GRACE_S) if pending else ([], [])
+        for ref in sorted(done, key=lambda r: rank_of[r]):
+            try:
+                ray.get(ref)
+            except (ray.exceptions.RayActorError, ray.exceptions.RayTaskError) as err:
+                if not _lost_a_peer(err):
+                    return rank_of[ref], err
+        return None
 
     def _node_name(self, i: int) -> str:
         node = self.nodes[i] if i < len(self.nodes) else {"ip": "?", "host": "?"}

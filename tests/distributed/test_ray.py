@@ -194,3 +194,31 @@ def test_an_error_on_one_worker_stops_every_worker_with_its_cause(tmp_path):
     saved = list_checkpoints(tmp_path / "ray")
     assert saved and all(verify_checkpoint(c) == [] for c in saved)
     assert not ray.is_initialized()
+
+
+def test_a_lost_peer_is_not_named_when_the_rank_that_failed_on_its_own_answers(monkeypatch):
+    """The driver's choice, without a cluster: rank 0's collective lost rank 1 and answered first; rank 1's own
+    error (the reward's) is what the driver names, so the sentence does not depend on which answer came first."""
+    from ray.exceptions import RayTaskError
+
+    from portagrpo.backends.dist import PeerFailure
+    from portagrpo.ray_launcher import RayRun
+
+    errors = {"r0": RayTaskError("step", "tb", PeerFailure("rank 0 of 2: the collective all_gather failed")),
+              "r1": RayTaskError("step", "tb", UserError("the reward function failed on sample 3: boom"))}
+
+    class Worker:
+        def __init__(self, ref):
+            self.step = type("M", (), {"remote": staticmethod(lambda *a: ref)})
+
+    def get(ref):
+        raise errors[ref]
+
+    monkeypatch.setattr(ray, "wait", lambda refs, num_returns=1, timeout=None: (refs[:num_returns], refs[num_returns:]))
+    monkeypatch.setattr(ray, "get", get)
+    monkeypatch.setattr(ray, "kill", lambda *a, **k: None)
+    run = RayRun.__new__(RayRun)
+    run.workers, run.nodes, run.run_dir = [Worker("r0"), Worker("r1")], [{"host": "h", "ip": "127.0.0.1"}] * 2, "run"
+    with pytest.raises(UserError, match=r"^Ray worker rank 1 on node h \(127.0.0.1\) failed during step: the reward "
+                                        r"function failed on sample 3: boom; resume"):
+        run._call("step", False)
