@@ -33,6 +33,7 @@ from portagrpo.rollout.engines import (
 from portagrpo.rollout.vllm_images import VisionSpec, check_context, check_expanded, vision_requests, vllm_prompt
 from portagrpo.rollout.vllm_parts import (  # noqa: F401 - also this module's public names
     LOGPROBS_MODE,
+    Counted,
     CpuGemmWeights,
     PolicyWeights,
     SleepState,
@@ -371,21 +372,14 @@ class VLLMRollout:
         a packed copy and drop the parameter) compute with the new one. A tied LM head receives no weight of its
         own, so the reload does not process it: it is processed again here, from the embedding it shares (a no-op
         off the CPU). Returns the tensor count."""
-        count = 0
-
-        def counted():
-            nonlocal count
-            for pair in named:
-                count += 1
-                yield pair
-
+        counted = Counted(named)
         self.llm.llm_engine.model_executor.driver_worker.worker.reload_weights(
-            weights_iterator=counted(), is_checkpoint_format=True)
+            weights_iterator=iter(counted), is_checkpoint_format=True)
         model = self._model()  # a vision-language model's LM head is its language model's
         head = getattr(model, "lm_head", None) or getattr(getattr(model, "language_model", None), "lm_head", None)
         if self.tied and head is not None and hasattr(head, "quant_method"):
             head.quant_method.process_weights_after_loading(head)
-        return count
+        return counted.count
 
     def _reload(self) -> None:
         """The policy's weights again, for a generate with none loaded since the last sleep discarded them."""

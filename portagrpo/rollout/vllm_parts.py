@@ -263,18 +263,23 @@ class CpuGemmWeights:
     @torch.no_grad()
     def load(self, named: Iterable[tuple[str, torch.Tensor]]) -> int:
         """Every tensor into the kept weights, then every GEMM prepared again from them; returns the tensor count."""
-        count = 0
-
-        def counted():
-            nonlocal count
-            for pair in named:
-                count += 1
-                yield pair
-
-        self.model.load_weights(counted())
+        counted = Counted(named)
+        self.model.load_weights(iter(counted))
         for layer in self.gemm_layers:
             self.dispatch(layer, remove_weight=False)
-        return count
+        return counted.count
+
+
+class Counted:
+    """The (name, tensor) pairs of a push, passed through once to vLLM's loader, counting them."""
+
+    def __init__(self, named: Iterable[tuple[str, torch.Tensor]]) -> None:
+        self.named, self.count = named, 0
+
+    def __iter__(self) -> Iterator[tuple[str, torch.Tensor]]:
+        for pair in self.named:
+            self.count += 1
+            yield pair
 
 
 def check_head_size(backend, config, settings) -> None:
