@@ -17,6 +17,7 @@ layers), read from those sources.
 """
 from __future__ import annotations
 
+import contextlib
 import os
 from dataclasses import dataclass
 from typing import Any, Callable, Iterable
@@ -304,7 +305,9 @@ class VLLMRollout:
             from portagrpo.rollout.fp8 import QUANTIZATION_CONFIG
 
             extra.update(quantization="fp8", hf_overrides={"quantization_config": dict(QUANTIZATION_CONFIG)})
-        with _process_state_kept():
+        # on vLLM's CPU build: every GEMM keeps its weight, small ones compute on it (CpuGemmWeights); else a no-op
+        self._gemm_dispatch = (lambda: contextlib.nullcontext()) if fp8 else CpuGemmWeights.building
+        with _process_state_kept(), self._gemm_dispatch():
             self.llm = vllm.LLM(model=model_path, tokenizer=model_path, dtype=dtype, seed=seed,
                                 gpu_memory_utilization=gpu_memory_utilization, enable_sleep_mode=sleep_mode,
                                 max_model_len=max_model_len, tensor_parallel_size=self.tp.size,
@@ -373,12 +376,13 @@ class VLLMRollout:
         own, so the reload does not process it: it is processed again here, from the embedding it shares (a no-op
         off the CPU). Returns the tensor count."""
         counted = Counted(named)
-        self.llm.llm_engine.model_executor.driver_worker.worker.reload_weights(
-            weights_iterator=iter(counted), is_checkpoint_format=True)
-        model = self._model()  # a vision-language model's LM head is its language model's
-        head = getattr(model, "lm_head", None) or getattr(getattr(model, "language_model", None), "lm_head", None)
-        if self.tied and head is not None and hasattr(head, "quant_method"):
-            head.quant_method.process_weights_after_loading(head)
+        with self._gemm_dispatch():  # layers processed again as they were at the build
+            self.llm.llm_engine.model_executor.driver_worker.worker.reload_weights(
+                weights_iterator=iter(counted), is_checkpoint_format=True)
+            model = self._model()  # a vision-language model's LM head is its language model's
+            head = getattr(model, "lm_head", None) or getattr(getattr(model, "language_model", None), "lm_head", None)
+            if self.tied and head is not None and hasattr(head, "quant_method"):
+                head.quant_method.process_weights_after_loading(head)
         return counted.count
 
     def _reload(self) -> None:

@@ -206,28 +206,81 @@ class PolicyWeights:
                 self.policy.unmerge_adapter()
 
 
+# On vLLM's CPU build a linear layer whose weight is at most this many bytes computes with `F.linear` on its own
+# weight instead of a prepared oneDNN GEMM. Measured (bench/vllm_push.py, docs/benchmarks.md): at decode sizes such
+# weights run as fast plain (0.8x to 1.2x oneDNN's time, single thread, weights streamed from memory) while preparing
+# one costs ~0.2 ms of fixed oneDNN work per layer per push; larger ones run up to 1.65x slower plain, so they stay
+# prepared and are prepared again after each push.
+PLAIN_GEMM_MAX_BYTES = 2 * 2**20
+
+
+def _plain_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    return torch.nn.functional.linear(x, weight, bias)
+
+
 class CpuGemmWeights:
     """The push on vLLM's CPU build, in place. There each unquantized linear layer and the LM head compute with a
     GEMM prepared when the weights are processed (vllm/model_executor/layers/utils.py:
-    `dispatch_cpu_unquantized_gemm`): oneDNN's blocked copy of the weight, held inside a oneDNN handle (or sgl's
-    packed tensor, or zentorch's), after which a linear layer's own weight is dropped. vLLM's layerwise reload
-    replaces such weights by rebuilding every layer from meta tensors, loading it, processing it and copying the
-    result back (4.7x to 15x a copy of the weights, docs/benchmarks.md). Here instead each such layer keeps its weight
-    in checkpoint layout, restored once (empty) from the metadata vLLM records for its reload, with its weight
-    loader: a push loads the tensors into those weights through the model's own `load_weights` (one copy each,
-    fused and sharded as vLLM loads a checkpoint) and prepares each GEMM again from its weight with vLLM's dispatch.
-    What remains above one copy is that preparation, oneDNN's reorder into its blocked layout (docs/benchmarks.md):
-    the handle is opaque, so nothing can be copied into it in place. The embedding's own GEMM (unused: it only
-    looks tokens up) is not prepared again. Costs one more copy of the linear weights in memory."""
+    `dispatch_cpu_unquantized_gemm`): oneDNN's blocked copy of the weight, held inside an opaque oneDNN handle (or
+    sgl's packed tensor, or zentorch's), after which vLLM drops the layer's own weight. vLLM's layerwise reload
+    rebuilds every such layer to change its weights (4.7x to 15x a copy of the weights, docs/benchmarks.md).
 
-    def __init__(self, model, gemm_layers: list, dispatch) -> None:
+    Here, while the engine is built (`building`), vLLM's dispatch is wrapped so that every linear layer keeps its
+    weight in checkpoint layout, and a layer of at most `PLAIN_GEMM_MAX_BYTES` computes with `F.linear` on that
+    weight (nothing to prepare: a push into it is all it needs; vLLM's compiled forward reads the weight as an
+    input). A larger layer keeps vLLM's prepared GEMM, made again from the kept weight after each push.
+
+    A push writes the tensors where vLLM's own loader writes them. The first push goes through the model's
+    `load_weights` and records, for each tensor, the views of the model's weights it was copied into; where every
+    tensor was copied whole into views of the model's weights and nothing changed them after (checked), later pushes
+    copy each tensor straight into its views: one copy each, without the loader's per-tensor work. Otherwise (a
+    loader that shards, transforms or splits a tensor: tensor parallel, some vision towers) every push goes through
+    `load_weights`. The embedding's own GEMM (unused: it only looks tokens up) is never prepared again."""
+
+    def __init__(self, model, gemm_layers: list, dispatch, plain_layers: list | None = None) -> None:
         self.model, self.gemm_layers, self.dispatch = model, gemm_layers, dispatch
+        self.plain_layers = plain_layers or []
+        self.plan: dict[str, list[torch.Tensor]] | None = None  # name -> views it is copied into, once recorded
+        self.recorded = False
+
+    @staticmethod
+    @contextlib.contextmanager
+    def building(plain_max_bytes: int | None = None) -> Iterator[None]:
+        """While vLLM builds an engine in this process: its CPU GEMM dispatch keeps every layer's weight, and gives
+        small layers `F.linear` (see the class). Without vLLM's CPU dispatch (another vLLM, no vLLM) it does nothing."""
+        try:
+            from vllm.model_executor.layers import utils as layer_utils
+            from vllm.model_executor.layers.linear import LinearBase
+            from vllm.model_executor.layers.vocab_parallel_embedding import ParallelLMHead
+        except ImportError:
+            yield
+            return
+        original = getattr(layer_utils, "dispatch_cpu_unquantized_gemm", None)
+        if original is None:
+            yield
+            return
+        limit = PLAIN_GEMM_MAX_BYTES if plain_max_bytes is None else plain_max_bytes
+
+        def dispatch(layer, remove_weight: bool) -> None:
+            weight = layer.weight
+            small = (not weight.is_meta and weight.ndim == 2 and weight.numel() * weight.element_size() <= limit
+                     and isinstance(layer, (LinearBase, ParallelLMHead)))
+            if small:
+                layer.cpu_linear = _plain_linear
+            else:
+                original(layer, remove_weight=False)
+
+        layer_utils.dispatch_cpu_unquantized_gemm = dispatch
+        try:
+            yield
+        finally:
+            layer_utils.dispatch_cpu_unquantized_gemm = original
 
     @classmethod
     def of(cls, get_model) -> "CpuGemmWeights | None":
         """For the model (`get_model()`, asked once vLLM's parts are found) that vLLM's CPU build processed with
-        unquantized GEMMs only; None elsewhere (another platform, a quantized layer, a vLLM without these parts),
-        where the engine's other paths load the weights."""
+        unquantized GEMMs only, built under `building` (every such layer kept its weight); None elsewhere (another
+        platform, a quantized layer, weights dropped), where the engine's other paths load the weights."""
         try:
             from vllm.model_executor.layers.linear import LinearBase, UnquantizedLinearMethod
             from vllm.model_executor.layers.utils import dispatch_cpu_unquantized_gemm
@@ -236,38 +289,110 @@ class CpuGemmWeights:
                 UnquantizedEmbeddingMethod,
                 VocabParallelEmbedding,
             )
-            from vllm.model_executor.model_loader.reload.layerwise import get_layerwise_info
-            from vllm.model_executor.model_loader.reload.meta import materialize_meta_tensor
-            from vllm.model_executor.model_loader.reload.sanitize import restore_layer_refs
         except ImportError:
             return None
         model = get_model()
         plain = (UnquantizedLinearMethod, UnquantizedEmbeddingMethod)
         layers = [m for m in model.modules() if isinstance(m, (LinearBase, VocabParallelEmbedding))]
-        packed = [m for m in layers if hasattr(m, "cpu_linear")]
-        if not packed or not all(isinstance(getattr(m, "quant_method", None), plain) for m in layers):
+        dispatched = [m for m in layers if hasattr(m, "cpu_linear")]
+        if not dispatched or not all(isinstance(getattr(m, "quant_method", None), plain) for m in layers):
             return None
-        dropped = {m: get_layerwise_info(m) for m in packed if m.weight.numel() == 0}  # packed, weight dropped
-        metas = {m: info.restore_metadata[0].get("weight") for m, info in dropped.items()}
-        if not all(meta is not None and meta.is_meta for meta in metas.values()):
+        if any(m.weight.numel() == 0 for m in dispatched):  # built without `building`: vLLM dropped the weights
             return None
-        for layer, meta in metas.items():  # its checkpoint-layout weight again (empty until the first push), its
-            with dropped[layer].restore_device:  # loader bound to the layer (the metadata holds it unbound)
-                layer.weight = restore_layer_refs(materialize_meta_tensor(meta), layer)
         # the GEMMs vLLM computes with: linear layers (except those it keeps on plain weights, e.g. MLA's kv_b_proj)
         # and the LM head; an embedding's own is never used
-        gemm = [m for m in packed if isinstance(m, ParallelLMHead) or (
+        gemm = [m for m in dispatched if isinstance(m, ParallelLMHead) or (
             isinstance(m.quant_method, UnquantizedLinearMethod) and not getattr(m, "_cpu_skip_gemm_dispatch", False))]
-        return cls(model, gemm, dispatch_cpu_unquantized_gemm)
+        return cls(model, [m for m in gemm if m.cpu_linear is not _plain_linear], dispatch_cpu_unquantized_gemm,
+                   [m for m in gemm if m.cpu_linear is _plain_linear])
 
     @torch.no_grad()
     def load(self, named: Iterable[tuple[str, torch.Tensor]]) -> int:
-        """Every tensor into the kept weights, then every GEMM prepared again from them; returns the tensor count."""
-        counted = Counted(named)
-        self.model.load_weights(iter(counted))
+        """Every tensor into the kept weights, then every prepared GEMM made again from them; returns the count."""
+        count = self.write(named)
+        self.prepare()
+        return count
+
+    @torch.no_grad()
+    def write(self, named: Iterable[tuple[str, torch.Tensor]]) -> int:
+        """Every tensor into the model's weights: straight into the recorded views, or through `load_weights` (the
+        first push records the views)."""
+        if self.plan is None:
+            return self._load_recording(named) if not self.recorded else self._load(named)
+        count, seen = 0, set()
+        for name, tensor in named:
+            views = self.plan.get(name)
+            if views is None:
+                raise RuntimeError(f"the weight push sent {name}, which the first push into vLLM did not send")
+            for view in views:
+                view.copy_(tensor)
+            seen.add(name)
+            count += 1
+        if len(seen) != len(self.plan):
+            missing = sorted(set(self.plan) - seen)
+            raise RuntimeError(f"the weight push did not send {', '.join(missing[:5])}, which vLLM's model holds: "
+                               f"the engine would keep their old values")
+        return count
+
+    def prepare(self) -> None:
+        """Each prepared GEMM made again from its layer's kept weight."""
         for layer in self.gemm_layers:
             self.dispatch(layer, remove_weight=False)
+
+    def _load(self, named) -> int:
+        counted = Counted(named)
+        self.model.load_weights(iter(counted))
         return counted.count
+
+    def _load_recording(self, named) -> int:
+        """Through vLLM's loader, recording where each tensor was copied; the plan is kept only if every tensor went
+        whole into views of the model's weights and holds there, unchanged, when the loader is done."""
+        self.recorded = True
+        sent: dict[tuple, str] = {}
+        tensors: list[tuple[str, torch.Tensor]] = []
+
+        def remembered():
+            for name, tensor in named:
+                sent[_identity(tensor)] = name
+                tensors.append((name, tensor))
+                yield name, tensor
+
+        recorder = _CopyRecorder(sent)
+        with recorder:
+            count = self._load(remembered())
+        owned = {t.untyped_storage().data_ptr() for t in (*self.model.parameters(), *self.model.buffers())}
+        plan: dict[str, list[torch.Tensor]] = {}
+        for name, view in recorder.copies:
+            plan.setdefault(name, []).append(view)
+        for name, tensor in tensors:
+            views = plan.get(name)
+            if not views or not all(v.untyped_storage().data_ptr() in owned and v.shape == tensor.shape
+                                    and torch.equal(v, tensor.to(v.dtype)) for v in views):
+                tensors.clear()  # release the pushed tensors before returning
+                return count
+        self.plan = plan
+        tensors.clear()
+        return count
+
+
+def _identity(tensor: torch.Tensor) -> tuple:
+    return tensor.data_ptr(), tuple(tensor.shape), tuple(tensor.stride()), tensor.dtype
+
+
+class _CopyRecorder(torch.overrides.TorchFunctionMode):
+    """Which pushed tensors vLLM's loader copies whole, and into which tensors (`dst.copy_(pushed)`)."""
+
+    def __init__(self, sent: dict[tuple, str]) -> None:
+        super().__init__()
+        self.sent, self.copies = sent, []
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if getattr(func, "__name__", None) == "copy_" and len(args) >= 2 and isinstance(args[1], torch.Tensor):
+            name = self.sent.get(_identity(args[1]))
+            if name is not None:
+                self.copies.append((name, args[0].data))
+        return func(*args, **kwargs)
 
 
 class Counted:
