@@ -43,6 +43,8 @@ def _engine(spec: dict):
     from portagrpo.model.loading import build_char_tokenizer
 
     push = spec["push"]
+    if spec.get("plain_max_kib") is not None:
+        parts.PLAIN_GEMM_MAX_BYTES = int(spec["plain_max_kib"] * 1024)
     if push in ("all-prepared", "loader", "generate-prepared"):
         parts.PLAIN_GEMM_MAX_BYTES = 0
     if push == "reload":  # the layerwise reload, the engine built as vLLM builds it
@@ -133,6 +135,9 @@ def main(argv: list[str]) -> int:
     p.add_argument("--workdir", default=os.path.join(tempfile.gettempdir(), "portagrpo-vllm-push"))
     p.add_argument("--generate", default="", help="sequences per generation to time with small layers on F.linear "
                                                      "and with every GEMM prepared, e.g. 8,32,128")
+    p.add_argument("--plain-max-kib", type=float, default=None,
+                   help="PLAIN_GEMM_MAX_BYTES for the `in-place` and `generate-now` runs, in KiB (default: the code's)")
+    p.add_argument("--pushes-only", default=None, help="comma-separated subset of the pushes to run, e.g. in-place")
     p.add_argument("--json", default=None)
     p.add_argument("--worker", default=None, help=argparse.SUPPRESS)
     args = p.parse_args(argv)
@@ -144,7 +149,8 @@ def main(argv: list[str]) -> int:
 
     sizes = [s.strip() for s in args.sizes.split(",") if s.strip()]
     generate = [int(b) for b in args.generate.split(",") if b.strip()]
-    runs = [(size, push) for size in sizes for push in PUSHES + (GENERATE if generate else ())]
+    pushes = tuple(x.strip() for x in args.pushes_only.split(",")) if args.pushes_only else PUSHES
+    runs = [(size, push) for size in sizes for push in pushes + (GENERATE if generate else ())]
     results: dict = {f"{size} {push}": [] for size, push in runs}
     env = {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
            "VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_NO_USAGE_STATS": "1", "VLLM_LOGGING_LEVEL": "WARNING",
@@ -152,7 +158,8 @@ def main(argv: list[str]) -> int:
     models = {size: build_workdir(Path(args.workdir) / size, size, 1, 1)["model"] for size in sizes}
     for i in range(args.rounds):
         for size, push in runs[i % len(runs):] + runs[:i % len(runs)]:
-            spec = {"model": models[size], "push": push, "pushes": args.pushes, "generate": generate, "reps": 4}
+            spec = {"model": models[size], "push": push, "pushes": args.pushes, "generate": generate, "reps": 4,
+                    "plain_max_kib": args.plain_max_kib}
             res = subprocess.run([sys.executable, __file__, "--worker", json.dumps(spec)], env=env,
                                  capture_output=True, text=True)
             if res.returncode != 0:

@@ -220,7 +220,11 @@ def run_portagrpo(spec: dict) -> dict:
     if spec["variant"] == "sync-fp32+reload-push":
         import portagrpo.rollout.vllm as vllm_engine
 
-        vllm_engine.CpuGemmWeights.of = staticmethod(lambda get_model: None)  # no in-place push: the layerwise reload
+        import contextlib
+
+        # no in-place push: the engine built as vLLM builds it, every push through the layerwise reload
+        vllm_engine.CpuGemmWeights.of = staticmethod(lambda get_model: None)
+        vllm_engine.CpuGemmWeights.building = staticmethod(lambda plain_max_bytes=None: contextlib.nullcontext())
     import portagrpo.train.sources.one_step_off as overlapped
 
     pushes: list[float] = []

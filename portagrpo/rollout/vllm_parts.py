@@ -242,6 +242,8 @@ class CpuGemmWeights:
         self.plain_layers = plain_layers or []
         self.plan: dict[str, list[torch.Tensor]] | None = None  # name -> views it is copied into, once recorded
         self.recorded = False
+        self._fill_map: dict[str, list] | None = None  # name -> prepared layers whose weight it writes into
+        self._filled_by: dict = {}  # prepared layer -> the names that write into its weight
 
     @staticmethod
     @contextlib.contextmanager
@@ -308,17 +310,24 @@ class CpuGemmWeights:
 
     @torch.no_grad()
     def load(self, named: Iterable[tuple[str, torch.Tensor]]) -> int:
-        """Every tensor into the kept weights, then every prepared GEMM made again from them; returns the count."""
-        count = self.write(named)
-        self.prepare()
-        return count
+        """Every tensor into the kept weights, and every prepared GEMM made again from them; returns the count. With
+        the recorded views, a layer's GEMM is prepared as soon as its last tensor is written (its weight is then
+        still in the cache), else all of them after the loader."""
+        if self.plan is None:
+            count = self.write(named)
+            self.prepare()
+            return count
+        return self.write(named, prepare=True)
 
     @torch.no_grad()
-    def write(self, named: Iterable[tuple[str, torch.Tensor]]) -> int:
+    def write(self, named: Iterable[tuple[str, torch.Tensor]], prepare: bool = False) -> int:
         """Every tensor into the model's weights: straight into the recorded views, or through `load_weights` (the
-        first push records the views)."""
+        first push records the views). With `prepare` (recorded views only), each prepared GEMM is made again once
+        every tensor of its weight is written."""
         if self.plan is None:
             return self._load_recording(named) if not self.recorded else self._load(named)
+        fills = self._fills() if prepare else {}
+        left = {layer: len(names) for layer, names in self._filled_by.items()} if prepare else {}
         count, seen = 0, set()
         for name, tensor in named:
             views = self.plan.get(name)
@@ -328,11 +337,31 @@ class CpuGemmWeights:
                 view.copy_(tensor)
             seen.add(name)
             count += 1
+            for layer in fills.get(name, ()):
+                left[layer] -= 1
+                if left[layer] == 0:
+                    self.dispatch(layer, remove_weight=False)
         if len(seen) != len(self.plan):
             missing = sorted(set(self.plan) - seen)
             raise RuntimeError(f"the weight push did not send {', '.join(missing[:5])}, which vLLM's model holds: "
                                f"the engine would keep their old values")
+        if prepare:  # a prepared layer that no pushed tensor fills (nothing changed it) is prepared all the same
+            for layer in self.gemm_layers:
+                if left.get(layer, 0) or layer not in left:
+                    self.dispatch(layer, remove_weight=False)
         return count
+
+    def _fills(self) -> dict[str, list]:
+        """Which prepared layers each pushed tensor writes into (by the storage of the layer's weight), once."""
+        if self._fill_map is None:
+            by_storage = {layer.weight.untyped_storage().data_ptr(): layer for layer in self.gemm_layers}
+            self._fill_map, self._filled_by = {}, {}
+            for name, views in self.plan.items():
+                layers = {by_storage[p] for p in (v.untyped_storage().data_ptr() for v in views) if p in by_storage}
+                self._fill_map[name] = list(layers)
+                for layer in layers:
+                    self._filled_by.setdefault(layer, set()).add(name)
+        return self._fill_map
 
     def prepare(self) -> None:
         """Each prepared GEMM made again from its layer's kept weight."""

@@ -10,13 +10,18 @@ import torch
 from portagrpo.rollout.vllm_parts import CpuGemmWeights
 
 
+class Layer(torch.nn.Module):
+    def __init__(self, rows: int) -> None:
+        super().__init__()
+        self.weight = torch.nn.Parameter(torch.zeros(rows, 3), requires_grad=False)
+
+
 class Loader(torch.nn.Module):
     """q, k and v into one fused weight (rows 0:4, 4:6, 6:8), o into its own; `mode` picks how."""
 
     def __init__(self, mode: str = "vllm") -> None:
         super().__init__()
-        self.qkv = torch.nn.Parameter(torch.zeros(8, 3), requires_grad=False)
-        self.o = torch.nn.Parameter(torch.zeros(3, 3), requires_grad=False)
+        self.qkv, self.o = Layer(8), Layer(3)
         self.mode, self.calls = mode, 0
 
     def load_weights(self, weights) -> None:
@@ -25,13 +30,13 @@ class Loader(torch.nn.Module):
         for name, w in weights:
             if name in rows:
                 start, size = rows[name]
-                self.qkv.data.narrow(0, start, size).copy_(w)
+                self.qkv.weight.data.narrow(0, start, size).copy_(w)
             elif self.mode == "sharded":  # a tensor-parallel rank keeps its shard of the source
-                self.o.data.copy_(w.narrow(0, 0, 3))
+                self.o.weight.data.copy_(w.narrow(0, 0, 3))
             else:
-                self.o.data.copy_(w)
+                self.o.weight.data.copy_(w)
                 if self.mode == "changed":
-                    self.o.data.mul_(2)
+                    self.o.weight.data.mul_(2)
 
 
 def weights(seed: int, o_rows: int = 3) -> list[tuple[str, torch.Tensor]]:
@@ -41,8 +46,12 @@ def weights(seed: int, o_rows: int = 3) -> list[tuple[str, torch.Tensor]]:
 
 
 def gemms(model):
+    """The fused layer's GEMM prepared (what it was prepared from recorded), the other on its weight."""
     prepared = []
-    return CpuGemmWeights(model, ["layer"], lambda layer, remove_weight: prepared.append(remove_weight)), prepared
+    push = CpuGemmWeights(model, [model.qkv],
+                          lambda layer, remove_weight: prepared.append((layer.weight.clone(), remove_weight)),
+                          [model.o])
+    return push, prepared
 
 
 def test_later_pushes_copy_where_the_first_push_recorded_and_prepare_every_gemm_again():
@@ -53,8 +62,11 @@ def test_later_pushes_copy_where_the_first_push_recorded_and_prepare_every_gemm_
         w = dict(weights(seed))
         assert push.load(list(w.items())) == 4
         assert model.calls == 1  # the loader ran only for the first push
-        assert torch.equal(model.qkv, torch.cat([w["q"], w["k"], w["v"]])) and torch.equal(model.o, w["o"])
-    assert prepared == [False, False, False]  # once per push, the layer's weight kept
+        fused = torch.cat([w["q"], w["k"], w["v"]])
+        assert torch.equal(model.qkv.weight, fused) and torch.equal(model.o.weight, w["o"])
+        # prepared once per push, from the whole new fused weight (after q, k and v were all written), kept
+        assert torch.equal(prepared[-1][0], fused) and prepared[-1][1] is False
+    assert len(prepared) == 3
 
 
 def test_a_loader_that_shards_its_source_keeps_loading_every_push():
@@ -64,7 +76,7 @@ def test_a_loader_that_shards_its_source_keeps_loading_every_push():
     assert push.plan is None
     w = dict(weights(1, o_rows=6))
     push.load(list(w.items()))
-    assert model.calls == 2 and torch.equal(model.o, w["o"][:3])
+    assert model.calls == 2 and torch.equal(model.o.weight, w["o"][:3])
 
 
 def test_a_loader_that_changes_a_weight_after_copying_it_keeps_loading_every_push():
@@ -74,7 +86,7 @@ def test_a_loader_that_changes_a_weight_after_copying_it_keeps_loading_every_pus
     assert push.plan is None
     w = dict(weights(1))
     push.load(list(w.items()))
-    assert model.calls == 2 and torch.equal(model.o, 2 * w["o"])
+    assert model.calls == 2 and torch.equal(model.o.weight, 2 * w["o"])
 
 
 def test_a_push_that_leaves_out_or_adds_a_tensor_is_refused():
