@@ -218,9 +218,9 @@ def run_portagrpo(spec: dict) -> dict:
     import portagrpo.train.loop as loop
 
     if spec["variant"] == "sync-fp32+reload-push":
-        import portagrpo.rollout.vllm as vllm_engine
-
         import contextlib
+
+        import portagrpo.rollout.vllm as vllm_engine
 
         # no in-place push: the engine built as vLLM builds it, every push through the layerwise reload
         vllm_engine.CpuGemmWeights.of = staticmethod(lambda get_model: None)
