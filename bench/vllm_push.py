@@ -4,7 +4,7 @@
 
 The engine is portagrpo's (`VLLMRollout`, fp32, in process, as `rollout.engine=vllm` builds it on the CPU) on the
 random Qwen2 models of bench/vs_trl.py, and the policy an HF model of the same checkpoint. The pushes compared:
-- `in-place` (now, rollout/vllm_parts.py: CpuGemmWeights): each tensor copied straight into the views vLLM's loader
+- `in-place` (now, rollout/vllm_cpu_push.py: CpuGemmWeights): each tensor copied straight into the views vLLM's loader
   copied it into on the first push; layers of at most PLAIN_GEMM_MAX_BYTES compute with F.linear on their weight
   (nothing to prepare), larger ones' oneDNN GEMMs prepared again;
 - `all-prepared`: the same, with every GEMM prepared again (PLAIN_GEMM_MAX_BYTES = 0);
@@ -39,7 +39,7 @@ def _engine(spec: dict):
     import torch
 
     import portagrpo.rollout.vllm as engine_module
-    import portagrpo.rollout.vllm_parts as parts
+    import portagrpo.rollout.vllm_cpu_push as parts
     from portagrpo.model.loading import build_char_tokenizer
 
     push = spec["push"]

@@ -31,11 +31,11 @@ from portagrpo.rollout.engines import (
     SamplingParams,
     response_mask_from_tokens,
 )
+from portagrpo.rollout.vllm_cpu_push import CpuGemmWeights
 from portagrpo.rollout.vllm_images import VisionSpec, check_context, check_expanded, vision_requests, vllm_prompt
 from portagrpo.rollout.vllm_parts import (  # noqa: F401 - also this module's public names
     LOGPROBS_MODE,
     Counted,
-    CpuGemmWeights,
     PolicyWeights,
     SleepState,
     TensorParallel,

@@ -1,4 +1,4 @@
-"""The weight push into real vLLM's CPU build (rollout/vllm_parts.py: CpuGemmWeights), on an engine whose small
+"""The weight push into real vLLM's CPU build (rollout/vllm_cpu_push.py: CpuGemmWeights), on an engine whose small
 layers compute with F.linear on their own weights and whose larger ones keep vLLM's prepared oneDNN GEMMs (the size
 limit set between the tiny Qwen2's layer sizes, so that both kinds are in one engine):
 - the first push records where vLLM's loader copies each tensor, and later pushes copy straight there;
@@ -22,7 +22,7 @@ MIXED_LIMIT = 40 * 1024
 
 @pytest.fixture(scope="module")
 def engine(qwen2_dir, tokenizer):
-    import portagrpo.rollout.vllm_parts as parts
+    import portagrpo.rollout.vllm_cpu_push as parts
     from portagrpo.rollout.vllm import VLLMRollout
 
     patch = pytest.MonkeyPatch()

@@ -1,4 +1,4 @@
-"""The weight push on vLLM's CPU build (rollout/vllm_parts.py: CpuGemmWeights) without vLLM: a model whose
+"""The weight push on vLLM's CPU build (rollout/vllm_cpu_push.py: CpuGemmWeights) without vLLM: a model whose
 `load_weights` writes as vLLM's loaders do (a fused q/k/v weight filled through `param.data.narrow(...).copy_`,
 others through `param.data.copy_`), or in ways a direct copy must not imitate (a sharded source, a weight changed
 after its copy). The first push records where each tensor went; later pushes copy straight there only where that
@@ -7,7 +7,7 @@ tests/real_vllm/test_cpu_push.py."""
 import pytest
 import torch
 
-from portagrpo.rollout.vllm_parts import CpuGemmWeights
+from portagrpo.rollout.vllm_cpu_push import CpuGemmWeights
 
 
 class Layer(torch.nn.Module):
