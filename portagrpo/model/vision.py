@@ -55,26 +55,36 @@ def build_vl_tokenizer():
 
 def _processor_class():
     """Qwen2.5-VL's processor without its video part. transformers' `Qwen2_5_VLProcessor` also needs a video
-    processor, which needs torchvision; images need only the image processor and the tokenizer. Registered
-    with transformers' AutoProcessor (by class name) when this module is imported, so a saved one loads with
-    `AutoProcessor.from_pretrained(dir)`."""
+    processor, which needs torchvision; images need only the image processor and the tokenizer. It saves what
+    transformers' own class saves, under that class's name: processor_config.json naming `Qwen2_5_VLProcessor`, and
+    the image processor's preprocessor_config.json beside it, which transformers also reads as the video processor's
+    (the layout of Qwen's own Qwen2.5-VL directories). So transformers alone, with no registration by portagrpo, loads
+    a saved one with `AutoProcessor` as the real `Qwen2_5_VLProcessor` (which needs torchvision), and portagrpo
+    loads it with this class (`load_processor`)."""
     global _PROCESSOR
     if _PROCESSOR is None:
-        from transformers import AutoProcessor, PretrainedConfig, Qwen2_5_VLProcessor
+        from transformers import Qwen2_5_VLProcessor
 
-        class PortagrpoVLKey(PretrainedConfig):  # a key no model uses: the registration is found by class name
-            model_type = "portagrpo_image_only_vl"
-
-        class PortagrpoVLProcessor(Qwen2_5_VLProcessor):
+        class ImageOnlyQwen2_5_VLProcessor(Qwen2_5_VLProcessor):
             def __init__(self, image_processor=None, tokenizer=None, chat_template=None, **kwargs):
+                kwargs.pop("video_processor", None)
                 super().__init__(image_processor, tokenizer, None, chat_template=chat_template, **kwargs)
 
-        AutoProcessor.register(PortagrpoVLKey, PortagrpoVLProcessor, exist_ok=True)
-        _PROCESSOR = PortagrpoVLProcessor
+            def save_pretrained(self, save_directory, *args, **kwargs):
+                saved = super().save_pretrained(save_directory, *args, **kwargs)
+                self.image_processor.save_pretrained(save_directory)
+                return saved
+
+        # the name save_pretrained writes (processor_config.json, tokenizer_config.json): transformers' own class
+        ImageOnlyQwen2_5_VLProcessor.__name__ = ImageOnlyQwen2_5_VLProcessor.__qualname__ = "Qwen2_5_VLProcessor"
+        _PROCESSOR = ImageOnlyQwen2_5_VLProcessor
     return _PROCESSOR
 
 
 _PROCESSOR = None
+# processor_class values that `load_processor` loads as the image-only Qwen2.5-VL processor ("PortagrpoVLProcessor":
+# what portagrpo wrote before its processor saved under transformers' own name)
+IMAGE_ONLY_LOADS = ("Qwen2_5_VLProcessor", "PortagrpoVLProcessor")
 
 
 def transformers_version() -> str:
@@ -345,17 +355,33 @@ def has_processor(path: str | Path | None) -> bool:
 
 
 def load_processor(path: str | Path, field: str = "model.path"):
+    """A model directory's processor: a Qwen2.5-VL one as the image-only processor (no torchvision needed), any other
+    through transformers' AutoProcessor."""
     require_vision_support()
     from transformers import AutoProcessor
 
-    _processor_class()  # the image-only processor a tiny model is saved with
-
     try:
+        if saved_processor_class(path) in IMAGE_ONLY_LOADS:
+            return _processor_class().from_pretrained(str(path), local_files_only=True)
         return AutoProcessor.from_pretrained(str(path), local_files_only=True)
     except Exception as err:  # noqa: BLE001 - transformers raises many types
         first = (str(err).strip().splitlines() or [type(err).__name__])[0][:200]
         raise VisionError(f"{field}={str(path)!r}: its processor cannot be loaded ({type(err).__name__}: {first}); "
                           f"give a directory with the model's preprocessor_config.json and tokenizer.") from None
+
+
+def saved_processor_class(path: str | Path) -> str | None:
+    """The processor class a model directory names (processor_config.json, else preprocessor_config.json)."""
+    import json
+
+    for name in ("processor_config.json", "preprocessor_config.json"):
+        try:
+            found = json.loads((Path(path) / name).read_text()).get("processor_class")
+        except (OSError, ValueError, AttributeError):
+            continue
+        if found:
+            return found
+    return None
 
 
 def processor_for(model_cfg):

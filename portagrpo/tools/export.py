@@ -61,11 +61,15 @@ def check_destination(out: Path) -> None:
 def _write(run_dir: Path, model_dir: Path, dest: Path, merge: bool) -> None:
     if not (model_dir / "adapter_config.json").is_file() or not merge:
         shutil.copytree(model_dir, dest)  # a full Hugging Face model, or a peft adapter for its base
-        return
+    else:
+        _write_merged(run_dir, model_dir, dest)
+    _write_processor(model_dir, dest)
+
+
+def _write_merged(run_dir: Path, model_dir: Path, dest: Path) -> None:
     from peft import PeftModel
 
     from portagrpo.model.loading import load_model, load_tokenizer
-    from portagrpo.model.vision import has_processor, load_processor
 
     cfg = load_config(run_dir / "config.yaml", check_files=False)
     base_path = cfg.model.path or str(run_dir / "init_model")
@@ -73,8 +77,14 @@ def _write(run_dir: Path, model_dir: Path, dest: Path, merge: bool) -> None:
     merged = PeftModel.from_pretrained(base, str(model_dir)).merge_and_unload()
     merged.save_pretrained(dest, safe_serialization=True)
     load_tokenizer(cfg.model.tokenizer_path or base_path).save_pretrained(dest)
-    # a vision-language run's checkpoint holds its processor (image processor, tokenizer, chat template):
-    # the merged model takes it along, so AutoProcessor loads the export as it loads the checkpoint
+
+
+def _write_processor(model_dir: Path, dest: Path) -> None:
+    """A vision-language run's checkpoint holds its processor (image processor, tokenizer, chat template). The export
+    gets it saved again as transformers' own Qwen2.5-VL processor saves (model/vision.py), so transformers alone loads
+    it with AutoProcessor, also from a checkpoint that an older portagrpo wrote under its own class name."""
+    from portagrpo.model.vision import has_processor, load_processor
+
     if has_processor(model_dir):
         load_processor(model_dir, "the checkpoint's model").save_pretrained(dest)
 

@@ -39,15 +39,13 @@ def _tiny():
 
 
 def test_tiny_vl_model_and_processor_are_built_locally_and_load_from_a_local_path(tmp_path):
-    from transformers import AutoProcessor
-
     from portagrpo.model.loading import load_model
 
     processor = vision.build_tiny_processor()
     model = vision.build_tiny_vl_model(_tiny(), processor.tokenizer, seed=0)
     model.save_pretrained(tmp_path)
     processor.save_pretrained(tmp_path)
-    loaded = AutoProcessor.from_pretrained(tmp_path, local_files_only=True)
+    loaded = vision.load_processor(tmp_path)
     text = "<|vision_start|><|image_pad|><|vision_end|>colour?"
     out = loaded(text=[text], images=[Image.open(io.BytesIO(_png((56, 56), (200, 0, 0))))], return_tensors="pt")
     image_id = loaded.tokenizer.convert_tokens_to_ids("<|image_pad|>")
@@ -179,7 +177,7 @@ def test_trains_two_steps_from_a_geo3k_parquet(tmp_path):
     steps = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
     trained = [s for s in steps if "reward_mean" in s]
     assert [s["step"] for s in trained] == [1, 2] and all(s["loss_policy"] == s["loss_policy"] for s in trained)
-    assert type(vision.load_processor(run / "init_model")).__name__ == "PortagrpoVLProcessor"
+    assert type(vision.load_processor(run / "init_model")).__name__ == "Qwen2_5_VLProcessor"
 
 
 def test_what_a_vision_language_run_does_not_do_is_refused_in_one_sentence(tmp_path):
@@ -205,7 +203,7 @@ def test_checkpoints_carry_the_processor_and_a_resumed_run_continues_exactly(tmp
     assert train(tmp_path / "whole", "trainer.total_steps=4") == 0
     assert train(tmp_path / "cut", "trainer.total_steps=2") == 0
     model_dir = tmp_path / "cut" / "checkpoints" / "step_00000002" / "model"
-    processor = vision.load_processor(model_dir)  # AutoProcessor loads from the checkpoint's model directory
+    processor = vision.load_processor(model_dir)  # loads from the checkpoint's model directory
     assert processor.image_processor.size["shortest_edge"] == vision.TINY_MIN_PIXELS
     assert train(tmp_path / "cut", "trainer.total_steps=4", "--resume", str(tmp_path / "cut")) == 0
     whole = load_file(tmp_path / "whole" / "checkpoints" / "step_00000004" / "model" / "model.safetensors")

@@ -118,15 +118,12 @@ def test_a_vision_language_record_without_its_images_is_refused(vl_run, tmp_path
 
 
 def test_a_merged_lora_export_of_a_vision_language_run_carries_its_processor(vl_run, tmp_path):
-    from transformers import AutoProcessor
-
     from portagrpo.model.loading import load_model
     from portagrpo.tools.evaluate import evaluate
     from portagrpo.tools.export import export
 
     out = export(vl_run, tmp_path / "merged", merge=True, log=lambda m: None)
-    vision.build_tiny_processor()  # registers the tiny model's image-only processor class with AutoProcessor
-    processor = AutoProcessor.from_pretrained(out, local_files_only=True)
+    processor = vision.load_processor(out)  # transformers alone: tests/integration/test_export_plain_transformers.py
     picture = Image.open(io.BytesIO(colours_task(1, 0)[0]["images"][0]["bytes"])).convert("RGB")
     inputs = processor(text=[vision.IMAGE_IN_PROMPT + "colour?"], images=[picture], return_tensors="pt")
     assert inputs["image_grid_thw"].tolist() == [[1, 4, 4]]
