@@ -25,7 +25,9 @@ class TinyModelConfig:
 
     hidden_size: int = 64
     num_layers: int = 2
-    num_heads: int = 4
+    # 2 heads of 32: the smallest head size vLLM's CPU attention runs (cpu_attn.py, get_supported_head_sizes), which
+    # FlashAttention, Triton and Ascend's fused attention also take; 16 (4 heads) was refused by the CPU build.
+    num_heads: int = 2
     intermediate_size: int = 128
     tie_word_embeddings: bool = True
     # A vision-language policy (Qwen2.5-VL architecture: this text part plus a small vision tower) with a

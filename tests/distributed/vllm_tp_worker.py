@@ -27,7 +27,8 @@ def main() -> None:
         "trainer.tensorboard=false", "trainer.plot=false", "data.train_size=64", "data.val_size=8",
         "data.train_batch_size=4", "rollout.n=4", "actor.ppo_mini_batch_size=16", "rollout.engine=vllm",
         f"rollout.tensor_model_parallel_size={tp}", "rollout.vllm_weight_bucket_mb=0", "rollout.temperature=0.9",
-        "model.tiny.hidden_size=32", "model.tiny.intermediate_size=64", "trainer.device=cpu"])
+        "model.tiny.hidden_size=32", "model.tiny.num_heads=4", "model.tiny.intermediate_size=64",
+        "trainer.device=cpu"])
     trainer = Trainer(cfg, run_dir=out / "run", log=lambda m: None).setup()
     engine = trainer.parts.engine
     returned = []

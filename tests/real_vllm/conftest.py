@@ -6,7 +6,7 @@ suite's venv has no vLLM; its engine logic is tested there against tests/standin
 The model is a tiny random Qwen2 (tied embeddings and q/k/v biases, as Qwen2.5-0.5B has; grouped-query
 attention) with the character tokenizer, both saved by the fixture: vLLM loads both from the directory.
 Its head dimension is 32, the smallest that vLLM's CPU attention runs (vllm/v1/attention/backends/cpu_attn.py:
-`get_supported_head_sizes`); the default tiny policy's is 16.
+`get_supported_head_sizes`), as the default tiny policy's is.
 """
 from __future__ import annotations
 

@@ -198,11 +198,11 @@ def test_train_with_tensor_parallel_vllm_over_two_ranks(tmp_path, qwen2_dir):
 
 
 def test_a_head_size_that_vllms_cpu_attention_lacks_is_one_sentence(tmp_path):
-    """The default tiny policy has 16-wide heads (64 / 4). vLLM's CPU attention runs head sizes of 32 and up
+    """A tiny policy with 16-wide heads (64 / 4). vLLM's CPU attention runs head sizes of 32 and up
     (vllm/v1/attention/backends/cpu_attn.py: `get_supported_head_sizes`) and otherwise fails inside its first
     forward ("RuntimeError: Unsupported CPU attention configuration: head_dim=16"): a traceback after the
     engine was built, where a sentence naming the head size belongs."""
-    res = _cli(tmp_path / "run", "trainer.total_steps=1")
+    res = _cli(tmp_path / "run", "trainer.total_steps=1", "model.tiny.num_heads=4")
     assert res.returncode == 2, (res.stdout[-2000:], res.stderr[-4000:])
     assert "Traceback" not in res.stderr, res.stderr[-4000:]
     assert any("head" in line and "16" in line for line in res.stderr.splitlines()), res.stderr[-2000:]

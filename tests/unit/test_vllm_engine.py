@@ -86,9 +86,6 @@ def cpu_vllm(monkeypatch):
     torch.set_num_threads(threads)
 
 
-CPU_HEADS = ("model.tiny.hidden_size=128", "model.tiny.intermediate_size=256")  # 4 heads of 32
-
-
 def _trainer(tmp_path, *extra):
     from portagrpo.config import load_config
     from portagrpo.train import Trainer
@@ -576,7 +573,7 @@ def test_on_the_cpu_vllm_runs_without_sleep_mode_and_every_push_goes_through_the
     load, after which `load_weights` fails: the CPU row builds the engine without sleep mode, with a KV cache of
     its own size rather than a share of the host's memory, and every push reloads layer by layer and processes
     the tied head again (the stand-in refuses to sample from a head packed from an earlier embedding)."""
-    t = _trainer(tmp_path, *CPU_HEADS, "data.val_size=8")
+    t = _trainer(tmp_path, "data.val_size=8")  # the default tiny policy: 2 heads of 32, which the CPU row takes
     (llm,) = cpu_vllm.instances
     assert llm.kwargs["enable_sleep_mode"] is False and llm.kv_cache_gib == "1"
     first = t.step().metrics
@@ -627,7 +624,7 @@ def test_a_head_size_vllms_attention_lacks_is_refused_before_the_engine_is_built
     with pytest.raises(UserError, match=re.escape("rollout.engine=vllm on --device cpu: the built-in model's attention "
                                                   "heads are 16 wide (model.tiny.hidden_size=64 / model.tiny.num_heads"
                                                   "=4), and vLLM's attention there runs head sizes 32, 64,")) as err:
-        _trainer(tmp_path)  # the default tiny policy
+        _trainer(tmp_path, "model.tiny.num_heads=4")  # 16-wide heads
     assert str(err.value).endswith("(e.g. model.tiny.hidden_size=128), or use rollout.engine=hf.")
     assert not cpu_vllm.instances
     model = types.SimpleNamespace(model_path="/models/odd")  # EngineSettings' fields

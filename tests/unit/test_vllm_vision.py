@@ -153,8 +153,8 @@ def test_what_vllm_would_do_to_an_expanded_prompt_and_to_other_image_settings_is
 
 
 def test_a_vision_language_policy_is_checked_by_its_language_models_heads(tmp_path, cpu_vllm):
-    """The VL config keeps the decoder's sizes in its text config: a head size vLLM's CPU attention lacks (16: the
-    default 4 heads of 64) is refused in one sentence before the engine is built."""
+    """The VL config keeps the decoder's sizes in its text config: a head size vLLM's CPU attention lacks (16: 4
+    heads of 64) is refused in one sentence before the engine is built."""
     with pytest.raises(UserError, match="attention heads are 16 wide"):
         _trainer(tmp_path, "model.tiny.num_heads=4")
     assert not cpu_vllm.instances
