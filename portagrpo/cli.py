@@ -80,6 +80,10 @@ def _dry_run(config_path, overrides: list[str]) -> int:
     except UserError as err:
         device = f"{t.device}: not usable on this machine ({err})"
     print(f"config OK: {config_path or 'built-in defaults'}; {world} rank(s); device {device}")
+    if cfg.rollout.multi_turn.enable:
+        from portagrpo.agent.isolation import probe
+
+        print(f"  on this machine, {probe().describe()}")
     for missing in missing_files(cfg):
         print(f"  to provide before training: {missing}")
     return 0

@@ -31,13 +31,18 @@ class ToolCounts:
 class Toolbox:
     """The declared tools and the sandbox their calls run in."""
 
-    def __init__(self, specs: dict[str, ToolSpec], limits: Limits, workers: int = 2) -> None:
+    def __init__(self, specs: dict[str, ToolSpec], limits: Limits, workers: int = 2, sandbox: str = "auto",
+                 rank: int = 0) -> None:
+        """`sandbox`: rollout.multi_turn.sandbox (agent/isolation.py's levels, or auto)."""
         self.specs = specs
-        self.sandbox = ToolSandbox({name: s.target for name, s in specs.items()}, limits, workers)
+        untrusted = tuple(name for name, s in specs.items() if s.target == "builtin:python")  # model-written code
+        self.sandbox = ToolSandbox({name: s.target for name, s in specs.items()}, limits, workers, setting=sandbox,
+                                   untrusted=untrusted, rank=rank)
 
     @classmethod
-    def from_file(cls, path: str, limits: Limits, workers: int = 2) -> "Toolbox":
-        return cls(load_tool_config(path), limits, workers)
+    def from_file(cls, path: str, limits: Limits, workers: int = 2, sandbox: str = "auto",
+                  rank: int = 0) -> "Toolbox":
+        return cls(load_tool_config(path), limits, workers, sandbox, rank)
 
     def answer(self, turns: list[tuple[str, dict]], counts: ToolCounts | None = None) -> list[list[ToolResult] | None]:
         """For each assistant turn (its text and the sample's context): None when it calls no tool (it answered),

@@ -292,6 +292,7 @@ def rollout_mode_problems(cfg: Config) -> list[str]:
 
 MT = "rollout.multi_turn"
 TOOL_FORMATS = ("hermes",)
+SANDBOX_LEVELS = ("auto", "namespaces", "process")
 
 
 def multi_turn_problems(cfg: Config) -> list[str]:
@@ -303,6 +304,8 @@ def multi_turn_problems(cfg: Config) -> list[str]:
         p.append(f"{MT}.max_tool_response_length={m.max_tool_response_length} must be at least 1 (tokens).")
     if m.format not in TOOL_FORMATS:
         p.append(f"{MT}.format={m.format!r} is unknown; use {', '.join(TOOL_FORMATS)}.")
+    if m.sandbox not in SANDBOX_LEVELS:
+        p.append(f"{MT}.sandbox={m.sandbox!r} is unknown; use {', '.join(SANDBOX_LEVELS)}.")
     if m.tool_timeout_s <= 0 or m.tool_memory_mb < 16 or m.tool_workers < 1:
         p.append(f"{MT}.tool_timeout_s={m.tool_timeout_s} must be positive, tool_memory_mb={m.tool_memory_mb} at "
                  f"least 16 and tool_workers={m.tool_workers} at least 1.")

@@ -92,6 +92,10 @@ class MultiTurnConfig:
     tool_timeout_s: float = 10.0  # wall clock per tool call; the CPU-time limit is the same number of seconds
     tool_memory_mb: int = 1024  # address-space limit of a tool's process
     tool_workers: int = 2  # sandbox worker processes
+    # How tool calls are isolated: namespaces (own PID, mount, network, user namespaces; refused where the host
+    # forbids them), process (own process and limits only), or auto (namespaces where the host allows them, else
+    # process, refusing tools that run model-written code). docs/config.md says what each level guarantees.
+    sandbox: str = "auto"
 
 
 @dataclass(frozen=True)

@@ -124,6 +124,7 @@ class MultiTurnSettings:
     tool_timeout_s: float
     tool_memory_mb: int
     tool_workers: int
+    sandbox: str  # rollout.multi_turn.sandbox: auto, namespaces or process (agent/isolation.py)
 
 
 def multi_turn_settings(cfg: Config) -> MultiTurnSettings | None:
@@ -131,7 +132,7 @@ def multi_turn_settings(cfg: Config) -> MultiTurnSettings | None:
     if not m.enable:
         return None
     return MultiTurnSettings(m.max_assistant_turns, str(m.tool_config_path), m.max_tool_response_length, m.format,
-                             m.tool_timeout_s, m.tool_memory_mb, m.tool_workers)
+                             m.tool_timeout_s, m.tool_memory_mb, m.tool_workers, m.sandbox)
 
 
 @dataclass(frozen=True)
