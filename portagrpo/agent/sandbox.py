@@ -42,6 +42,7 @@ PR_SET_CHILD_SUBREAPER = 36
 STATUS_OK, STATUS_EXCEPTION, STATUS_MEMORY, STATUS_SETUP = b"ok", b"exception", b"memory", b"setup"
 GRACE_S = 5.0  # the trainer's own deadline past the worker's, for a worker that stops answering
 IMPORT_FLOOR_S = 60.0  # a tool's import may take this long (or the call timeout, if longer) before it is an error
+NOTICE_AFTER_S = 10.0  # a slow import is told once after this long, so a run is never silent while it waits
 TRUNCATED = "[output truncated]"
 TEMP_PREFIX = "portagrpo-tool-"  # + the worker's pid: a `process`-level call's directory
 SETTING = "rollout.multi_turn.sandbox"
@@ -389,8 +390,14 @@ class ToolSandbox:
         remove_stale_dirs()
         self._fill()
         timeout_s = import_timeout_s or max(IMPORT_FLOOR_S, self.limits.timeout_s)
-        deadline = time.monotonic() + timeout_s
+        started = time.monotonic()
+        deadline, told = started + timeout_s, False
         while any(not w.ready for w in self._workers):
+            slow = next((w.importing for w in self._workers if w.importing), None)
+            if not told and slow and time.monotonic() - started > NOTICE_AFTER_S:
+                print(f"portagrpo: rank {self.rank}: the tool {slow!r} is still importing after {NOTICE_AFTER_S:g}s "
+                      f"(it has {timeout_s:g}s).", file=sys.stderr, flush=True)
+                told = True
             if time.monotonic() >= deadline:
                 late = next(w for w in self._workers if not w.ready)
                 self.close()
