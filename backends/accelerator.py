@@ -75,6 +75,25 @@ class AcceleratorBackend(BaseBackend):
         raise BackendUnavailable(f"local rank {local_rank} has no {self.name} device: this process sees {count} "
                                  f"(check trainer.nproc_per_node against the devices per node and {env}).")
 
+    def only_device_env(self, index: int) -> dict[str, str]:
+        """The environment under which a new process sees one device: the one this process calls `index`, as its
+        device 0. It must be set before that process starts the device runtime, which reads its visible-devices
+        variable once, at first use (torch's CUDA initialisation; torch_npu's likewise). The row's first variable is
+        written, within the list this process was given; on ROCm CUDA_VISIBLE_DEVICES too, with the same value, as
+        HIP reads it as well and vLLM refuses the two when they differ (vllm/platforms/rocm.py
+        `_sync_hip_cuda_env_vars`, 0.33.0)."""
+        names = self.spec.visible_devices_env
+        if not names:
+            return {}
+        hip = names[0] == "HIP_VISIBLE_DEVICES"
+        aliases = (names[0], "CUDA_VISIBLE_DEVICES") if hip else (names[0],)
+        given = next((os.environ[n] for n in aliases if os.environ.get(n, "").strip()), "")
+        seen = [d.strip() for d in given.split(",") if d.strip()]
+        if seen and index >= len(seen):
+            raise BackendUnavailable(f"{self.name} device {index} is not among this process's visible devices "
+                                     f"({aliases[0]}={given!r}).")
+        return {name: seen[index] if seen else str(index) for name in aliases}
+
     def device(self, local_rank: int = 0) -> torch.device:
         return torch.device(self.device_type, self.device_index(local_rank))
 

@@ -187,11 +187,17 @@ class StagedWeights:
 
 def _build_sampler(spec: SamplerSpec):
     """(engine, where it samples)."""
-    from portagrpo.backends import get_backend
+    from portagrpo.backends import BACKENDS, load_plugins
     from portagrpo.model.loading import load_model
     from portagrpo.rollout.sampler_copy import SamplerCopy
 
-    backend = get_backend(spec.backend)
+    load_plugins()
+    backend = BACKENDS.get(spec.backend, field="trainer.device")()  # built: the device runtime not yet started
+    if spec.engine == "vllm" and spec.device != "cpu":
+        # vLLM's single-process executor takes device 0: the process sees only its sampler device, which the runtime
+        # honours only when set before it starts (backend.require() below starts it)
+        os.environ.update(backend.only_device_env(int(spec.device.rpartition(":")[2] or 0)))  # no device type yet
+    backend.require()
     if spec.engine == "vllm":
         return _build_vllm(spec, backend), spec.device
     if spec.device != "cpu":
@@ -211,17 +217,13 @@ LAUNCHER_ENV = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_R
 
 def _build_vllm(spec: SamplerSpec, backend):
     """A vLLM engine on the sampler's device, loaded with the run's initial model through the engine's own push.
-    On an accelerator the process sees only that device (the backend's visible-devices variable, set before
-    anything here touches the device): vLLM's single-process executor places its engine on device 0."""
+    On an accelerator the process sees only that device (`_build_sampler`): vLLM's single-process executor places its
+    engine on device 0."""
     from portagrpo.model.loading import load_model
     from portagrpo.rollout.vllm import VLLMRollout
 
     for name in LAUNCHER_ENV:
         os.environ.pop(name, None)
-    if spec.device != "cpu" and backend.spec.visible_devices_env:
-        var, index = backend.spec.visible_devices_env[0], torch.device(spec.device).index
-        seen = [d for d in os.environ.get(var, "").split(",") if d.strip()]
-        os.environ[var] = seen[index] if seen else str(index)
     engine = VLLMRollout(None, spec.tokenizer, None, **spec.vllm)
     initial = load_model(spec.model_path, spec.attn)  # built with dummy weights: v0 is the run's initial model
     engine.update_weights(initial.state_dict().items())

@@ -21,7 +21,8 @@ vllm-ascend's) sources, and the stand-in fails where vLLM would fail or silently
   and the weights;
 - V1 multiprocessing (the default) keeps the model in another process: `apply_model` with a closure
   fails in msgpack, and the model runner is reachable only with VLLM_ENABLE_V1_MULTIPROCESSING=0;
-- placement: the uni executor uses device 0; external_launcher uses the launcher's LOCAL_RANK;
+- placement: the uni executor uses device 0 of the devices the process sees; external_launcher uses the launcher's
+  LOCAL_RANK (`device_name`: the runtime's name for it, which on the emulated device names the machine's device);
 - tensor parallelism under the external launcher (vllm/v1/executor/uniproc_executor.py,
   vllm/distributed/parallel_state.py, vllm/config/model.py, the linear layers' weight loaders):
   tensor_parallel_size > 1 without the external launcher starts worker processes (the model is then
@@ -233,6 +234,15 @@ class FakeModel:
         self.llm.loaded = True
 
 
+def _accelerator_name(index: int) -> str | None:
+    """The name the process's accelerator runtime gives its device `index` (a vendor's PrivateUse1 device where one is
+    installed, as the emulated device is; it names the machine's device), or None on the CPU: which device vLLM's
+    worker took (its uni executor: device 0 of what the process sees)."""
+    name = torch._C._get_privateuse1_backend_name()
+    module = getattr(torch, name, None) if name != "privateuseone" else None
+    return None if module is None else module.get_device_name(index)
+
+
 def sampling_params(**kwargs):
     """vllm.SamplingParams: its checks of `n` (sampling_params.py `_verify_args`, `_verify_greedy_sampling`)."""
     n = kwargs.get("n", 1)
@@ -281,6 +291,7 @@ class FakeLLM:
         self.multiprocessing = os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING", "1") != "0"
         launcher = kwargs.get("distributed_executor_backend") == "external_launcher"
         self.device_index = int(os.environ.get("LOCAL_RANK", "0")) if launcher else 0
+        self.device_name = _accelerator_name(self.device_index)
         seed = kwargs.get("seed", 0)  # the worker's set_random_seed: the process's generators, once
         random.seed(seed)
         np.random.seed(seed % 2**32)

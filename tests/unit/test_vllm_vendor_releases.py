@@ -2,7 +2,6 @@
 one with only the in-process calls that release has (issue 45): the weight push on vllm-ascend 0.23, whose NPU worker
 has no reload_weights; the encoder cache an engine that never sleeps must drop after a push; the context a multi-turn
 prompt needs with its tools' schemas; and one push and one wake for all the turns of a step."""
-import json
 import sys
 import types
 from pathlib import Path
@@ -123,11 +122,3 @@ def test_an_engine_that_never_sleeps_on_a_vllm_without_reset_encoder_cache_refus
     check_encoder_cache_reset(old, vision=object(), sleep_mode=True)  # a sleep drops it
     check_encoder_cache_reset(old, vision=None, sleep_mode=False)  # no images, no encoder cache
 
-
-def _tools(folder: Path) -> str:
-    schema = {"type": "function", "function": {"name": "calculator", "description": "arithmetic " * 40,
-                                                "parameters": {"type": "object", "properties": {
-                                                    "expression": {"type": "string"}}, "required": ["expression"]}}}
-    path = folder / "tools.yaml"
-    path.write_text(json.dumps({"tools": [{"class_name": "calculator", "tool_schema": schema}]}))
-    return f"rollout.multi_turn.tool_config_path={path}"

@@ -21,10 +21,11 @@ device under the name `npu`.
 
 Devices per process: `PORTAGRPO_EMU_DEVICES=N` (default 1) gives the process N devices, `emu:0` to
 `emu:N-1`, each with its own generator and memory counters, as a process on a node sees the node's
-accelerators; `PORTAGRPO_EMU_VISIBLE_DEVICES` narrows them as CUDA_VISIBLE_DEVICES does
-(portagrpo_emu/multi_device.py, which also builds the C++ device guard that lets autograd run on
-every index). Several ranks are several processes, whose collectives go through
-portagrpo_emu.collectives.
+accelerators; `PORTAGRPO_EMU_VISIBLE_DEVICES` narrows them as CUDA_VISIBLE_DEVICES does, read once when
+the device is installed, as torch reads CUDA_VISIBLE_DEVICES once when CUDA initialises
+(portagrpo_emu/multi_device.py, which also builds the C++ device guard that lets autograd run on every
+index). `get_device_name` names the machine's device, so two processes can tell whether they hold the
+same one. Several ranks are several processes, whose collectives go through portagrpo_emu.collectives.
 """
 from __future__ import annotations
 
@@ -57,9 +58,11 @@ def device_count() -> int:
 
 
 class _State:
-    """Per-process device state: current device, one generator and memory counters per device."""
+    """Per-process device state: current device, one generator and memory counters per device, and which of the
+    machine's devices each one is (the visible-devices list as it was when the device was installed)."""
 
-    def __init__(self, n: int) -> None:
+    def __init__(self, n: int, machine_ids: list[int] | None = None) -> None:
+        self.machine_ids = list(machine_ids) if machine_ids is not None else list(range(n))
         self.current = 0
         self.generators = [torch.Generator().manual_seed(67280421310721 + i) for i in range(n)]
         self.allocated = [0] * n
@@ -504,7 +507,8 @@ class EmuModule:
 
     @staticmethod
     def get_device_name(device=None) -> str:
-        return f"emulated accelerator {STATE.index(device)} (CPU arithmetic)"
+        """Names the machine's device, as a GPU's name and UUID tell two GPUs apart whatever a process calls them."""
+        return f"emulated accelerator {STATE.machine_ids[STATE.index(device)]} (CPU arithmetic)"
 
     @staticmethod
     def is_bf16_supported() -> bool:
@@ -582,12 +586,16 @@ def install(name: str = "emu", module: Any = None, count: int | None = None) -> 
     if current not in ("privateuseone", NAME):
         raise RuntimeError(f"the PrivateUse1 device is already taken by {current!r} in this process; "
                            f"the emulated device cannot be installed beside it.")
-    count = device_count() if count is None else count
+    from .multi_device import emu_device_ids
+
+    # the visible-devices variable is read here, once: the process's devices are fixed from its first use on
+    machine_ids = emu_device_ids() if count is None else None
+    count = len(machine_ids) if count is None else count
     if count > 1:  # before torch registers its Python device guard, which reports one device
         from .multi_device import load_guard
 
         load_guard(count)
-    STATE = _State(count)
+    STATE = _State(count, machine_ids)
     # A C++ backend's tensors take `param.data = moved` in Module.to(), which keeps tied weights (embedding and
     # LM head) one Parameter. A Python wrapper cannot, so swap tensors in place to keep the same identity.
     torch.__future__.set_swap_module_params_on_conversion(True)

@@ -1,11 +1,13 @@
 """N emulated devices in one process, as a node's process sees its accelerators.
 
 `PORTAGRPO_EMU_DEVICES=N` (default 1) sets how many `emu` devices the machine has, and
-`PORTAGRPO_EMU_VISIBLE_DEVICES` selects among them as CUDA_VISIBLE_DEVICES does (the simulated Ascend
-has its own pair: plugins/npu_sim/torch_npu/module.py). With more than one device the process needs a
-device guard that reports them to the autograd engine; PyTorch's Python guard reports one, so a small
-C++ guard (device_guard.cpp, only c10 headers) is compiled once per torch build with the system's C++
-compiler and loaded before the device is installed. One device needs nothing compiled.
+`PORTAGRPO_EMU_VISIBLE_DEVICES` selects among them as CUDA_VISIBLE_DEVICES does, and as torch reads that one:
+once, when the device runtime starts (here: when the device is installed, at its first use); a change afterwards
+changes nothing in that process (the simulated Ascend has its own pair: plugins/npu_sim/torch_npu/module.py).
+With more than one device the process needs a device guard that reports them to the autograd engine; PyTorch's
+Python guard reports one, so a small C++ guard (device_guard.cpp, only c10 headers) is compiled once per torch
+build with the system's C++ compiler and loaded before the device is installed. One device needs nothing
+compiled.
 """
 from __future__ import annotations
 
@@ -40,26 +42,35 @@ def physical_count(env: str, default: int = 1) -> int:
     return count
 
 
-def visible_count(physical: int, visible: str | None) -> int:
-    """How many devices a process sees under a visible-devices list, read as torch reads
-    CUDA_VISIBLE_DEVICES (torch/cuda/__init__.py `_parse_visible_devices` and its tests): unset shows
-    all, an empty string none, otherwise the listed indices up to the first entry that is not one of
-    the machine's devices; an index listed twice shows none."""
+def visible_ids(physical: int, visible: str | None) -> list[int]:
+    """The machine's devices a process sees under a visible-devices list, in the process's order (its device k is
+    the machine's device ids[k]), read as torch reads CUDA_VISIBLE_DEVICES (torch/cuda/__init__.py
+    `_parse_visible_devices` and its tests): unset shows all, an empty string none, otherwise the listed indices up
+    to the first entry that is not one of the machine's devices; an index listed twice shows none."""
     if visible is None:
-        return physical
+        return list(range(physical))
     seen: list[int] = []
     for item in visible.split(","):
         item = item.strip()
         if not item.isdigit() or int(item) >= physical:
             break
         if int(item) in seen:
-            return 0
+            return []
         seen.append(int(item))
-    return len(seen)
+    return seen
+
+
+def visible_count(physical: int, visible: str | None) -> int:
+    return len(visible_ids(physical, visible))
+
+
+def emu_device_ids() -> list[int]:
+    """The machine's devices this process sees now (the device reads this once, when it is installed)."""
+    return visible_ids(physical_count(DEVICES_ENV), os.environ.get(VISIBLE_ENV))
 
 
 def emu_device_count() -> int:
-    return visible_count(physical_count(DEVICES_ENV), os.environ.get(VISIBLE_ENV))
+    return len(emu_device_ids())
 
 
 def _cache_dir() -> Path:
