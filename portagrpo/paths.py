@@ -83,3 +83,20 @@ def model_source_problem(value: str | Path, field: str, *, tokenizer: bool = Fal
     if not any(next(p.glob(pattern), None) for pattern in WEIGHT_PATTERNS):
         return f"{field}={str(value)!r} has a config.json but no weight files (*.safetensors or *.bin); {FIX}."
     return None
+
+
+PROCESSOR_FILES = ("processor_config.json", "preprocessor_config.json")
+
+
+def has_processor(path: str | Path | None) -> bool:
+    """Whether a model directory holds a processor (a vision-language model's image processor beside its tokenizer)."""
+    return path is not None and Path(path).is_dir() and any((Path(path) / name).is_file() for name in PROCESSOR_FILES)
+
+
+def uses_vision(model_cfg) -> bool:
+    """Whether the policy is a vision-language one: the tiny one with `model.tiny.vision`, or a model directory with
+    its processor and no separate model.tokenizer_path. A model.path this machine lacks (a dry run away from the
+    cluster) reads as text-only."""
+    if model_cfg.path is None:
+        return bool(model_cfg.tiny.vision)
+    return model_cfg.tokenizer_path is None and has_processor(model_cfg.path)

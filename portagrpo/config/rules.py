@@ -12,7 +12,7 @@ from typing import Any
 from portagrpo.config.bounds import rollout_correction_problems
 from portagrpo.config.schema import Config
 from portagrpo.errors import UnknownNameError
-from portagrpo.paths import model_source_problem
+from portagrpo.paths import model_source_problem, uses_vision
 
 # Float fields where infinity means something (no clipping).
 INFINITY_ALLOWED = {"actor.grad_clip", "algorithm.reward_clip", "algorithm.advantage_clip"}
@@ -81,6 +81,11 @@ def _ranges(cfg) -> list[str]:
             p.append(f"{name}={value} must be positive (or null for no clipping).")
     if cfg.model.path is None:
         p.extend(tiny_problems(cfg.model.tiny))
+    from portagrpo.data.images import max_pixels_problem
+
+    pixels = max_pixels_problem(cfg.data.max_image_pixels)
+    if pixels:
+        p.append(pixels)
     return p
 
 
@@ -105,7 +110,7 @@ def validate(cfg: Config, *, check_files: bool = True) -> list[str]:
     """Cross-field rules. Returns one sentence per problem (empty when valid)."""
     p = (_names_and_sizes(cfg) + _batch_and_loss(cfg) + _run_settings(cfg) + rollout_correction_problems(cfg)
          + rollout_precision_problems(cfg) + rollout_mode_problems(cfg) + multi_turn_problems(cfg)
-         + logger_problems(cfg) + dapo_problems(cfg)
+         + logger_problems(cfg) + dapo_problems(cfg) + vision_problems(cfg)
          + value_problems(cfg))
     if check_files:
         p.extend(missing_files(cfg))
@@ -253,6 +258,28 @@ def dapo_problems(cfg: Config) -> list[str]:
         p.append(f"algorithm.filter_groups.max_num_gen_batches={fg.max_num_gen_batches} must be 0 (no limit) or "
                  f"positive.")
     return p
+
+
+def vision_problems(cfg: Config) -> list[str]:
+    """What a vision-language policy does not do (the run's sampling asks `vision_mode_problem` again:
+    model/vision.py, `check_vision_run`)."""
+    if not uses_vision(cfg.model):
+        return []
+    r = cfg.rollout
+    problem = vision_mode_problem("multi_turn" if r.multi_turn.enable else r.mode, cfg.algorithm.filter_groups.enable)
+    return [problem] if problem else []
+
+
+def vision_mode_problem(mode: str, filtering: bool) -> str | None:
+    """Why a vision-language policy cannot sample this way, in one sentence; None if it can. `mode`: the batch source
+    (sync, one_step_off, or multi_turn when rollout.multi_turn is on); `filtering`: DAPO's group filter."""
+    if mode == "sync" and not filtering:
+        return None
+    what = {"multi_turn": "rollout.multi_turn.enable=true", "sync": "algorithm.filter_groups.enable=true"}.get(
+        mode, f"rollout.mode={mode}")
+    return (f"a vision-language policy samples with rollout.mode=sync only, without multi-turn tools or DAPO's group "
+            f"filter, and this run sets {what}; set rollout.mode=sync, rollout.multi_turn.enable=false and "
+            f"algorithm.filter_groups.enable=false, or train a text-only policy.")
 
 
 def rollout_precision_problems(cfg: Config) -> list[str]:

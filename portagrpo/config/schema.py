@@ -75,8 +75,10 @@ class DataConfig:
     prompt_key: str = "prompt"  # the data files' column holding the prompt
     reward_fn_key: str = "data_source"  # the column that picks the reward function
     image_key: str = "images"  # the column of a row's encoded images (verl's key), one per <image> in its prompt
-    # A row with a larger image is refused at load; the default is Qwen2.5-VL's processor cap (16384 * 28 * 28).
-    max_image_pixels: int = 12845056
+    # A row with a larger image is refused at load. null: the model's own limit (its processor's max_pixels), so an
+    # image its processor would shrink is refused; a number lets in images up to it, and the processor shrinks those
+    # over its own limit (the run says how many). data/images.py.
+    max_image_pixels: Optional[int] = None
 
 
 @dataclass(frozen=True)

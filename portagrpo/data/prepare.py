@@ -9,7 +9,7 @@ import json
 from pathlib import Path
 from typing import Any, Iterator
 
-from portagrpo.data.images import DEFAULT_MAX_IMAGE_PIXELS, IMAGE_PLACEHOLDER, ImageProblem, row_images
+from portagrpo.data.images import IMAGE_PLACEHOLDER, ImageLimits, ImageProblem, row_images
 from portagrpo.data.records import DataError
 from portagrpo.fileio import atomic_path, check_output_path
 from portagrpo.rewards.functions import normalize_number
@@ -97,7 +97,7 @@ def _geo3k_row(item: dict, index: int, split: str, base: Path = Path(".")) -> di
     if not isinstance(problem, str) or not problem.strip() or not isinstance(answer, str) or not answer.strip():
         raise ValueError("needs non-empty string fields 'problem' and 'answer'")
     try:
-        images = row_images(item.get("images"), problem, base, DEFAULT_MAX_IMAGE_PIXELS)
+        images = row_images(item.get("images"), problem, base, ImageLimits())  # the processor is not known here
     except ImageProblem as err:
         raise ValueError(str(err)) from None
     if not images:

@@ -8,7 +8,7 @@ from typing import Any
 
 import torch
 
-from portagrpo.data.images import DEFAULT_MAX_IMAGE_PIXELS, ImageProblem, row_images
+from portagrpo.data.images import ImageLimits, ImageProblem, image_limits, row_images
 from portagrpo.data.tasks import TASKS
 from portagrpo.errors import UserError
 from portagrpo.fileio import write_text_atomic
@@ -33,7 +33,7 @@ class PromptRecord:
 
 def _record_from_row(row: dict, index: int, where: str, prompt_key: str = "prompt",
                      source_key: str = "data_source", image_key: str = "images", base: Path | None = None,
-                     max_image_pixels: int = DEFAULT_MAX_IMAGE_PIXELS) -> PromptRecord:
+                     limits: ImageLimits | None = None) -> PromptRecord:
     if not isinstance(row, dict):
         raise DataError(f"{where}: a row must be a JSON object, got {type(row).__name__}.")
     if prompt_key not in row:
@@ -57,7 +57,7 @@ def _record_from_row(row: dict, index: int, where: str, prompt_key: str = "promp
         raise DataError(f"{where}: 'reward_model.ground_truth' is null; give the expected answer (a string or number).")
     extra = row.get("extra_info") or {}
     try:
-        images = row_images(row.get(image_key), prompt, base or Path("."), max_image_pixels)
+        images = row_images(row.get(image_key), prompt, base or Path("."), limits or ImageLimits())
     except ImageProblem as err:
         raise DataError(f"{where} {err} (data.image_key={image_key!r}); fix or remove the row "
                         f"(the file was not changed).") from None
@@ -100,18 +100,21 @@ def read_rows(path: str | Path) -> list[dict]:
 
 
 def load_records(paths: list[str], prompt_key: str = "prompt", source_key: str = "data_source",
-                 image_key: str = "images", max_image_pixels: int = DEFAULT_MAX_IMAGE_PIXELS) -> list[PromptRecord]:
+                 image_key: str = "images", max_image_pixels: int | None = None, processor=None,
+                 pixels_field: str = "data.max_image_pixels") -> list[PromptRecord]:
     """Every row of the files; a bad row stops the load with one sentence naming its file and row. Files are
-    only read, never written."""
-    if max_image_pixels < 1:
-        raise DataError(f"data.max_image_pixels={max_image_pixels} must be at least 1 (the default is "
-                        f"{DEFAULT_MAX_IMAGE_PIXELS}, Qwen2.5-VL's own cap).")
+    only read, never written. Images are checked against data.max_image_pixels and the policy's `processor`
+    (data/images.py: `image_limits`)."""
+    try:
+        limits = image_limits(max_image_pixels, processor, pixels_field)
+    except ImageProblem as err:
+        raise DataError(str(err)) from None
     records: list[PromptRecord] = []
     for path in paths:
         base = Path(path).parent
         for i, row in enumerate(read_rows(path)):
             records.append(_record_from_row(row, len(records), f"{path} row {i + 1}", prompt_key, source_key,
-                                            image_key, base, max_image_pixels))
+                                            image_key, base, limits))
     return records
 
 

@@ -21,6 +21,7 @@ from typing import Any
 import torch
 
 from portagrpo.errors import UserError
+from portagrpo.paths import uses_vision
 
 VISION_START, IMAGE_PAD, VISION_END = "<|vision_start|>", "<|image_pad|>", "<|vision_end|>"
 QWEN_VL_SPECIALS = ["<|im_start|>", "<|im_end|>", VISION_START, VISION_END, "<|vision_pad|>", IMAGE_PAD,
@@ -349,11 +350,6 @@ def generate_inputs(model, prompt_ids: torch.Tensor, images: PromptImages | None
 
 
 # ---- loading
-def has_processor(path: str | Path | None) -> bool:
-    return path is not None and Path(path).is_dir() and any(
-        (Path(path) / name).is_file() for name in ("processor_config.json", "preprocessor_config.json"))
-
-
 def load_processor(path: str | Path, field: str = "model.path"):
     """A model directory's processor: a Qwen2.5-VL one as the image-only processor (no torchvision needed), any other
     through transformers' AutoProcessor."""
@@ -385,13 +381,10 @@ def saved_processor_class(path: str | Path) -> str | None:
 
 
 def processor_for(model_cfg):
-    """The policy's processor: the tiny one (`model.tiny.vision`), a model directory's own (it has a
-    processor_config.json or preprocessor_config.json), or None for a text-only policy."""
-    if model_cfg.path is None:
-        return build_tiny_processor() if model_cfg.tiny.vision else None
-    if model_cfg.tokenizer_path is None and has_processor(model_cfg.path):
-        return load_processor(model_cfg.path)
-    return None
+    """The policy's processor (`uses_vision`, paths.py), or None for a text-only policy."""
+    if not uses_vision(model_cfg):
+        return None
+    return build_tiny_processor() if model_cfg.path is None else load_processor(model_cfg.path)
 
 
 def check_rows(processor, records: list) -> None:
@@ -411,6 +404,8 @@ def check_vision_run(settings, engine) -> None:
         raise VisionError(f"the rollout engine ({type(engine).__name__}) does not sample with images; use "
                           f"rollout.engine=hf with rollout.precision=auto, or rollout.engine=vllm, for a "
                           f"vision-language policy.")
-    if settings.mode != "sync" or settings.filter_metric is not None:
-        raise VisionError("a vision-language policy samples with rollout.mode=sync only, without DAPO's group "
-                          "filter (algorithm.filter_groups); set rollout.mode=sync and turn the filter off.")
+    from portagrpo.config.rules import vision_mode_problem  # the config's rule (so --dry-run refuses it too)
+
+    problem = vision_mode_problem(settings.mode, settings.filter_metric is not None)
+    if problem is not None:
+        raise VisionError(problem)

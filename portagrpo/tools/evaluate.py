@@ -11,6 +11,8 @@ import torch
 from portagrpo.fileio import check_report_destination, write_report
 from portagrpo.metrics import pass_at_k
 
+PIXELS_FIELD = "--max-image-pixels"  # eval's data.max_image_pixels
+
 
 def load_for_eval(model: str | Path, allow_untrained: bool = False):
     """(model, tokenizer, processor, description) from a model path, a .gguf, or a run directory's newest
@@ -51,7 +53,8 @@ def text_side(path: str | Path, field: str = "model.path"):
     """(tokenizer, processor) of a model directory: a vision-language model's directory holds its processor,
     whose tokenizer is the model's; any other gives (tokenizer, None)."""
     from portagrpo.model.loading import load_tokenizer
-    from portagrpo.model.vision import has_processor, load_processor
+    from portagrpo.model.vision import load_processor
+    from portagrpo.paths import has_processor
 
     if has_processor(path):
         processor = load_processor(path, field)
@@ -63,18 +66,25 @@ def evaluate(model_spec: str, data_files: list[str], *, n: int = 1, temperature:
              top_k: int = -1, min_p: float = 0.0, repetition_penalty: float = 1.0,
              max_new_tokens: int = 256, batch_size: int = 16, device: str = "auto", reward: str = "auto",
              seed: int = 0, progress: bool = True, max_samples: int | None = None,
-             allow_untrained: bool = False) -> dict[str, Any]:
+             allow_untrained: bool = False, max_image_pixels: int | None = None, log=print) -> dict[str, Any]:
     from portagrpo.backends import get_backend
+    from portagrpo.data.images import image_limits, shrink_notice
     from portagrpo.data.records import load_records
     from portagrpo.errors import UserError
     from portagrpo.rewards.functions import RewardResolver
     from portagrpo.rollout.engines import HFRollout, SamplingParams
 
     backend = get_backend(device)
-    records = load_records(data_files)[:max_samples]
+    keys = dict(max_image_pixels=max_image_pixels, pixels_field=PIXELS_FIELD)
+    records = load_records(data_files, **keys)[:max_samples]
     if not records:
         raise UserError(f"--data {', '.join(map(str, data_files))} holds no prompts; give a file with rows.")
     model, tokenizer, processor, described = load_for_eval(model_spec, allow_untrained)
+    if processor is not None:  # read again, each image checked against the model's processor as a training run does
+        records = load_records(data_files, processor=processor, **keys)[:max_samples]
+    shrunk = shrink_notice(records, image_limits(max_image_pixels, processor, PIXELS_FIELD))
+    if shrunk:
+        log(shrunk)
     with_images = next((r for r in records if r.images), None)
     if processor is None and with_images is not None:
         raise UserError(f"--data prompt {with_images.index} has images but --model {model_spec} is text-only (no "
@@ -149,6 +159,11 @@ def _check_args(args) -> None:
             raise UserError(f"--{name.replace('_', '-')}={getattr(args, name)} must be at least 1.")
     if args.max_samples is not None and args.max_samples < 1:
         raise UserError(f"--max-samples={args.max_samples} must be at least 1.")
+    from portagrpo.data.images import max_pixels_problem
+
+    pixels = max_pixels_problem(args.max_image_pixels, PIXELS_FIELD)
+    if pixels:
+        raise UserError(pixels)
     if not (args.temperature > 0 and math.isfinite(args.temperature)):
         raise UserError(f"--temperature={args.temperature} must be a positive number (greedy always runs).")
     if not 0 < args.top_p <= 1:
@@ -195,6 +210,8 @@ def main_cli(argv: list[str]) -> int:
     p.add_argument("--max-new-tokens", type=int, default=256)
     p.add_argument("--batch-size", type=int, default=16)
     p.add_argument("--max-samples", type=int, default=None)
+    p.add_argument("--max-image-pixels", type=int, default=None, help="as data.max_image_pixels: a larger image is "
+                   "refused; default: the model's own limit (an image its processor would shrink is refused)")
     p.add_argument("--device", default="auto")
     p.add_argument("--reward", default="auto", help="reward function (as reward.function)")
     p.add_argument("--seed", type=int, default=0)
@@ -212,7 +229,8 @@ def main_cli(argv: list[str]) -> int:
     report = evaluate(args.model, args.data, n=args.n, temperature=args.temperature, top_p=args.top_p,
                       top_k=args.top_k, min_p=args.min_p, repetition_penalty=args.repetition_penalty,
                       max_new_tokens=args.max_new_tokens, batch_size=args.batch_size, device=args.device,
-                      reward=args.reward, seed=args.seed, max_samples=args.max_samples, allow_untrained=args.untrained)
+                      reward=args.reward, seed=args.seed, max_samples=args.max_samples, allow_untrained=args.untrained,
+                      max_image_pixels=args.max_image_pixels)
     output = Path(args.output) if args.output else fresh_report_path()
     write_report(output, report, "eval")
     g = report["greedy"]

@@ -83,7 +83,8 @@ def _write_processor(model_dir: Path, dest: Path) -> None:
     """A vision-language run's checkpoint holds its processor (image processor, tokenizer, chat template). The export
     gets it saved again as transformers' own Qwen2.5-VL processor saves (model/vision.py), so transformers alone loads
     it with AutoProcessor, also from a checkpoint that an older portagrpo wrote under its own class name."""
-    from portagrpo.model.vision import has_processor, load_processor
+    from portagrpo.model.vision import load_processor
+    from portagrpo.paths import has_processor
 
     if has_processor(model_dir):
         load_processor(model_dir, "the checkpoint's model").save_pretrained(dest)

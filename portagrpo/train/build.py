@@ -18,6 +18,7 @@ from portagrpo.algo.schedule import lr_multiplier
 from portagrpo.backends import Backend, get_backend
 from portagrpo.backends.dist import Collectives, init_collectives
 from portagrpo.config import Config, ConfigError, validate_world
+from portagrpo.data.images import image_limits, shrink_notice
 from portagrpo.data.records import (
     PromptLoader,
     PromptRecord,
@@ -174,9 +175,12 @@ def build_data(cfg: Config, log: Callable[[str], None]) -> Data:
         val = task_records(cfg.data.task, cfg.data.val_size, cfg.trainer.seed + 10_007)
     else:
         keys = dict(prompt_key=cfg.data.prompt_key, source_key=cfg.data.reward_fn_key, image_key=cfg.data.image_key,
-                    max_image_pixels=cfg.data.max_image_pixels)
+                    max_image_pixels=cfg.data.max_image_pixels, processor=processor)
         train = load_records(cfg.data.train_files, **keys)
         val = load_records(cfg.data.val_files, **keys) if cfg.data.val_files else []
+        shrunk = shrink_notice(train + val, image_limits(cfg.data.max_image_pixels, processor))
+        if shrunk:
+            log(shrunk)
     train, val = _fit_prompts(cfg, tokenizer, train, val, log)
     check_rows(processor, train + val)
     reward = RewardResolver(cfg.reward.function)
