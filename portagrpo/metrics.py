@@ -63,11 +63,15 @@ class StepMetrics:
     # a batch source's own metrics, logged flat (multi-turn: `tool/calls`, `tool/errors`, `tool/timeouts`,
     # `turns_mean`); None for the other sources
     rollout_metrics: dict[str, float] | None = None
+    # `mem/<phase>_peak_gb`: each phase's own peak since the last step's report, the largest over the ranks
+    # (train/memory.py; load with the first step, a checkpoint with the step after it); logged flat
+    memory: dict[str, float] | None = None
 
     def as_dict(self) -> dict[str, Any]:
-        out = {f.name: getattr(self, f.name) for f in fields(self)
-               if getattr(self, f.name) is not None and f.name not in ("rollout_corr", "rollout_metrics")}
-        return {**out, **(self.rollout_corr or {}), **(self.rollout_metrics or {})}
+        flat = ("rollout_corr", "rollout_metrics", "memory")
+        out = {f.name: getattr(self, f.name) for f in fields(self) if getattr(self, f.name) is not None
+               and f.name not in flat}
+        return {**out, **(self.rollout_corr or {}), **(self.rollout_metrics or {}), **(self.memory or {})}
 
 
 class _RowView(Mapping):

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import functools
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
@@ -46,6 +46,7 @@ from portagrpo.rewards.pool import RewardPool
 from portagrpo.rollout.engines import ROLLOUT_ENGINES, AheadSampler, EngineInputs, RolloutEngine
 from portagrpo.rollout.settings import EngineSettings
 from portagrpo.tolerances import DTYPES
+from portagrpo.train.memory import PhaseMemory
 
 
 @dataclass
@@ -56,6 +57,15 @@ class Runtime:
     comm: Collectives
     device: torch.device
     dtype: torch.dtype  # model.dtype: what the forward computes in
+    memory: PhaseMemory = field(init=False)  # this rank's peak memory per phase (train/memory.py)
+
+    def __post_init__(self) -> None:
+        self.memory = PhaseMemory(self.backend)
+
+    def phase(self, label: str):
+        """A named stretch of the run (the backend's region) with its own peak memory: rollout, logprobs, update,
+        push weights, load, checkpoint."""
+        return self.memory.phase(label)
 
     @property
     def master_dtype(self) -> torch.dtype:

@@ -83,7 +83,8 @@ class Trainer:
                 self.run.claim(resuming=self.resume_from is not None, log=self.log)
             self.run_dir.mkdir(parents=True, exist_ok=True)
         try:
-            self._setup_parts()
+            with self.runtime.phase("load"):  # models, engine, data: logged with the first step's metrics
+                self._setup_parts()
         except BaseException:
             if self.parts is not None:  # the reward pool and a sampler process end with the refused setup
                 self.parts.close()
@@ -158,7 +159,7 @@ class Trainer:
     def step(self) -> StepOutput:
         """Sample, score and update on the next prompt batch."""
         start = time.perf_counter()
-        self.runtime.backend.reset_peak_memory()
+        self.runtime.memory.start_step()
         step = self.step_done + 1
         out = self._update(step, self.experience.prepare(self.source.next(step)), start)
         if self.cfg.trainer.record_rollouts:
@@ -173,7 +174,7 @@ class Trainer:
     def _update(self, step: int, exp: Experience, start: float) -> StepOutput:
         t_update = time.perf_counter()
         stats = self.updater.update(exp.batch, step)
-        with self.runtime.backend.region("push weights"):
+        with self.runtime.phase("push weights"):
             push_weights(self.parts.engine, self.parts.models)
             self.source.push(self.parts.models)
         self.runtime.backend.synchronize()
@@ -185,7 +186,8 @@ class Trainer:
         return self.sampling.validate(self.step_done, self.parts.data.val_records)
 
     def save(self) -> Path | None:
-        return self.checkpoints.save(self.step_done)
+        with self.runtime.phase("checkpoint"):  # its peak is logged with the next step's metrics
+            return self.checkpoints.save(self.step_done)
 
     def fingerprint(self) -> dict[str, list[float]]:
         return param_fingerprint(self.models.scorer, self.runtime.comm)

@@ -4,8 +4,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-import torch
-
 from portagrpo.algo.advantages import zero_std_group_fraction
 from portagrpo.algo.losses import masked_mean
 from portagrpo.algo.rollout_correction import gap_report
@@ -32,7 +30,7 @@ def step_metrics(step: int, exp: Experience, stats: UpdateStats, times: StepTime
     resp_tokens = float(mask.sum())
     prompt_tokens = float(rb.prompt_mask.sum())
     took = times.end - times.start
-    peak = torch.tensor(runtime.backend.peak_memory_gb(), dtype=torch.float32, device=runtime.device)
+    peak, memory = runtime.memory.take(runtime.comm, runtime.device)
     adv_mean = masked_mean(adv, trained)
     return StepMetrics(
         step=step,
@@ -67,7 +65,8 @@ def step_metrics(step: int, exp: Experience, stats: UpdateStats, times: StepTime
         time_update_s=times.end - times.update,
         response_tokens_per_s=resp_tokens / took,
         tokens_per_s_per_device=(resp_tokens + prompt_tokens) / (took * runtime.comm.world_size),
-        mem_peak_gb=float(runtime.comm.all_reduce_max(peak)),
+        mem_peak_gb=peak,
+        memory=memory,
         world_size=runtime.comm.world_size,
         rollout_corr=exp.rollout_corr or _measured_in_update(exp, stats),
         rollout_metrics=exp.rollout_metrics,

@@ -85,7 +85,7 @@ class Sampling:
         # Sampling with the training model itself (not an engine holding its own weights): a sharded
         # policy is gathered once for the whole rollout.
         gather = nullcontext() if self.engine.holds_weights else self.strategy.generation(self.scorer)
-        with gather, self.runtime.backend.region("rollout"):
+        with gather, self.runtime.phase("rollout"):
             if self.processor is not None:
                 return vision_rollout(self.engine, self.processor, records, n, params, self.runtime.device,
                                       uid_base=uid_base, prompt_width=prompt_width, widen=self.widest)
@@ -133,8 +133,12 @@ class Sampling:
         s = self.settings
         logps, ents, order = [], [], []
         # scoring is deterministic: no dropout (LoRA's or the model's), as in verl
-        with eval_mode(scorer), self.runtime.backend.region("logprobs"):
-            for rows in micro_batches(batch, s.micro_batch_size, s.token_budget):
+        with eval_mode(scorer), self.runtime.phase("logprobs"):
+            for rows in self.micro_plan(batch) if plan is None else plan:
+                if rows.numel() == 0:  # another rank's plan has more: join its collectives, keep nothing
+                    response_stats(scorer, batch.select([0]), temperature=s.temperature, compute_entropy=False,
+                                   autocast=self.runtime.autocast)
+                    continue
                 part = batch.select(rows)
                 stats = response_stats(scorer, part, temperature=s.temperature, compute_entropy=entropy,
                                        autocast=self.runtime.autocast)

@@ -125,7 +125,7 @@ class Updater:
         if s.measure_in_update and batch.rollout.rollout_logp is not None:
             seen = torch.zeros_like(batch.rollout.rollout_logp)
         self.scorer.train()
-        with self.runtime.backend.region("update"):
+        with self.runtime.phase("update"):
             for epoch in range(s.ppo_epochs):
                 order = torch.randperm(batch.rollout.size, generator=g)
                 for mini_idx in order.split(s.mini_batch_size):

@@ -77,6 +77,19 @@ def test_train_on_emu_matches_cpu(tmp_path, lora):
     cpu, emu = _metrics(tmp_path / "cpu"), _metrics(tmp_path / "emu")
     assert_trained_alike(cpu, emu)
     assert emu[-1]["val/acc"] == pytest.approx(cpu[-1]["val/acc"])
+    assert_memory_by_phase(emu)
+
+
+def assert_memory_by_phase(rows: list[dict]) -> None:
+    """Every step logs each phase's peak (train/memory.py), the device's byte count here; the load's with the first
+    step. The update holds the most (weights, gradients, optimizer state), and the step's peak is its largest."""
+    phases = ("rollout", "scoring", "update", "push")
+    assert rows[0]["mem/load_peak_gb"] > 0 and all("mem/load_peak_gb" not in r for r in rows[1:])
+    for row in rows:
+        peaks = {p: row[f"mem/{p}_peak_gb"] for p in phases}
+        assert all(v > 0 for v in peaks.values()), row
+        assert row["mem_peak_gb"] == pytest.approx(max(peaks.values()), rel=1e-6) == peaks["update"]
+        assert peaks["push"] < peaks["update"]
 
 
 def assert_trained_alike(cpu: list[dict], device: list[dict]) -> None:

@@ -216,7 +216,7 @@ class MultiTurnSource(InStepSource):
         holding its own weights), a sharded policy is gathered once for the whole rollout."""
         s = self.sampling
         gather = nullcontext() if s.engine.holds_weights else s.strategy.generation(s.scorer)
-        with gather, s.runtime.backend.region("rollout"):
+        with gather, s.runtime.phase("rollout"):
             return self.rollouts.rollout(records, n, params, s.runtime.device, uid_base=uid_base,
                                          prompt_width=prompt_width, counts=self.counts)
 
