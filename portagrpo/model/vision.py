@@ -402,8 +402,7 @@ def check_vision_run(settings, engine) -> None:
     its share of the prompts with their images, and the images are gathered with the rows, model/vision_gather.py.)"""
     if not getattr(engine, "takes_images", False):
         raise VisionError(f"the rollout engine ({type(engine).__name__}) does not sample with images; use "
-                          f"rollout.engine=hf with rollout.precision=auto, or rollout.engine=vllm, for a "
-                          f"vision-language policy.")
+                          f"rollout.engine=hf or vllm for a vision-language policy.")
     from portagrpo.config.rules import vision_mode_problem  # the config's rule (so --dry-run refuses it too)
 
     problem = vision_mode_problem(settings.mode, settings.filter_metric is not None)
