@@ -14,6 +14,7 @@ and the adapter also takes the one-call-per-window form (no `cu_seq_lens_q`: eac
 """
 from __future__ import annotations
 
+import weakref
 from typing import Any, Callable
 
 import torch
@@ -44,6 +45,30 @@ def varlen_calls(cu_q: list[int], cu_k: list[int]) -> list[tuple[int, int]]:
             first = i
     runs.append((first, len(cu_q) - 1))
     return runs
+
+
+class HostBoundaries:
+    """The window boundaries as host lists, read from the device once per boundary tensor. A vision tower computes
+    its `cu_seqlens` once per forward and hands the same tensor to every block (Qwen2.5-VL: one for its windowed
+    blocks, one for its full-attention ones), so a forward reads each once instead of once per block. An entry lives
+    as long as its tensor (and is read again if the tensor is changed in place)."""
+
+    def __init__(self) -> None:
+        self.kept: dict[int, tuple[Any, int, list[int]]] = {}  # id -> (weak reference, version, host list)
+        self.reads = 0
+
+    def __call__(self, cu: torch.Tensor) -> list[int]:
+        held = self.kept.get(id(cu))
+        if held is not None and held[0]() is cu and held[1] == cu._version:
+            return held[2]
+        host = [int(x) for x in cu.tolist()]  # host read: once per boundary tensor (a forward's blocks share it)
+        self.reads += 1
+        key = id(cu)
+        self.kept[key] = (weakref.ref(cu, lambda _ref: self.kept.pop(key, None)), cu._version, host)
+        return host
+
+
+HOST_BOUNDARIES = HostBoundaries()
 
 
 def npu_varlen_attention_forward(
@@ -84,9 +109,9 @@ def npu_varlen_attention_forward(
     v = value.transpose(1, 2).reshape(batch * s_k, kv_heads, value.shape[-1]).to(dtype)
     if cu_seq_lens_q is None:
         cu_q, cu_k = list(range(0, batch * s_q + 1, s_q)), list(range(0, batch * s_k + 1, s_k))
-    else:  # the op takes host lists: one read of the window boundaries per call
-        cu_q = [int(x) for x in cu_seq_lens_q.tolist()]
-        cu_k = cu_q if cu_seq_lens_k is None else [int(x) for x in cu_seq_lens_k.tolist()]
+    else:  # the op takes host lists: the window boundaries read once per forward (HostBoundaries)
+        cu_q = HOST_BOUNDARIES(cu_seq_lens_q)
+        cu_k = cu_q if cu_seq_lens_k is None or cu_seq_lens_k is cu_seq_lens_q else HOST_BOUNDARIES(cu_seq_lens_k)
     scale = scaling if scaling is not None else head_dim ** -0.5
     keep_prob = 1.0 - (dropout if module.training else 0.0)
     outs = []

@@ -263,7 +263,7 @@ class VLLMRollout:
                    max_model_len=s.max_model_len,
                    tied_embeddings=tied, empty_cache=inputs.backend.empty_cache, world_size=comm.world_size,
                    plugin=plugin, eos_ids=stop_token_ids(inputs.tokenizer, inputs.policy),
-                   tensor_parallel=TensorParallel(s.tensor_parallel_size, group, tp_rank, comm.all_gather_object),
+                   tensor_parallel=TensorParallel.of_ranks(s.tensor_parallel_size, group, tp_rank, comm),
                    fp8=fp8_allowed(s.precision, inputs.backend, inputs.policy, s.tensor_parallel_size),
                    reseed=inputs.backend.seed, sleep_mode=inputs.backend.spec.vllm_sleep_mode,
                    env=dict(inputs.backend.spec.vllm_env),

@@ -132,23 +132,51 @@ class TensorParallel:
     sampling can be deterministic across ranks"), so that deterministic scheduling keeps them in step. Each
     training rank has its own prompts and its own random streams: the group's requests are gathered with one
     seed per rank, every rank submits all of them after seeding its streams with the group's first seed, and
-    each keeps its own slice."""
+    each keeps its own slice. The gather runs within the group only (`group_gather`): a group's prompts, and a
+    vision-language policy's raw images with them, never travel to the other groups."""
 
-    def __init__(self, size: int = 1, group: int = 0, rank: int = 0, all_gather_object=None) -> None:
-        if size > 1 and all_gather_object is None:
-            raise ValueError("tensor parallel engines need the training ranks' all_gather_object")
-        self.size, self.group, self.rank, self.all_gather_object = size, group, rank, all_gather_object
+    def __init__(self, size: int = 1, group: int = 0, rank: int = 0, gather=None) -> None:
+        """`gather`: all_gather_object over the group (`group_gather`), or over the world."""
+        if size > 1 and gather is None:
+            raise ValueError("tensor parallel engines need their group's all_gather_object (group_gather)")
+        self.size, self.group, self.rank, self.gather = size, group, rank, gather
 
-    def requests(self, local: list[list[int]]) -> tuple[list[list[int]], slice, int | None]:
+    @classmethod
+    def of_ranks(cls, size: int, group: int, rank: int, comm) -> "TensorParallel":
+        """This rank's place, its requests gathered over its group only (`group_gather`)."""
+        return cls(size, group, rank, group_gather(size, comm.rank, comm.world_size) if size > 1 else None)
+
+    def requests(self, local: list) -> tuple[list, slice, int | None]:
         """The group's prompts in rank order, the slice of the outputs that are this rank's, and the seed the
         group's ranks sample with (None for one rank: it samples from its streams as they are)."""
         if self.size == 1:
             return local, slice(0, len(local)), None
         draw = int(torch.randint(0, 2**62, (1,)))  # from this rank's stream, which the trainer seeds per step
-        everyone = self.all_gather_object((local, draw))  # every rank of the world takes part: groups step together
-        group = everyone[self.group * self.size:(self.group + 1) * self.size]
+        group = self.gather((local, draw))  # the group's ranks in rank order (a world's gather: its group's part)
+        if len(group) > self.size:
+            group = group[self.group * self.size:(self.group + 1) * self.size]
         start = sum(len(part) for part, _ in group[: self.rank])
         return [p for part, _ in group for p in part], slice(start, start + len(local)), group[0][1]
+
+
+def group_gather(size: int, rank: int, world: int):
+    """`all_gather_object` over this rank's tensor-parallel group only: consecutive ranks, the groups vLLM forms
+    (`tp_layout`). Every rank creates every group, in the same order, as torch.distributed requires; the groups run
+    on gloo, which carries Python objects through the host whatever the device's collective library is."""
+    import torch.distributed as dist
+
+    mine = None
+    for first in range(0, world, size):
+        group = dist.new_group(list(range(first, first + size)), backend="gloo")
+        if first <= rank < first + size:
+            mine = group
+
+    def gather(obj):
+        out = [None] * size
+        dist.all_gather_object(out, obj, group=mine)
+        return out
+
+    return gather
 
 
 def seed_streams(seed: int) -> None:
