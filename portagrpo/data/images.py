@@ -35,7 +35,8 @@ MAX_ASPECT_RATIO = 200
 
 
 class ImageProblem(ValueError):
-    """One image of a row is missing, not decodable or too large; the message is the end of a sentence."""
+    """One image of a row is missing, not decodable, too large or of a shape the processor cannot take; the message
+    is the end of a sentence."""
 
 
 def count_placeholders(prompt: Any) -> int:
