@@ -134,11 +134,7 @@ class Sampling:
         logps, ents, order = [], [], []
         # scoring is deterministic: no dropout (LoRA's or the model's), as in verl
         with eval_mode(scorer), self.runtime.phase("logprobs"):
-            for rows in self.micro_plan(batch) if plan is None else plan:
-                if rows.numel() == 0:  # another rank's plan has more: join its collectives, keep nothing
-                    response_stats(scorer, batch.select([0]), temperature=s.temperature, compute_entropy=False,
-                                   autocast=self.runtime.autocast)
-                    continue
+            for rows in micro_batches(batch, s.micro_batch_size, s.token_budget):
                 part = batch.select(rows)
                 stats = response_stats(scorer, part, temperature=s.temperature, compute_entropy=entropy,
                                        autocast=self.runtime.autocast)
