@@ -53,6 +53,9 @@ class ModelConfig:
     dtype: Literal["fp32", "bf16", "fp64"] = "fp32"
     attn_implementation: str = "auto"
     gradient_checkpointing: bool = False
+    # FSDP2 on several ranks: build the model on the meta device, shard it, and read each rank's shards alone from
+    # the safetensors checkpoint (model/sharded.py), so no rank holds it whole; false: every rank loads it whole first
+    sharded_load: bool = True
     tiny: TinyModelConfig = field(default_factory=TinyModelConfig)
     lora: LoraSettings = field(default_factory=LoraSettings)
 

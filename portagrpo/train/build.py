@@ -32,6 +32,7 @@ from portagrpo.kernels import logprob_impl
 from portagrpo.model.loading import apply_lora, build_tiny_model, check_tiny_matches, load_model, load_tokenizer
 from portagrpo.model.parallel import ParallelStrategy, make_strategy
 from portagrpo.model.scorer import AdaptersOff, ResponseScorer
+from portagrpo.model.sharded import buffers_to, empty_model, materialize, missing_tensors, sharded_load_problem
 from portagrpo.model.vision import (
     build_tiny_processor,
     build_tiny_vl_model,
@@ -158,7 +159,7 @@ def build(cfg: Config, runtime: Runtime, run_dir: Path, log: Callable[[str], Non
     strategy = make_strategy(runtime.backend.parallel_strategy(cfg.trainer.parallel), runtime.comm)
     data = build_data(cfg, log)
     try:
-        models = build_models(cfg, runtime, strategy, data.tokenizer, run_dir)
+        models = build_models(cfg, runtime, strategy, data.tokenizer, run_dir, log)
         total = total_steps(cfg, data.loader)
         optim = build_optimization(cfg, models, total)
         engine = build_engine(cfg, runtime, models, data.tokenizer, run_dir, log if runtime.comm.is_main else None)
@@ -219,32 +220,56 @@ def _fit_prompts(cfg: Config, tokenizer, train: list[PromptRecord], val: list[Pr
     return train, val
 
 
-def build_models(cfg: Config, runtime: Runtime, strategy, tokenizer, run_dir: Path) -> Models:
+def build_models(cfg: Config, runtime: Runtime, strategy, tokenizer, run_dir: Path,
+                 log: Callable[[str], None] = lambda m: None) -> Models:
     kernel_name = runtime.backend.kernel_implementation(cfg.kernels.logprob)
     kernel = logprob_impl(kernel_name)
     attn = runtime.backend.attention_implementation(cfg.model.attn_implementation, runtime.dtype)
     policy_path, ref_path = _model_paths(cfg, runtime, tokenizer, run_dir)
-    policy = load_model(policy_path, attn).to(device=runtime.device, dtype=runtime.master_dtype)
+    is_lora = cfg.model.lora.rank > 0
+    policy, sharded = _language_model(cfg, runtime, strategy, policy_path, attn, runtime.master_dtype, is_lora, log)
     _tower_attention(policy, cfg, runtime)
     if cfg.actor.freeze_vision_tower:
         freeze_vision_tower(policy)
-    is_lora = cfg.model.lora.rank > 0
     if is_lora:
         policy = apply_lora(policy, cfg.model.lora).to(device=runtime.device, dtype=runtime.master_dtype)
     if cfg.model.gradient_checkpointing:
         policy.gradient_checkpointing_enable()
     policy.config.use_cache = True
     scorer = strategy.wrap(ResponseScorer(policy, kernel), trainable=True, compute_dtype=runtime.dtype)
+    if sharded:
+        materialize(scorer, runtime.device, policy_path)
     ref = ref_scorer = None
     if (cfg.actor.use_kl_loss or cfg.algorithm.use_kl_in_reward) and is_lora:
         ref_scorer = AdaptersOff(scorer)  # the reference is the base model under the adapter
     elif cfg.actor.use_kl_loss or cfg.algorithm.use_kl_in_reward:
-        ref = (load_model(ref_path, attn, "model.ref_path" if cfg.model.ref_path else "model.path")
-               .to(device=runtime.device, dtype=runtime.master_dtype).eval())
-        ref.requires_grad_(False)
+        # forward-only: the compute dtype (model.dtype), never an fp32 master copy
+        ref, ref_sharded = _language_model(cfg, runtime, strategy, ref_path, attn, runtime.dtype, False, log,
+                                           "model.ref_path" if cfg.model.ref_path else "model.path")
+        ref.eval().requires_grad_(False)
         _tower_attention(ref, cfg, runtime)
         ref_scorer = strategy.wrap(ResponseScorer(ref, kernel), trainable=False, compute_dtype=runtime.dtype)
+        if ref_sharded:
+            materialize(ref_scorer, runtime.device, ref_path)
     return Models(policy, scorer, ref, ref_scorer, strategy, kernel_name, is_lora)
+
+
+def _language_model(cfg: Config, runtime: Runtime, strategy, path, attn: str, dtype: torch.dtype, lora: bool,
+                    log: Callable[[str], None], field_name: str = "model.path"):
+    """(the model, whether it is built empty to be filled by shards after wrapping): FSDP2 on several ranks builds
+    it on the meta device when its checkpoint allows (model/sharded.py), so no rank ever holds it whole; otherwise
+    it is loaded whole onto this rank's device."""
+    whole = (not cfg.model.sharded_load
+             or sharded_load_problem(path, strategy=strategy.name, world_size=runtime.comm.world_size, lora=lora))
+    if not whole:
+        model = empty_model(path, attn, dtype)
+        missing = missing_tensors(model, path)
+        if not missing:
+            buffers_to(model, runtime.device)
+            return model, True
+        log(f"{field_name}: loaded whole on every rank, not by shards: its checkpoint names tensors otherwise than "
+            f"the model does ({missing[0]!r} is not there), a layout transformers converts while loading.")
+    return load_model(path, attn, field_name).to(device=runtime.device, dtype=dtype), False
 
 
 def _tower_attention(model, cfg: Config, runtime: Runtime) -> None:

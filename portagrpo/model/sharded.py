@@ -1,0 +1,186 @@
+"""A model that never exists whole on any rank: built on the meta device, sharded by FSDP2, then each rank reads only
+its own rows of each tensor from the checkpoint's safetensors files.
+
+Today's simple path (model/loading.py) loads the whole model in fp32 on every rank's host and device before FSDP2
+shards it: 4 bytes a parameter on every device at load (123 GiB for 32B). Here, per rank:
+- the model is made with its parameters on the meta device (no memory; its buffers, such as rotary tables, real);
+- FSDP2 shards it (`strategy.wrap`), still without memory;
+- `to_empty` gives each rank storage for its shards alone (4 bytes / world size a parameter);
+- each parameter's shard is read from the checkpoint (safetensors, memory-mapped) by its global rows, one tensor at
+  a time: a rank's host holds at most one shard of one tensor beyond what it keeps.
+Which runs take it: FSDP2 on several ranks, a Hugging Face directory with safetensors weights whose tensor names are
+the model's own, and no LoRA (peft's adapters are created after loading; that path stays whole). Everything else
+loads whole, as before (`model.sharded_load`, docs/config.md).
+"""
+from __future__ import annotations
+
+import contextlib
+import json
+from pathlib import Path
+from typing import Iterator
+
+import torch
+
+from portagrpo.errors import UserError
+from portagrpo.paths import resolve_model_path
+
+INDEX = "model.safetensors.index.json"
+SINGLE = "model.safetensors"
+
+
+def weight_files(path: str | Path) -> dict[str, Path] | None:
+    """Tensor name -> the safetensors file that holds it, for a Hugging Face directory; None where there is none
+    (a GGUF file, .bin weights)."""
+    where = resolve_model_path(path)
+    if where.is_file():
+        return None
+    if (where / INDEX).is_file():
+        weight_map = json.loads((where / INDEX).read_text())["weight_map"]
+        return {name: where / file for name, file in weight_map.items()}
+    if (where / SINGLE).is_file():
+        from safetensors import safe_open
+
+        with safe_open(str(where / SINGLE), framework="pt") as f:
+            return {name: where / SINGLE for name in f.keys()}
+    return None
+
+
+def sharded_load_problem(path: str | Path, *, strategy: str, world_size: int, lora: bool) -> str | None:
+    """Why a model loads whole instead (None: it loads by shards)."""
+    if strategy != "fsdp2" or world_size < 2:
+        return "only FSDP2 on several ranks shards a model"
+    if lora:
+        return "LoRA adapters are made after a whole model is loaded"
+    if weight_files(path) is None:
+        return "the checkpoint has no safetensors weights"
+    return None
+
+
+@contextlib.contextmanager
+def parameters_on_meta() -> Iterator[None]:
+    """Every parameter a module registers goes to the meta device at once (its initialisation then costs nothing);
+    buffers stay real, so tables computed at construction (rotary frequencies) keep their values."""
+    register = torch.nn.Module.register_parameter
+
+    def on_meta(module, name, param):
+        register(module, name, param)
+        if param is not None and param.device.type != "meta":
+            kind = type(module._parameters[name])
+            module._parameters[name] = kind(param.to("meta"), requires_grad=param.requires_grad)
+
+    torch.nn.Module.register_parameter = on_meta
+    try:
+        yield
+    finally:
+        torch.nn.Module.register_parameter = register
+
+
+def empty_model(path: str | Path, attn_implementation: str, dtype: torch.dtype):
+    """The causal LM that `path` holds, with meta parameters in `dtype` (nothing read but its config.json)."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    where = str(resolve_model_path(path))
+    config = AutoConfig.from_pretrained(where, local_files_only=True)
+    if "vision_config" in config.to_dict():
+        from transformers import AutoModelForImageTextToText as auto
+    else:
+        auto = AutoModelForCausalLM
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        with parameters_on_meta():
+            model = auto.from_config(config, attn_implementation=attn_implementation)
+    finally:
+        torch.set_default_dtype(previous)
+    return model
+
+
+def buffers_to(model: torch.nn.Module, device: torch.device) -> None:
+    """An empty model's real buffers onto `device` before FSDP2 wraps it (it would move them with `.data =`, which a
+    device whose tensors are a subclass, the emulated one, refuses)."""
+    for module in model.modules():
+        for name, buffer in module._buffers.items():
+            if buffer is not None and buffer.device.type != "meta":
+                module._buffers[name] = buffer.to(device)
+
+
+def local_rows(param: torch.Tensor) -> tuple[slice, ...]:
+    """The global index of the shard this rank holds of an FSDP2 parameter (a DTensor sharded as torch.chunk
+    splits, over one or more mesh dimensions); the whole tensor for a plain one."""
+    from torch.distributed.tensor import DTensor, Shard
+
+    shape = list(param.shape)
+    if not isinstance(param, DTensor):
+        return tuple(slice(0, n) for n in shape)
+    start, size = [0] * len(shape), list(shape)
+    coordinate = param.device_mesh.get_coordinate()
+    for mesh_dim, placement in enumerate(param.placements):
+        if isinstance(placement, Shard):
+            d, parts, index = placement.dim, param.device_mesh.size(mesh_dim), coordinate[mesh_dim]
+            chunk = -(-size[d] // parts)
+            lo = min(index * chunk, size[d])
+            start[d], size[d] = start[d] + lo, min(lo + chunk, size[d]) - lo
+    return tuple(slice(s, s + n) for s, n in zip(start, size))
+
+
+def materialize(scorer: torch.nn.Module, device: torch.device, path: str | Path, prefix: str = "lm.") -> int:
+    """Give a sharded meta scorer storage on `device` and fill each rank's shards from the checkpoint at `path`.
+    Returns the bytes this rank read. A tensor the model has and the checkpoint lacks (other than an LM head tied
+    to the embedding) is one sentence."""
+    from safetensors import safe_open
+    from torch.distributed.tensor import DTensor
+
+    files = weight_files(path) or {}
+    buffers = {name: b.detach().clone() for name, b in scorer.named_buffers() if b.device.type != "meta"}
+    scorer.to_empty(device=device)
+    with torch.no_grad():
+        for name, buffer in scorer.named_buffers():
+            if name in buffers:
+                buffer.copy_(buffers[name])
+    tied = _tied_names(scorer)
+    read = 0
+    handles: dict[Path, object] = {}
+    try:
+        with torch.no_grad():
+            for name, param in scorer.named_parameters():
+                key = name.removeprefix(prefix)
+                if key not in files:
+                    if key in tied:
+                        continue
+                    raise UserError(f"model.path={str(path)!r} has no tensor {key!r}, which the model needs; give a "
+                                    f"complete checkpoint, or set model.sharded_load=false to load it as "
+                                    f"transformers does.")
+                file = files[key]
+                if file not in handles:
+                    handles[file] = safe_open(str(file), framework="pt").__enter__()
+                rows = handles[file].get_slice(key)[local_rows(param)]
+                local = param.to_local() if isinstance(param, DTensor) else param
+                if tuple(local.shape) != tuple(rows.shape):
+                    raise UserError(f"model.path={str(path)!r}: tensor {key!r} has shape {tuple(rows.shape)} where "
+                                    f"this rank's shard is {tuple(local.shape)}; the checkpoint does not match its "
+                                    f"config.json.")
+                local.copy_(rows.to(local.dtype))
+                read += rows.numel() * rows.element_size()
+    finally:
+        for handle in handles.values():
+            handle.__exit__(None, None, None)
+    return read
+
+
+def _tied_names(module: torch.nn.Module, prefix: str = "lm.") -> set[str]:
+    """Parameter names (without `prefix`) that a checkpoint may leave out: aliases of another parameter, and an LM
+    head tied to the embedding."""
+    first = {n for n, _ in module.named_parameters()}
+    every = {n for n, _ in module.named_parameters(remove_duplicate=False)}
+    lm = getattr(module, "lm", module)
+    tie = bool(getattr(getattr(lm, "config", None), "tie_word_embeddings", False))
+    names = (every - first) | {n for n in first if tie and n.endswith("lm_head.weight")}
+    return {n.removeprefix(prefix) for n in names}
+
+
+def missing_tensors(model: torch.nn.Module, path: str | Path) -> list[str]:
+    """The model's tensors (a bare LM's names) that the checkpoint does not hold by that name: a layout transformers
+    converts while loading, which this path does not, so such a model loads whole."""
+    files = weight_files(path) or {}
+    needed = {n for n, _ in model.named_parameters()} - _tied_names(model, prefix="")
+    return sorted(needed - set(files))

@@ -1,0 +1,64 @@
+"""A model that never exists whole (model/sharded.py), measured on the emulated device's per-rank byte count: under
+FSDP2 each rank's load peak is its shards of the policy and the reference plus at most one layer and a fixed buffer,
+going from 2 to 4 ranks halves it, and the numbers trained are the same at either world size."""
+import json
+import subprocess
+import sys
+
+import pytest
+
+from test_emulated_device import ENV, pytestmark  # noqa: F401 - the same skip rule
+
+HIDDEN, LAYERS, INTER = 256, 4, 1024
+RUN = ["trainer.total_steps=1", "trainer.test_freq=0", "trainer.save_freq=0", "trainer.progress_bar=false",
+       "trainer.tensorboard=false", "trainer.plot=false", "data.train_batch_size=4", "rollout.n=2",
+       "actor.ppo_mini_batch_size=8", "actor.micro_batch_size=2", "trainer.parallel=fsdp2", "rollout.engine=fixed",
+       f"model.tiny.hidden_size={HIDDEN}", f"model.tiny.num_layers={LAYERS}", f"model.tiny.intermediate_size={INTER}"]
+MIB = 2**20
+
+
+def _train(out, ranks: int) -> dict:
+    cmd = [sys.executable, "-m", "portagrpo", "train", "--device", "emu", "--output-dir", str(out),
+           f"trainer.nproc_per_node={ranks}", *RUN]
+    res = subprocess.run(cmd, env={**ENV, "PORTAGRPO_EMU_DEVICES": "1"}, capture_output=True, text=True, timeout=1200,
+                         cwd=out.parent)
+    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
+    return json.loads((out / "metrics.jsonl").read_text().splitlines()[0])
+
+
+def _sizes(run_dir) -> tuple[int, int]:
+    """(the policy's parameter bytes in fp32, one decoder layer's), from the run's own initial model."""
+    from safetensors import safe_open
+
+    total = layer = 0
+    with safe_open(str(run_dir / "init_model" / "model.safetensors"), framework="pt") as f:
+        for key in f.keys():
+            shape = f.get_slice(key).get_shape()
+            n = 4
+            for d in shape:
+                n *= d
+            total += n
+            layer += n if ".layers.0." in key else 0
+    return total, layer
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    base = tmp_path_factory.mktemp("sharded")
+    return {ranks: (_train(base / f"r{ranks}", ranks), base / f"r{ranks}") for ranks in (2, 4)}
+
+
+def test_no_rank_holds_more_than_its_shards_at_load(runs):
+    for ranks, (row, run_dir) in runs.items():
+        params, layer = _sizes(run_dir)
+        shards = 2 * params / ranks  # the policy's and the reference's (both fp32 here), each split over the ranks
+        load = row["mem/load_peak_gb"] * 2**30
+        assert load <= shards + layer + 1 * MIB, (ranks, load / MIB, shards / MIB, layer / MIB)
+        assert load >= 0.9 * shards, (ranks, load / MIB, shards / MIB)  # the shards are really there
+
+
+def test_four_ranks_halve_the_load_and_train_the_same(runs):
+    (two, _), (four, _) = runs[2], runs[4]
+    assert four["mem/load_peak_gb"] <= 0.6 * two["mem/load_peak_gb"]
+    for key in ("loss_policy", "kl", "grad_norm", "entropy"):
+        assert four[key] == pytest.approx(two[key], rel=2e-5, abs=1e-7), key
