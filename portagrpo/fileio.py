@@ -1,6 +1,7 @@
 """Writing files so that nothing is lost: the one atomic-write helper every writer uses, checks of a
 path the CLI will write before any work starts, and one sentence for an operating-system refusal
-(full disk, read-only file system, a name too long, a file where a directory should be).
+(full disk, read-only file system, a name too long, a file where a directory should be). Reading
+YAML with a key given twice refused (configs and tool files).
 
 This module sits at the bottom of the package: it imports nothing of portagrpo but `errors`.
 """
@@ -13,7 +14,9 @@ import os
 import re
 import shutil
 from pathlib import Path
-from typing import Iterator
+from typing import Any, Iterator
+
+import yaml
 
 from portagrpo.errors import UserError
 
@@ -22,6 +25,25 @@ NAME_MAX = 255  # bytes in one path component on every Linux file system portagr
 
 class WriteError(UserError, OSError):
     """The operating system refused a write; the message says what to do."""
+
+
+class UniqueKeyLoader(yaml.SafeLoader):
+    """A YAML loader that refuses a key given twice in one mapping (the last would silently win)."""
+
+
+def _mapping(loader: UniqueKeyLoader, node: yaml.MappingNode, deep: bool = False) -> dict:
+    seen: dict[Any, int] = {}
+    for key_node, _ in node.value:
+        key = loader.construct_object(key_node, deep=deep)
+        if key in seen:
+            raise yaml.constructor.ConstructorError(
+                None, None, f"key {key!r} appears twice (lines {seen[key] + 1} and {key_node.start_mark.line + 1}); "
+                            f"merge the two into one", key_node.start_mark)
+        seen[key] = key_node.start_mark.line
+    return loader.construct_mapping(node, deep=deep)
+
+
+UniqueKeyLoader.add_constructor(yaml.resolver.BaseResolver.DEFAULT_MAPPING_TAG, _mapping)
 
 
 def describe_os_error(err: OSError, path: str | Path, what: str = "writing") -> str:

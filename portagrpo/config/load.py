@@ -13,7 +13,7 @@ import yaml
 
 from portagrpo.config.bounds import NUMBER
 from portagrpo.config.schema import PRESETS, Config, ConfigError, DataConfig, RolloutConfig
-from portagrpo.fileio import shorten
+from portagrpo.fileio import UniqueKeyLoader, shorten
 
 # ---------------------------------------------------------------- typed construction
 
@@ -165,7 +165,7 @@ def parse_override(item: str) -> tuple[list[str], Any]:
     if not key:
         raise ConfigError([f"override {item!r} has an empty key; write key=value."])
     try:  # a SafeLoader that keeps how a number that is no plain decimal was written (see SpelledInt)
-        value = yaml.load(text, Loader=UniqueKeyLoader) if text.strip() else ""  # noqa: S506
+        value = yaml.load(text, Loader=ConfigLoader) if text.strip() else ""  # noqa: S506
     except (yaml.YAMLError, ValueError):  # ValueError: an integer longer than Python converts
         value = text
     return key.split("."), value
@@ -194,7 +194,7 @@ def read_yaml(path: str | Path) -> dict:
     if not p.is_file():
         raise ConfigError([f"--config {str(path)!r} does not exist; pass the path of a YAML file (see configs/)."])
     try:
-        data = yaml.load(p.read_text(encoding="utf-8"), Loader=UniqueKeyLoader)  # noqa: S506 - a SafeLoader subclass
+        data = yaml.load(p.read_text(encoding="utf-8"), Loader=ConfigLoader)  # noqa: S506 - a SafeLoader subclass
     except UnicodeDecodeError:
         raise ConfigError([f"--config {str(path)!r} is not a text file (not UTF-8); pass a YAML recipe."]) from None
     except yaml.YAMLError as err:
@@ -338,20 +338,8 @@ def replace(cfg: Config, **sections: dict[str, Any]) -> Config:
     return dataclasses.replace(cfg, **updates)
 
 
-class UniqueKeyLoader(yaml.SafeLoader):
-    """A YAML loader that refuses a key given twice in one mapping (the last would silently win)."""
-
-
-def _mapping(loader: UniqueKeyLoader, node: yaml.MappingNode, deep: bool = False) -> dict:
-    seen: dict[Any, int] = {}
-    for key_node, _ in node.value:
-        key = loader.construct_object(key_node, deep=deep)
-        if key in seen:
-            raise yaml.constructor.ConstructorError(
-                None, None, f"key {key!r} appears twice (lines {seen[key] + 1} and {key_node.start_mark.line + 1}); "
-                            f"merge the two into one", key_node.start_mark)
-        seen[key] = key_node.start_mark.line
-    return loader.construct_mapping(node, deep=deep)
+class ConfigLoader(UniqueKeyLoader):
+    """A config's YAML: a key given twice refused, numbers spelled other than as plain decimals kept as written."""
 
 
 class SpelledInt(int):
@@ -376,7 +364,7 @@ def _spelled(number: int | float, text: str) -> int | float:
     return out
 
 
-def _int_or_float(loader: UniqueKeyLoader, node: yaml.ScalarNode):
+def _int_or_float(loader: ConfigLoader, node: yaml.ScalarNode):
     """An integer too long for Python's conversion limit is read as the float it is (then refused by
     the range rules) instead of ending the load in a ValueError."""
     text = loader.construct_scalar(node)
@@ -386,10 +374,9 @@ def _int_or_float(loader: UniqueKeyLoader, node: yaml.ScalarNode):
         return _spelled(float(text.replace("_", "")), text)
 
 
-def _float(loader: UniqueKeyLoader, node: yaml.ScalarNode):
+def _float(loader: ConfigLoader, node: yaml.ScalarNode):
     return _spelled(loader.construct_yaml_float(node), loader.construct_scalar(node))
 
 
-UniqueKeyLoader.add_constructor(yaml.resolver.BaseResolver.DEFAULT_MAPPING_TAG, _mapping)
-UniqueKeyLoader.add_constructor("tag:yaml.org,2002:int", _int_or_float)
-UniqueKeyLoader.add_constructor("tag:yaml.org,2002:float", _float)
+ConfigLoader.add_constructor("tag:yaml.org,2002:int", _int_or_float)
+ConfigLoader.add_constructor("tag:yaml.org,2002:float", _float)

@@ -336,10 +336,17 @@ def multi_turn_problems(cfg: Config) -> list[str]:
     if m.tool_timeout_s <= 0 or m.tool_memory_mb < 16 or m.tool_workers < 1:
         p.append(f"{MT}.tool_timeout_s={m.tool_timeout_s} must be positive, tool_memory_mb={m.tool_memory_mb} at "
                  f"least 16 and tool_workers={m.tool_workers} at least 1.")
+    from portagrpo.agent.tools import tool_file_problems, tool_workers_problem
+
+    too_many = tool_workers_problem(m.tool_workers)
+    if too_many:
+        p.append(too_many)
     if not m.enable:
         return p
     if not m.tool_config_path:
         p.append(f"{MT}.enable=true needs {MT}.tool_config_path, a YAML file that declares the tools.")
+    elif Path(m.tool_config_path).exists():  # a missing one is missing_files' (a dry run lists it)
+        p += tool_file_problems(m.tool_config_path)
     if cfg.rollout.mode != "sync":
         p.append(f"{MT}.enable=true with rollout.mode={cfg.rollout.mode} is not built (a sampler process of its "
                  f"own would have to run the tools); use rollout.mode=sync.")
@@ -377,7 +384,7 @@ def missing_files(cfg: Config) -> list[str]:
             elif not Path(value).is_file():
                 p.append(f"data.{name}[{i}]={value!r} does not exist; give the path of a .jsonl or .parquet file.")
     tools = cfg.rollout.multi_turn.tool_config_path
-    if cfg.rollout.multi_turn.enable and tools and not Path(tools).is_file():
+    if cfg.rollout.multi_turn.enable and tools and not Path(tools).exists():
         p.append(f"{MT}.tool_config_path={tools!r} does not exist; give the path of a YAML tool file.")
     fn = cfg.reward.function
     if ":" in fn and fn.split(":", 1)[0].endswith(".py") and not Path(fn.split(":", 1)[0]).is_file():

@@ -34,9 +34,12 @@ REWARDS: Registry[RewardFn] = Registry("reward function")
 
 # ---------------------------------------------------------------- GSM8K-style answers
 
-_NUM = r"-?\$?\s*\d[\d,]*(?:\.\d+)?(?:\s*/\s*\d+)?|-?\$?\s*\.\d+"
+# A sign or $ may be followed by spaces, a number never starts with them, and no two runs of spaces meet: the
+# patterns take linear time on a long run of spaces, which a model may write (they took quadratic time).
+_SIGN = r"(?:(?:-\$?|\$)\s*)?"
+_NUM = _SIGN + r"\d[\d,]*(?:\.\d+)?(?:\s*/\s*\d+)?|" + _SIGN + r"\.\d+"
 _HASH_RE = re.compile(r"####\s*(" + _NUM + ")")
-_ANSWER_IS_RE = re.compile(r"answer\s+is\s*:?\s*(" + _NUM + ")", re.IGNORECASE)
+_ANSWER_IS_RE = re.compile(r"answer\s+is(?:\s*:)?\s*(" + _NUM + ")", re.IGNORECASE)
 _ANY_NUM_RE = re.compile(_NUM)
 
 
@@ -55,7 +58,10 @@ def normalize_number(text: str) -> str | None:
     except (InvalidOperation, ValueError):
         return None
     if value == value.to_integral_value():
-        return str(int(value))
+        try:
+            return str(int(value))
+        except ValueError:  # over the 4,300 digits Python turns from int to str: a model can write that many
+            return format(value.to_integral_value(), "f")
     return format(value.normalize(), "f")
 
 
@@ -114,7 +120,7 @@ def _format(pattern: str):
 
 
 # Format rewards: 1 when the response has the required shape, whatever the answer.
-REWARDS.register("format_answer")(_format(r"(####\s*\S|answer\s+is\s*:?\s*-?\$?\d)"))
+REWARDS.register("format_answer")(_format(r"(####\s*\S|answer\s+is(?:\s*:)?\s*-?\$?\d)"))
 REWARDS.register("format_boxed")(_format(r"\\boxed\{"))
 REWARDS.register("format_think")(_format(r"^\s*<think>.+?</think>\s*\S"))
 

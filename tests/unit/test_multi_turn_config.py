@@ -5,6 +5,7 @@ from portagrpo.config import ConfigError, load_config
 from portagrpo.train.experience import ExperienceSettings
 
 AR = "actor_rollout_ref.rollout.multi_turn."
+CALCULATOR = "tools:\n  - class_name: calculator\n    tool_schema: {function: {name: calculator}}\n"
 
 
 def _problems(overrides, check_files=False):
@@ -22,7 +23,7 @@ def test_defaults_are_off_and_single_turn_settings_are_unchanged():
 
 def test_enabled_settings_reach_the_source(tmp_path):
     tools = tmp_path / "tools.yaml"
-    tools.write_text("tools: []\n")
+    tools.write_text(CALCULATOR)
     cfg = load_config(None, ["rollout.multi_turn.enable=true", f"rollout.multi_turn.tool_config_path={tools}",
                              "rollout.multi_turn.max_assistant_turns=3"])
     s = ExperienceSettings.from_config(cfg, 1)
@@ -47,7 +48,7 @@ def test_enable_needs_a_tool_file_and_refuses_one_step_off(tmp_path):
                       "rollout.mode=one_step_off"])
     assert "rollout.mode=one_step_off is not built" in text and "use rollout.mode=sync" in text
     tools = tmp_path / "tools.yaml"
-    tools.write_text("tools: []\n")
+    tools.write_text(CALCULATOR)
     cfg = load_config(None, ["rollout.multi_turn.enable=true", f"rollout.multi_turn.tool_config_path={tools}",
                              "algorithm.filter_groups.enable=true"])  # DAPO's rounds, sampled as conversations
     s = ExperienceSettings.from_config(cfg, 1)
@@ -59,7 +60,7 @@ def test_enable_needs_a_tool_file_and_refuses_one_step_off(tmp_path):
 
 def test_verl_multi_turn_keys_map_with_notices(tmp_path):
     tools = tmp_path / "tools.yaml"
-    tools.write_text("tools: []\n")
+    tools.write_text(CALCULATOR)
     notices = []
     cfg = load_config(None, [f"{AR}enable=True", f"{AR}max_assistant_turns=4", f"{AR}tool_config_path={tools}",
                              f"{AR}format=hermes", f"{AR}max_tool_response_length=64", f"{AR}max_user_turns=4"],
