@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import random
 import time
 from dataclasses import dataclass
@@ -32,11 +33,13 @@ import torch
 from portagrpo.agent.hermes import ToolTurns
 from portagrpo.agent.tools import calculator
 from portagrpo.data.tasks import CALC_OPERATORS, calc_problem, calc_value
+from portagrpo.fileio import atomic_path
 
 # The Hermes call's fixed text as four tokens, and the `calc` prompts' words as one token each
 HERMES_TOKENS = ("<tool_call>", '{"name": "calculator", "arguments": {"expression": "', '"}}', "</tool_call>")
 WORD_TOKENS = tuple(f" {word} " for word in sorted(CALC_OPERATORS))
 TOOL_RESULT_TOKENS = 64  # rollout.multi_turn.max_tool_response_length of the demo recipe or more
+MARKER = "warmstart.json"  # what the warm start learned from; marks a directory a later warm start may replace
 
 
 def build_tool_tokenizer():
@@ -131,7 +134,8 @@ class WarmStart:
 
 def warm_start(settings: WarmStart, out: Path, log=print) -> float:
     """Train the tiny policy (model.tiny's default size, untied embeddings) on format examples and save it with its
-    tokenizer to `out`, a model directory that `model.path` loads; the last step's loss."""
+    tokenizer to `out`, a model directory that `model.path` loads; the last step's loss. `out` is new, empty or an
+    earlier warm start's (checked before training and again before writing), and is replaced in one rename."""
     from portagrpo.config.schema import ModelConfig, TinyModelConfig
     from portagrpo.model.loading import build_tiny_model
 
@@ -148,15 +152,40 @@ def warm_start(settings: WarmStart, out: Path, log=print) -> float:
         optimizer.step()
         if step % 50 == 0 or step == settings.steps:
             log(f"warm start step {step}/{settings.steps}: format loss {loss.item():.3f}")
-    out.mkdir(parents=True, exist_ok=True)
     model.eval()
-    model.save_pretrained(out)
-    tokenizer.save_pretrained(out)
     final = float(loss.item())
-    (out / "warmstart.json").write_text(json.dumps({**vars(settings), "final_loss": final,
-                                                    "what": "Hermes tool-call format only (portagrpo.agent.warmstart)"},
-                                                   indent=1) + "\n")
+    check_out(out)  # again: the directory may have changed while the policy trained
+    with atomic_path(out, directory=True, what="writing the warm start to") as tmp:
+        model.save_pretrained(tmp)
+        tokenizer.save_pretrained(tmp)
+        (tmp / MARKER).write_text(json.dumps({**vars(settings), "final_loss": final,
+                                              "what": "Hermes tool-call format only (portagrpo.agent.warmstart)"},
+                                             indent=1) + "\n")
     return final
+
+
+def check_out(out: Path) -> None:
+    """`--out` is a new or empty directory, or an earlier warm start's, by export's rule: never a run directory, an
+    export or any other directory a user has."""
+    from portagrpo.tools.export import check_destination
+
+    check_destination(out, "warmstart --out", MARKER, "an earlier portagrpo warmstart output")
+
+
+def argument_problems(args: argparse.Namespace) -> list[str]:
+    """Every argument out of range, one sentence each, before anything is trained or written."""
+    p = []
+    if not args.out:
+        p.append("warmstart --out is empty; name the model directory to write, such as runs/calc-warmstart.")
+    if args.steps < 1 or args.batch_size < 1:
+        p.append(f"warmstart --steps {args.steps} and --batch-size {args.batch_size} must be at least 1.")
+    if not (math.isfinite(args.lr) and args.lr > 0):
+        p.append(f"warmstart --lr {args.lr} must be a finite number above 0, such as {WarmStart.lr}.")
+    if not 0.0 <= args.call_share <= 1.0:
+        p.append(f"warmstart --call-share {args.call_share} must be within [0, 1].")
+    if not 0 <= args.seed < 2**63:
+        p.append(f"warmstart --seed {args.seed} must be within [0, 2**63) (torch's seeds).")
+    return p
 
 
 def main_cli(argv: list[str]) -> int:
@@ -174,9 +203,10 @@ def main_cli(argv: list[str]) -> int:
     args = p.parse_args(argv)
     from portagrpo.errors import UserError
 
-    if args.steps < 1 or args.batch_size < 1 or not 0.0 <= args.call_share <= 1.0:
-        raise UserError("portagrpo warmstart: --steps and --batch-size must be at least 1 and --call-share within "
-                        "[0, 1].")
+    problems = argument_problems(args)
+    if problems:
+        raise UserError("\n".join(problems))
+    check_out(Path(args.out))
     start = time.time()
     settings = WarmStart(args.steps, args.batch_size, args.lr, args.call_share, args.seed)
     loss = warm_start(settings, Path(args.out))

@@ -48,13 +48,16 @@ def export(run_dir: str | Path, output: str | Path | None = None, *, merge: bool
     return out
 
 
-def check_destination(out: Path) -> None:
-    """An export replaces only an earlier export: never a user's directory that merely exists."""
-    check_output_path(out, "export --output")  # a file there, a file above it, a name too long
-    if out.is_dir() and any(out.iterdir()) and not (out / MARKER).is_file():
-        raise UserError(f"export --output {out} is not empty and is not an earlier portagrpo export; pass a new or "
-                        f"empty directory (nothing was written).")
-    for prefix in (f".tmp_{out.name}_", f".tmp_old_{out.name}_"):  # left by killed exports
+def check_destination(out: Path, option: str = "export --output", marker: str = MARKER,
+                      what: str = "an earlier portagrpo export") -> None:
+    """A command's output directory (an export's, `portagrpo warmstart`'s) replaces only an earlier output of the same
+    command, one that holds `marker`: never a user's directory that merely exists, a run directory or another
+    command's output."""
+    check_output_path(out, option)  # a file there, a file above it, a name too long
+    if out.is_dir() and any(out.iterdir()) and not (out / marker).is_file():
+        raise UserError(f"{option} {out} is not empty and is not {what}; pass a new or empty directory (nothing was "
+                        f"written).")
+    for prefix in (f".tmp_{out.name}_", f".tmp_old_{out.name}_"):  # left by killed writers
         remove_dead_temporaries(out.parent, prefix=prefix)
 
 

@@ -6,6 +6,7 @@ from pathlib import Path
 
 import pytest
 import yaml
+from test_refusals import one_error, snapshot  # the house's one-sentence and nothing-changed checks
 
 from portagrpo.agent.tools import load_tool_config, max_tool_workers
 from portagrpo.cli import main
@@ -24,17 +25,6 @@ def entry(**changes):
     e = {"class_name": "calculator", "config": {"type": "native"}, "tool_schema": schema()}
     e.update(changes)
     return {key: value for key, value in e.items() if value is not None}
-
-
-def one_error(err: str) -> str:
-    lines = [line for line in err.strip().splitlines() if line.strip()]
-    assert "Traceback" not in err, err
-    assert len(lines) == 1 and lines[0].startswith("portagrpo: error: "), err
-    return lines[0]
-
-
-def snapshot(folder: Path) -> dict[str, bytes]:
-    return {str(p.relative_to(folder)): p.read_bytes() for p in sorted(folder.rglob("*")) if p.is_file()}
 
 
 def dry_run(capsys, tools: Path, *overrides):
