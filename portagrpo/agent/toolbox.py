@@ -35,7 +35,7 @@ class Toolbox:
                  rank: int = 0) -> None:
         """`sandbox`: rollout.multi_turn.sandbox (agent/isolation.py's levels, or auto)."""
         self.specs = specs
-        untrusted = tuple(name for name, s in specs.items() if s.target == "builtin:python")  # model-written code
+        untrusted = tuple(name for name, s in specs.items() if s.untrusted)  # tools that run model-written code
         self.sandbox = ToolSandbox({name: s.target for name, s in specs.items()}, limits, workers, setting=sandbox,
                                    untrusted=untrusted, rank=rank)
 
