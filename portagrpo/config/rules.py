@@ -338,7 +338,7 @@ def multi_turn_problems(cfg: Config) -> list[str]:
                  f"least 16 and tool_workers={m.tool_workers} at least 1.")
     from portagrpo.agent.tools import tool_file_problems, tool_workers_problem
 
-    too_many = tool_workers_problem(m.tool_workers)
+    too_many = tool_workers_problem(m.tool_workers, cfg.trainer.nproc_per_node)
     if too_many:
         p.append(too_many)
     if not m.enable:

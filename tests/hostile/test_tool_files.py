@@ -123,6 +123,10 @@ def test_too_many_tool_workers_is_one_sentence_naming_the_machine(tmp_path, caps
             f"may use") in one_error(out.err)
     code, out = dry_run(capsys, tools, f"{MT}.tool_workers={limit}")
     assert code == 0 and "config OK" in out.out
+    code, out = dry_run(capsys, tools, f"{MT}.tool_workers={limit}", "trainer.nproc_per_node=2",
+                        "data.train_batch_size=4", "actor.ppo_mini_batch_size=8")  # every local rank starts its own
+    assert code == 2 and (f"tool_workers={limit} on trainer.nproc_per_node=2 ranks is {2 * limit} workers, and is "
+                          f"more than this machine takes") in one_error(out.err)
 
 
 def test_the_recipes_tool_files_and_verls_load(tmp_path):
