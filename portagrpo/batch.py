@@ -121,6 +121,17 @@ class TrainBatch:
                           is_weights=take(self.is_weights), loss_mask=take(self.loss_mask))
 
 
+def _fill(order: list[int], lengths: list[int], k: int) -> tuple[list[list[int]], list[int]]:
+    """`order`'s indices dealt into k groups, each to the lightest so far (ties to the lowest group); the loads."""
+    groups: list[list[int]] = [[] for _ in range(k)]
+    loads = [0] * k
+    for i in order:
+        g = min(range(k), key=lambda j: (loads[j], j))
+        groups[g].append(i)
+        loads[g] += lengths[i]
+    return groups, loads
+
+
 def token_budget_groups(lengths: list[int], budget: int) -> list[list[int]]:
     """Indices into `lengths` grouped into micro-batches of at most `budget` tokens, balanced: k groups,
     from ceil(total / budget) up until every group fits, filled longest first into the lightest group
@@ -133,22 +144,55 @@ def token_budget_groups(lengths: list[int], budget: int) -> list[list[int]]:
         order = sorted(rest, key=lambda i: (-lengths[i], i))
         k = max(1, -(-sum(lengths[i] for i in rest) // budget))
         while True:
-            groups = [[] for _ in range(k)]
-            loads = [0] * k
-            for i in order:
-                g = min(range(k), key=lambda j: (loads[j], j))
-                groups[g].append(i)
-                loads[g] += lengths[i]
+            groups, loads = _fill(order, lengths, k)
             if max(loads) <= budget:
                 break
             k += 1
     return sorted((sorted(g) for g in groups + alone if g), key=lambda g: g[0])
 
 
-def micro_batches(batch: RolloutBatch, size: int, token_budget: int | None = None) -> list[torch.Tensor]:
+def split_groups(groups: list[list[int]], lengths: list[int], count: int) -> list[list[int]]:
+    """`groups` split up to `count` groups: the heaviest group of two or more rows (ties to the lowest first
+    index) dealt into two, longest row first, until there are `count` or every group is one row. A split never
+    adds tokens to a group, so groups that fit a budget still do. Each group ascending, ordered by first index."""
+    groups = [list(g) for g in groups]
+    while len(groups) < count:
+        splittable = [g for g in groups if len(g) > 1]
+        if not splittable:
+            break
+        heaviest = max(splittable, key=lambda g: (sum(lengths[i] for i in g), -g[0]))
+        groups.remove(heaviest)
+        groups += _fill(sorted(heaviest, key=lambda i: (-lengths[i], i)), lengths, 2)[0]
+    return sorted((sorted(g) for g in groups), key=lambda g: g[0])
+
+
+def balanced_shares(lengths: list[int], parts: int) -> list[list[int]]:
+    """Indices into `lengths` dealt into `parts` shares of len(lengths) // parts each, their token sums balanced:
+    longest first, each to the lightest share with room (ties to the lowest share), as verl's `balance_batch`
+    evens out its data-parallel ranks. Deterministic; each share ascending."""
+    per = len(lengths) // parts
+    shares: list[list[int]] = [[] for _ in range(parts)]
+    loads = [0] * parts
+    for i in sorted(range(len(lengths)), key=lambda i: (-lengths[i], i)):
+        s = min((j for j in range(parts) if len(shares[j]) < per), key=lambda j: (loads[j], j))
+        shares[s].append(i)
+        loads[s] += lengths[i]
+    return [sorted(s) for s in shares]
+
+
+def micro_batches(batch: RolloutBatch, size: int, token_budget: int | None = None,
+                  count: int | None = None) -> list[torch.Tensor]:
     """Host row indices of each micro-batch: fixed `size` in row order, or, with a `token_budget`,
-    balanced groups of prompt + response tokens (`token_budget_groups`), planned from host lengths."""
+    balanced groups of prompt + response tokens (`token_budget_groups`), planned from host lengths.
+    `count` (with a token budget): how many micro-batches every rank runs, the most any rank's plan has, so
+    that sharded forwards stay in lockstep; the groups are split up to it (`split_groups`). Ranks hold as many
+    rows each, so a plan of `count` exists; fewer rows than `count` is refused (a rank would wait alone)."""
     if token_budget is None:
         return list(torch.arange(batch.size).split(size))
     lengths = [p + r for p, r in batch.host_lengths()]
-    return [torch.tensor(g, dtype=torch.long) for g in token_budget_groups(lengths, token_budget)]
+    groups = token_budget_groups(lengths, token_budget)
+    if count is not None:
+        groups = split_groups(groups, lengths, count)
+        if len(groups) != count:
+            raise ValueError(f"{batch.size} rows cannot make the {count} micro-batches another rank runs")
+    return [torch.tensor(g, dtype=torch.long) for g in groups]

@@ -214,6 +214,10 @@ class ActorConfig:
     use_dynamic_bsz: bool = False
     ppo_max_token_len_per_gpu: int = 16384
     log_prob_max_token_len_per_gpu: Optional[int] = None  # scoring; None: ppo_max_token_len_per_gpu
+    # FSDP2 gradient accumulation (verl's fsdp_config.use_no_sync_for_gradient_accumulation): false reduce-scatters
+    # after every micro-batch, so a rank holds only its gradient shard; true keeps the whole model's unsharded fp32
+    # gradients over a mini-batch and reduce-scatters once (fewer collectives, when memory allows).
+    use_no_sync_for_gradient_accumulation: bool = False
     clip_ratio: float = 0.2
     clip_ratio_low: Optional[float] = None
     clip_ratio_high: Optional[float] = None

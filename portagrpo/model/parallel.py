@@ -189,8 +189,11 @@ class FSDP2(SingleProcess):
         return scorer
 
     def gradient_sync(self, scorer: torch.nn.Module, enabled: bool) -> None:
-        """Off for all but a mini-batch's last micro-batch: the unsharded gradients accumulate (in the
-        fp32 reduce dtype) and reduce-scatter once per optimizer step, not once per micro-batch."""
+        """On (the update's default): the next backward reduce-scatters each unit's gradients as it finishes and
+        frees them, so a rank holds its shard of the gradients (4 bytes a parameter / world size) and one unit's
+        unsharded ones. Off (actor.use_no_sync_for_gradient_accumulation, for all but a mini-batch's last
+        micro-batch): the unsharded fp32 gradients of the whole model stay on every rank until the reduce-scatter
+        of the last micro-batch, one per optimizer step instead of one per micro-batch."""
         scorer.set_requires_gradient_sync(enabled)
 
     def clip_grad_norm(self, params: list[torch.nn.Parameter], max_norm: float) -> torch.Tensor:

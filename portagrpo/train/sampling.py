@@ -122,19 +122,36 @@ class Sampling:
 
     def old_and_ref(self, rb: RolloutBatch) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:
         """The old log-probs (when a scoring pass runs), the reference log-probs (with a reference model), and
-        the entropy of the scoring pass, over `rb`."""
-        old, entropy = self.logprobs(self.scorer, rb, entropy=True) if self.settings.scoring_pass else (None, None)
-        ref = self.logprobs(self.ref_scorer, rb, entropy=False)[0] if self.ref_scorer is not None else None
+        the entropy of the scoring pass, over `rb` (both passes in one micro-batch plan)."""
+        if not self.settings.scoring_pass and self.ref_scorer is None:
+            return None, None, None
+        plan = self.micro_plan(rb)
+        old, entropy = (self.logprobs(self.scorer, rb, entropy=True, plan=plan) if self.settings.scoring_pass
+                        else (None, None))
+        ref = self.logprobs(self.ref_scorer, rb, entropy=False, plan=plan)[0] if self.ref_scorer is not None else None
         return old, ref, entropy
 
+    def micro_plan(self, batch: RolloutBatch) -> list[torch.Tensor]:
+        """This rank's scoring micro-batches of `batch`. With a token budget on several ranks, as many as the most
+        any rank plans (verl all-reduces the count too), so sharded forwards stay in lockstep."""
+        s, comm = self.settings, self.runtime.comm
+        plan = micro_batches(batch, s.micro_batch_size, s.token_budget)
+        if s.token_budget is None or comm.world_size == 1:
+            return plan
+        # host read: one per step's scoring, with a token budget on several ranks
+        count = int(comm.all_reduce_max(torch.tensor(len(plan), device=self.runtime.device)))
+        return micro_batches(batch, s.micro_batch_size, s.token_budget, count)
+
     @torch.no_grad()
-    def logprobs(self, scorer, batch: RolloutBatch, *, entropy: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """Log-probs [B, T] (and entropy) of `scorer`'s model over the batch, in micro-batches."""
+    def logprobs(self, scorer, batch: RolloutBatch, *, entropy: bool,
+                 plan: list[torch.Tensor] | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Log-probs [B, T] (and entropy) of `scorer`'s model over the batch, in micro-batches (`plan`, else
+        `micro_plan`'s)."""
         s = self.settings
         logps, ents, order = [], [], []
         # scoring is deterministic: no dropout (LoRA's or the model's), as in verl
         with eval_mode(scorer), self.runtime.phase("logprobs"):
-            for rows in micro_batches(batch, s.micro_batch_size, s.token_budget):
+            for rows in self.micro_plan(batch) if plan is None else plan:
                 part = batch.select(rows)
                 stats = response_stats(scorer, part, temperature=s.temperature, compute_entropy=entropy,
                                        autocast=self.runtime.autocast)

@@ -10,7 +10,7 @@ import torch
 from portagrpo import algo
 from portagrpo.algo.losses import masked_mean
 from portagrpo.algo.objective import LossMetrics, Objective, total_loss
-from portagrpo.batch import RolloutBatch, TrainBatch, micro_batches
+from portagrpo.batch import RolloutBatch, TrainBatch, balanced_shares, micro_batches, token_budget_groups
 from portagrpo.config import Config
 from portagrpo.model.scorer import eval_mode, response_stats
 from portagrpo.train.build import Models, Optimization, Runtime
@@ -31,6 +31,9 @@ class UpdateSettings:
     # No scoring pass ran before the update (on-policy or bypass): the entropy metric and the
     # trainer's log-probs for the rollout_corr metrics come from the update's own first-epoch forwards.
     measure_in_update: bool
+    # FSDP2: gradients stay unsharded over a mini-batch's micro-batches and reduce-scatter once, after its last
+    # (actor.use_no_sync_for_gradient_accumulation); by default every micro-batch's backward reduce-scatters.
+    defer_grad_sync: bool = False
 
     @classmethod
     def from_config(cls, cfg: Config, world_size: int) -> "UpdateSettings":
@@ -41,7 +44,8 @@ class UpdateSettings:
                    temperature=cfg.rollout.temperature,
                    entropy_coeff=a.entropy_coeff,
                    full_vocab_kl=a.use_kl_loss and a.kl_loss_type.rstrip("+") == "full",
-                   measure_in_update=not ExperienceSettings.from_config(cfg, world_size).scoring_pass)
+                   measure_in_update=not ExperienceSettings.from_config(cfg, world_size).scoring_pass,
+                   defer_grad_sync=a.use_no_sync_for_gradient_accumulation)
 
 
 @dataclass(frozen=True)
@@ -119,7 +123,6 @@ class Updater:
         mini-batch and accumulates gradients over micro-batches; then the schedule steps."""
         s, comm = self.settings, self.runtime.comm
         g = torch.Generator().manual_seed(seed_for(s.seed, step, 2))
-        per_rank = s.mini_batch_size // comm.world_size
         sums, grad_norms, lr = MetricSums(), [], self.scheduler.get_last_lr()[0]
         seen = None  # the first epoch's log-probs, each rank its rows
         if s.measure_in_update and batch.rollout.rollout_logp is not None:
@@ -129,8 +132,10 @@ class Updater:
             for epoch in range(s.ppo_epochs):
                 order = torch.randperm(batch.rollout.size, generator=g)
                 for mini_idx in order.split(s.mini_batch_size):
-                    rows = mini_idx[comm.rank * per_rank:(comm.rank + 1) * per_rank]
-                    self._accumulate_gradients(batch.select(rows), sums, rows, seen if epoch == 0 else None)
+                    shares = rank_shares(batch.rollout, mini_idx, comm.world_size, balance=s.token_budget is not None)
+                    rows = shares[comm.rank]
+                    self._accumulate_gradients(batch.select(rows), sums, rows, seen if epoch == 0 else None,
+                                               self._micro_count(batch.rollout, shares))
                     grad_norms.append(self._clip_and_step(step))
             n_updates = s.ppo_epochs * (batch.rollout.size // s.mini_batch_size)
             m = sums.reduce(comm, self.runtime.device, n_updates)
@@ -141,21 +146,34 @@ class Updater:
                            ppo_kl=m.ppo_kl, ratio_mean=m.ratio_mean, grad_norm=sum(grad_norms) / len(grad_norms),
                            lr=lr, entropy=m.entropy, kl=m.kl, loss_kl=m.loss_kl, trainer_logp=seen)
 
+    def _micro_count(self, rollout: RolloutBatch, shares: list[torch.Tensor]) -> int | None:
+        """With a token budget, the most micro-batches any rank's share needs: every rank runs that many, so the
+        sharded forwards and gradient reductions stay in lockstep (verl all-reduces the count; here every rank
+        plans every share from the host lengths, alike, and asks no one). None with fixed sizes (equal shares
+        give every rank as many)."""
+        budget = self.settings.token_budget
+        if budget is None:
+            return None
+        lengths = rollout.host_lengths()
+        return max(len(token_budget_groups([sum(lengths[i]) for i in share.tolist()], budget)) for share in shares)
+
     def _accumulate_gradients(self, mine: TrainBatch, sums: MetricSums, rows: torch.Tensor,
-                              seen: torch.Tensor | None) -> None:
-        """This rank's slice `rows` of one mini-batch, micro-batch by micro-batch, normalised over all
-        ranks; each micro-batch's log-probs go to `seen` when it is given."""
+                              seen: torch.Tensor | None, count: int | None = None) -> None:
+        """This rank's slice `rows` of one mini-batch, micro-batch by micro-batch (`count` of them with a token
+        budget), normalised over all ranks; each micro-batch's log-probs go to `seen` when it is given."""
+        s = self.settings
         # Counts are whole numbers: reduced exactly as int64 (no vendor reduces float64 everywhere).
         counts = torch.stack(algo.loss_normalizers(mine.mask)).round().long()
         n_tok, n_seq = self.runtime.comm.all_reduce_sum(counts).to(torch.float64).unbind()
         self.optimizer.zero_grad(set_to_none=True)
-        micros = micro_batches(mine.rollout, self.settings.micro_batch_size, self.settings.token_budget)
+        micros = micro_batches(mine.rollout, s.micro_batch_size, s.token_budget, count)
         for i, micro_idx in enumerate(micros):
+            # Lean by default: each backward reduce-scatters, so a sharded rank holds only its gradient shard.
+            self.strategy.gradient_sync(self.scorer, enabled=not s.defer_grad_sync or i == len(micros) - 1)
             micro = mine.select(micro_idx)
             loss, m, logp = self.micro_loss(micro, n_tok, n_seq)
             if seen is not None:
                 seen.index_copy_(0, rows[micro_idx].to(seen.device), logp.to(seen.dtype))
-            self.strategy.gradient_sync(self.scorer, enabled=i == len(micros) - 1)
             loss.backward()
             sums.add(m, sum(r for _, r in micro.rollout.host_lengths()))
         self.strategy.sync_grads(self.params)
@@ -194,3 +212,15 @@ class Updater:
             self.log(f"step {step}: gradient norm is {norm}, optimizer step skipped")
         self.optimizer.zero_grad(set_to_none=True)
         return norm
+
+
+def rank_shares(rollout: RolloutBatch, mini_idx: torch.Tensor, world: int, balance: bool) -> list[torch.Tensor]:
+    """Every rank's rows of one mini-batch (`mini_idx`, host indices): contiguous slices, or with `balance` equal
+    counts whose prompt + response tokens are evened out (`balanced_shares`, verl's balance_batch), so no rank's
+    micro-batches wait on a longer share. Every rank computes all of them alike, from the host lengths."""
+    per = len(mini_idx) // world
+    if not balance:
+        return [mini_idx[r * per:(r + 1) * per] for r in range(world)]
+    lengths = rollout.host_lengths()
+    tokens = [sum(lengths[i]) for i in mini_idx.tolist()]
+    return [mini_idx[torch.tensor(share, dtype=torch.long)] for share in balanced_shares(tokens, world)]

@@ -126,8 +126,8 @@ def test_token_budget_micro_batches_give_the_same_update_in_fp64(tmp_path, mode,
     sizes = []
     real = batch_mod.micro_batches
 
-    def counting(b, size, budget=None):
-        groups = real(b, size, budget)
+    def counting(b, size, budget=None, count=None):
+        groups = real(b, size, budget, count)
         if budget is not None:
             sizes.append([len(g) for g in groups])
         return groups
