@@ -130,7 +130,14 @@ class StepReport(_RowView):
 REQUIRED_KEYS = tuple(f.name for f in fields(StepMetrics) if f.default is not None)
 
 # Measured by the clock or the allocator: two runs with identical numbers still differ in these.
-MEASURED_KEYS = frozenset(f.name for f in fields(StepMetrics) if f.metadata.get("measured"))
+class _MeasuredKeys(frozenset):
+    """The measured fields, and every `mem/<phase>_peak_gb` (logged flat from StepMetrics.memory)."""
+
+    def __contains__(self, key: object) -> bool:
+        return super().__contains__(key) or (isinstance(key, str) and key.startswith("mem/"))
+
+
+MEASURED_KEYS = _MeasuredKeys(f.name for f in fields(StepMetrics) if f.metadata.get("measured"))
 
 
 def pass_at_k(n: int, c: int, k: int) -> float:

@@ -76,7 +76,8 @@ def parameters_on_meta() -> Iterator[None]:
 
 
 def empty_model(path: str | Path, attn_implementation: str, dtype: torch.dtype):
-    """The causal LM that `path` holds, with meta parameters in `dtype` (nothing read but its config.json)."""
+    """The causal LM that `path` holds, with meta parameters in `dtype` and real buffers (nothing read but its
+    config.json)."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
     where = str(resolve_model_path(path))
@@ -85,14 +86,11 @@ def empty_model(path: str | Path, attn_implementation: str, dtype: torch.dtype):
         from transformers import AutoModelForImageTextToText as auto
     else:
         auto = AutoModelForCausalLM
-    previous = torch.get_default_dtype()
-    torch.set_default_dtype(dtype)
-    try:
-        with parameters_on_meta():
-            model = auto.from_config(config, attn_implementation=attn_implementation)
-    finally:
-        torch.set_default_dtype(previous)
-    return model
+    with parameters_on_meta():
+        model = auto.from_config(config, attn_implementation=attn_implementation, dtype=torch.float32)
+    # made in fp32 as from_pretrained makes it, then cast as the whole path casts it: buffers computed at
+    # construction (rotary frequencies) then hold the same values on either path
+    return model.to(dtype)
 
 
 def buffers_to(model: torch.nn.Module, device: torch.device) -> None:

@@ -6,7 +6,6 @@ import subprocess
 import sys
 
 import pytest
-
 from test_emulated_device import ENV, pytestmark  # noqa: F401 - the same skip rule
 
 HIDDEN, LAYERS, INTER = 256, 4, 1024
