@@ -39,9 +39,11 @@ def true_positions(mask: torch.Tensor, count: int) -> torch.Tensor:
 
 def _scatter(values: torch.Tensor, positions: torch.Tensor, shape: torch.Size) -> torch.Tensor:
     """Put N per-token values back at their flat `positions` of the [B, T] grid (zeros elsewhere),
-    keeping autograd."""
-    out = values.new_zeros((shape.numel(),) + values.shape[1:])
-    return out.index_put((positions,), values).view(tuple(shape) + tuple(values.shape[1:]))
+    keeping autograd. The result is a tensor of its own, not a view: FSDP2 warns of a view returned by a
+    wrapped module (an in-place op on it would skip the pre-backward hook)."""
+    out = values.new_zeros(tuple(shape) + tuple(values.shape[1:]))
+    width = shape[1]
+    return out.index_put((positions // width, positions % width), values)
 
 
 def lm_head_operands(h: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None):
