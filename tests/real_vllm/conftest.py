@@ -68,11 +68,12 @@ def qwen2_dir(tmp_path_factory, tokenizer):
     return path
 
 
-@pytest.fixture(scope="module", autouse=True)
+@pytest.fixture(autouse=True)
 def _dead_engines_shut_down_first():
     """A vLLM engine that is garbage-collected shuts down vLLM's process-wide parallel state (EngineCore.shutdown:
     cleanup_dist_env_and_memory), and with it any engine being built at that moment ("pipeline model parallel group
-    is not initialized"). The engines of the modules before are collected here, before this module builds its own."""
+    is not initialized"). The engines of the tests before that nothing holds any more (a module's kept engine stays)
+    are collected here, before this test builds its own."""
     import gc
 
     gc.collect()

@@ -66,6 +66,45 @@ def test_vllm_logprobs_of_model_tokens_equal_the_trainers_over_the_conversation(
         t.close()
 
 
+def test_a_steps_turns_share_its_one_push_on_real_vllm(tmp_path, qwen2_dir):
+    """Issue 45: the turns of a step sample with the step's one push. vLLM's CPU build never sleeps, so its engine kept
+    its weights between turns before too; this measures it on the real engine: pushes (the engine's update_weights)
+    and prefix-cache resets while a rollout of several turns runs, after the step's push."""
+    from portagrpo.agent.hermes import ToolTurns
+    from portagrpo.agent.toolbox import ToolCounts
+    from portagrpo.config import load_config
+    from portagrpo.data.records import PromptRecord
+    from portagrpo.train import Trainer
+    from portagrpo.train.build import push_weights
+    from portagrpo.train.sources.multi_turn import MultiTurnRollout
+
+    cfg = load_config(None, ["rollout.engine=vllm", f"model.path={qwen2_dir}", "rollout.temperature=1.5", *SMALL,
+                             "data.max_response_length=160", _tools(tmp_path)])
+    t = Trainer(cfg, run_dir=tmp_path / "run", log=lambda m: None).setup()
+    try:
+        s, engine = t.sampling, t.sampling.engine
+        calls = {"push": 0, "generate": 0, "reset_prefix_cache": 0}
+        for name, owner in (("push", engine), ("generate", engine.llm), ("reset_prefix_cache", engine.llm)):
+            method = getattr(owner, "update_weights" if name == "push" else name)
+
+            def counted(*args, _method=method, _name=name, **kwargs):
+                calls[_name] += 1
+                return _method(*args, **kwargs)
+
+            setattr(owner, "update_weights" if name == "push" else name, counted)
+        push_weights(engine, t.models)  # the step's push
+        loop = MultiTurnRollout(engine, s.tokenizer, EveryTurnCallsATool(), ToolTurns(s.tokenizer, 4), 4)
+        records = [PromptRecord(i, f"{i}+{i}=", str(2 * i), "x") for i in range(4)]
+        s.runtime.backend.seed(11)
+        loop.rollout(records, 2, s.settings.sampling, s.runtime.device, uid_base=0, prompt_width=None,
+                     counts=ToolCounts())
+        print(f"real vLLM (CPU build), {calls['generate']} turns: pushes in the step {calls['push']}, prefix-cache "
+              f"resets {calls['reset_prefix_cache']}")
+        assert calls["generate"] >= 2 and calls["push"] == 1 and calls["reset_prefix_cache"] == 1
+    finally:
+        t.close()
+
+
 def _train(run_dir: Path, *overrides: str) -> list[dict]:
     from portagrpo.metrics import read_metrics
 

@@ -134,7 +134,7 @@ def test_one_step_off_with_vllm_trains_one_update_stale_and_resumes(tmp_path, qw
     assert [r["step"] for r in again] == [3, 4]
     for before, after in zip(rows[2:], again):
         for key, value in before.items():
-            if key in MEASURED_KEYS:
+            if key in MEASURED_KEYS or key.startswith("mem/"):  # memory is measured (a checkpoint's: the step after)
                 continue
             if isinstance(value, float):
                 assert after[key] == pytest.approx(value, rel=1e-5, abs=1e-6), (key, before["step"])
