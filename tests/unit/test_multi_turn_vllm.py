@@ -1,7 +1,7 @@
 """Multi-turn rollouts on the vLLM engine, against the stand-in (tests/standins/fake_vllm.py) playing a GPU build with
-sleep mode (issue 45): all the turns of a step sample with the step's one push and one wake; a prompt is measured with
-the tools' schemas it is sent with, and one that would not fit vLLM's context with a whole response is refused in one
-sentence instead of ending its conversation early."""
+sleep mode (vLLM 0.23.0; issue 45): all the turns of a step sample with the step's one push and one wake; a prompt is
+measured with the tools' schemas it is sent with, and one that would not fit vLLM's context with a whole response is
+refused in one sentence instead of ending its conversation early."""
 import contextlib
 import sys
 import types

@@ -122,3 +122,32 @@ def test_an_engine_that_never_sleeps_on_a_vllm_without_reset_encoder_cache_refus
     check_encoder_cache_reset(old, vision=object(), sleep_mode=True)  # a sleep drops it
     check_encoder_cache_reset(old, vision=None, sleep_mode=False)  # no images, no encoder cache
 
+
+
+@pytest.mark.parametrize("vllm,ascend,kv_first_faults", [("0.33.0", None, False), ("0.23.0", None, True),
+                                                          ("0.11.0", None, True), (None, "0.23.0", True)])
+def test_a_level_2_wake_restores_the_buffers_as_the_release_does(standin, monkeypatch, vllm, ascend, kv_first_faults):
+    """The model's buffers a level-2 sleep saved come back on any wake_up in 0.11/0.23 (and vllm-ascend), only with
+    the weights in 0.33: waking the KV cache first writes into the unmapped weights pool there. The engine always
+    wakes the weights first, which is right on every release."""
+    monkeypatch.setattr(FakeLLM, "vllm", vllm)
+    monkeypatch.setattr(FakeLLM, "ascend", ascend)
+    monkeypatch.setenv("VLLM_ASCEND_ENABLE_NZ", "0")
+    llm = FakeLLM(model="m", load_format="dummy", additional_config={"weight_nz_mode": 0})
+    llm.sleep(level=2)
+    if kv_first_faults:
+        with pytest.raises(RuntimeError, match="saved buffers copied back into the weights pool"):
+            llm.wake_up(tags=["kv_cache"])
+    else:
+        llm.wake_up(tags=["kv_cache"])
+        llm.wake_up(tags=["weights"])
+
+
+@pytest.mark.parametrize("ascend,hint", [("0.11.0", "VLLM_ASCEND_ENABLE_NZ=0"),
+                                         ("0.23.0", "weight_nz_mode=0 via --additional-config")])
+def test_the_nz_refusal_names_the_switch_the_release_reads(standin, monkeypatch, ascend, hint):
+    monkeypatch.setattr(FakeLLM, "ascend", ascend)
+    llm = FakeLLM(model="m", load_format="dummy")
+    llm.sleep(level=2)
+    with pytest.raises(ValueError, match=f"FRACTAL_NZ mode is enabled.*Please set {hint}"):
+        llm.wake_up(tags=["weights"])
