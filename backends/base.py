@@ -96,6 +96,12 @@ class Backend(Protocol):
 
     def is_available(self) -> Availability: ...
 
+    def require(self) -> "Backend":
+        """This backend, or the one-sentence reason it cannot run here (starts the device runtime)."""
+
+    def only_device_env(self, index: int) -> dict[str, str]:
+        """The environment under which a new process sees only this process's device `index` (as its device 0)."""
+
     def device(self, local_rank: int = 0) -> torch.device: ...
 
     def device_count(self) -> int: ...
@@ -199,6 +205,10 @@ class BaseBackend:
 
     def is_available(self) -> Availability:
         raise NotImplementedError
+
+    def only_device_env(self, index: int) -> dict[str, str]:
+        """No visible-devices variable: a new process sees what this one sees (the CPU)."""
+        return {}
 
     def require(self) -> "BaseBackend":
         """Fail with the one-sentence reason when this backend cannot run here."""

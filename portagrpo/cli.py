@@ -82,8 +82,12 @@ def _dry_run(config_path, overrides: list[str]) -> int:
     print(f"config OK: {config_path or 'built-in defaults'}; {world} rank(s); device {device}")
     if cfg.rollout.multi_turn.enable:
         from portagrpo.agent.isolation import probe
+        from portagrpo.agent.tools import tool_workers_problem
 
         print(f"  on this machine, {probe().describe()}")
+        too_many = tool_workers_problem(cfg.rollout.multi_turn.tool_workers, t.nproc_per_node)
+        if too_many:
+            print(f"  on this machine, a run would stop: {too_many}")
     for missing in missing_files(cfg):
         print(f"  to provide before training: {missing}")
     return 0

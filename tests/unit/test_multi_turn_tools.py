@@ -186,7 +186,9 @@ def test_every_abuse_is_a_counted_tool_error(toolbox, text, kind, words):
     assert row[0].text == "4" and counts.errors == 0
 
 
-def test_no_secrets_a_fresh_directory_and_no_network(toolbox, tmp_path):
+def test_no_secrets_a_private_tmp_and_no_network(toolbox, tmp_path):
+    """What a call sees at either isolation level (tests/unit/test_sandbox_isolation.py has the abuse suite of the
+    namespaces level): no secret, a fresh working directory that is gone after the call, no network."""
     row, _ = run_one(toolbox, call("env"))
     seen = json.loads(row[0].text)
     assert seen["secret"] is None and set(seen["keys"]) <= {"PATH", "LANG", "HOME", "TMPDIR", "LC_CTYPE"}

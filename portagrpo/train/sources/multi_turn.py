@@ -23,6 +23,7 @@ import torch
 from portagrpo.agent.hermes import ToolTurns
 from portagrpo.agent.sandbox import Limits
 from portagrpo.agent.toolbox import Toolbox, ToolCounts
+from portagrpo.agent.tools import tool_workers_problem
 from portagrpo.batch import RolloutBatch
 from portagrpo.data.records import PromptRecord, left_pad, tokenize_prompts
 from portagrpo.errors import UserError
@@ -194,6 +195,9 @@ class MultiTurnSource(InStepSource):
         super().__init__(inputs)
         mt = inputs.settings.multi_turn
         comm = self.sampling.runtime.comm
+        too_many = tool_workers_problem(mt.tool_workers, comm.env.local_world_size)
+        if too_many:
+            raise UserError(too_many)
         self.toolbox = Toolbox.from_file(mt.tool_config_path, Limits(mt.tool_timeout_s, mt.tool_memory_mb),
                                          mt.tool_workers, sandbox=mt.sandbox, rank=comm.rank)
         isolation = self.toolbox.sandbox.start()
