@@ -1,9 +1,10 @@
 """Rollout engines (by name): turn left-padded prompts into right-padded responses."""
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Callable, ClassVar, Iterable, Iterator, NamedTuple, Protocol
+from typing import TYPE_CHECKING, Any, Callable, ClassVar, ContextManager, Iterable, Iterator, NamedTuple, Protocol
 
 import torch
 
@@ -166,6 +167,13 @@ class RolloutEngine(Protocol):
     def update_weights(self, named_tensors) -> None:
         """The policy's (name, tensor) pairs after an update; called only on an engine that `holds_weights`."""
 
+    # The engine's context in tokens, prompt and response together (vLLM's max_model_len); None: no fixed limit.
+    max_model_len: int | None
+
+    def turns(self) -> ContextManager:
+        """Around a conversation's turns (multi-turn): an engine that sleeps between generates stays awake, with
+        one load of the weights, for all of them; nothing to hold for the others."""
+
 
 class AheadSampler(Protocol):
     """A sampler of its own that draws the next batch while the trainer updates (rollout.mode=one_step_off:
@@ -208,6 +216,10 @@ class HFRollout:
     holds_weights = False
     needs_weights = False
     takes_images = True
+    max_model_len = None  # the model's own positions bound it, not an engine's reserve
+
+    def turns(self) -> ContextManager:
+        return contextlib.nullcontext()
 
     @classmethod
     def from_run(cls, inputs: EngineInputs) -> "HFRollout":
@@ -338,6 +350,10 @@ class FixedRollout:
 
     holds_weights = False
     needs_weights = False
+    max_model_len = None
+
+    def turns(self) -> ContextManager:
+        return contextlib.nullcontext()
 
     @classmethod
     def from_run(cls, inputs: EngineInputs) -> "FixedRollout":

@@ -1,5 +1,6 @@
 """Multi-turn rollouts: the conversation loop (scripted engine, real tools in the sandbox), and the loss that trains
 only the model's own tokens (exact: zero gradient on tool tokens, equal to the hand-masked loss)."""
+import contextlib
 import json
 
 import pytest
@@ -26,10 +27,14 @@ class ScriptedEngine:
     """Replies by prompt: reply k after the k-th tool turn (the char template writes tool turns as "t:")."""
 
     holds_weights = False
+    max_model_len = None
 
     def __init__(self, scripts: dict[str, list[str]]) -> None:
         self.scripts, self.pad_id, self.eos_ids = scripts, TOK.pad_token_id, [TOK.eos_token_id]
         self.calls = []
+
+    def turns(self):
+        return contextlib.nullcontext()
 
     def generate(self, prompt_ids, prompt_mask, params: SamplingParams) -> Sampled:
         rows, masks, logps = [], [], []

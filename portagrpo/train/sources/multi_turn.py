@@ -34,13 +34,6 @@ from portagrpo.train.sources.filtered import FilteredSource
 from portagrpo.train.sources.sync import InStepSource
 
 
-def held_awake(engine):
-    """The engine's `turns()` where it has one (rollout/vllm.py: generates inside share one wake and one weights load),
-    else nothing to hold."""
-    turns = getattr(engine, "turns", None)
-    return turns() if turns is not None else nullcontext()
-
-
 @dataclass
 class Conversation:
     """One sample's response so far: token ids after the prompt, which are the model's, their sampler log-probs."""
@@ -78,7 +71,7 @@ class MultiTurnRollout:
     def check_context(self, ids: list[list[int]], max_tokens: int) -> None:
         """One sentence where a prompt with its tools' schemas and a whole response would not fit an engine's context
         (vLLM's max_model_len), which would end its conversation early, silently (or refuse the prompt)."""
-        context = getattr(self.engine, "max_model_len", None)
+        context = self.engine.max_model_len
         longest = max((len(x) for x in ids), default=0)
         if context is not None and longest + max_tokens > context:
             raise UserError(f"a prompt rendered with the tools' schemas, as multi-turn sends it, has {longest} tokens, "
@@ -104,7 +97,7 @@ class MultiTurnRollout:
         An engine that sleeps between rollouts (vLLM on GPU/NPU) stays awake for all of them: one wake, and the
         weights the step pushed, for every turn."""
         going, has_logp = list(range(len(talks))), True
-        with held_awake(self.engine):
+        with self.engine.turns():  # vLLM that sleeps: one wake and one weights load for every turn
             while True:
                 room = max((params.max_tokens - len(talks[i].tokens) for i in going), default=0)
                 if self.comm is not None:  # one turn on every rank while any rank has a sample going, of one length
