@@ -204,20 +204,31 @@ def build_data(cfg: Config, log: Callable[[str], None]) -> Data:
 
 def _fit_prompts(cfg: Config, tokenizer, train: list[PromptRecord], val: list[PromptRecord],
                  log: Callable[[str], None]) -> tuple[list[PromptRecord], list[PromptRecord]]:
-    """Prompts over data.max_prompt_length: dropped (data.filter_overlong_prompts) or cut (data.truncation)."""
-    d = cfg.data
+    """Prompts over data.max_prompt_length: dropped (data.filter_overlong_prompts) or cut (data.truncation),
+    measured as the model sees them (a multi-turn run's chat prompts with their tools' schemas)."""
+    d, tools = cfg.data, _tool_schemas(cfg)
     if d.filter_overlong_prompts:
-        train, dropped = filter_long_prompts(tokenizer, train, d.max_prompt_length)
-        val, dropped_val = filter_long_prompts(tokenizer, val, d.max_prompt_length)
+        train, dropped = filter_long_prompts(tokenizer, train, d.max_prompt_length, tools)
+        val, dropped_val = filter_long_prompts(tokenizer, val, d.max_prompt_length, tools)
         verb = "dropped"
     else:
-        train, dropped = truncate_long_prompts(tokenizer, train, d.max_prompt_length, d.truncation, "train")
-        val, dropped_val = truncate_long_prompts(tokenizer, val, d.max_prompt_length, d.truncation, "val")
+        train, dropped = truncate_long_prompts(tokenizer, train, d.max_prompt_length, d.truncation, "train", tools)
+        val, dropped_val = truncate_long_prompts(tokenizer, val, d.max_prompt_length, d.truncation, "val", tools)
         verb = f"cut ({d.truncation})"
     if dropped or dropped_val:
         log(f"{verb} {dropped} train and {dropped_val} val prompts longer than data.max_prompt_length="
             f"{d.max_prompt_length} tokens")
     return train, val
+
+
+def _tool_schemas(cfg: Config) -> list[dict] | None:
+    """The tools' schemas a multi-turn run renders its chat prompts with (rollout.multi_turn.tool_config_path)."""
+    mt = cfg.rollout.multi_turn
+    if not mt.enable:
+        return None
+    from portagrpo.agent.tools import load_tool_config
+
+    return [spec.schema for spec in load_tool_config(mt.tool_config_path).values()]
 
 
 def build_models(cfg: Config, runtime: Runtime, strategy, tokenizer, run_dir: Path,

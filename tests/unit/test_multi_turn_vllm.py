@@ -124,3 +124,28 @@ def test_a_prompt_is_measured_with_the_tools_schemas_it_is_sent_with(standin):
                             ToolTurns(tok, 4), 4)
     fits.rollout(RECORDS, 2, SamplingParams(40, 1.0), torch.device("cpu"), uid_base=0, prompt_width=None,
                  counts=ToolCounts())
+
+
+@pytest.mark.parametrize("filtered", [True, False])
+def test_the_runs_data_filter_measures_prompts_with_the_tools_schemas(tmp_path, filtered):
+    """The run's own prompt filter (train/build.py) renders a multi-turn run's chat prompts with the tool file's
+    schemas, so a prompt that fits only without them is dropped (or cut with them) before any rollout."""
+    import yaml
+
+    from portagrpo.config import load_config
+    from portagrpo.train.build import _fit_prompts
+
+    tools = tmp_path / "tools.yaml"
+    tools.write_text(yaml.safe_dump({"tools": [{"class_name": "calculator", "tool_schema": SCHEMA}]}))
+    tok = _tokenizer()
+    limit = max(map(len, tokenize_prompts(tok, RECORDS)))
+    cfg = load_config(None, ["rollout.multi_turn.enable=true", f"rollout.multi_turn.tool_config_path={tools}",
+                             f"data.max_prompt_length={limit}", f"data.filter_overlong_prompts={str(filtered).lower()}",
+                             "data.truncation=left"], check_files=False)
+    seen = []
+    train, val = _fit_prompts(cfg, tok, RECORDS, RECORDS[:1], seen.append)
+    if filtered:
+        assert train == [] and val == [] and seen and seen[0].startswith("dropped 2 train and 1 val prompts")
+    else:
+        assert [len(r.token_ids) for r in train] == [limit, limit]
+        assert train[0].token_ids == tokenize_prompts(tok, RECORDS, [SCHEMA])[0][-limit:]
