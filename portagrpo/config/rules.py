@@ -354,9 +354,16 @@ def multi_turn_problems(cfg: Config) -> list[str]:
 
 def validate_world(cfg: Config, world_size: int) -> list[str]:
     """Batch divisions that depend on the number of data-parallel ranks."""
+    k = cfg.trainer.fsdp_size
+    if k == 0 or k < -1:
+        return [f"trainer.fsdp_size={k} is not a group size; give -1 (every rank in one shard group) or a divisor of "
+                f"the ranks."]
     if world_size == 1:
         return []
     p = []
+    if k > 0 and (world_size % k or cfg.trainer.parallel == "ddp"):
+        p.append(f"trainer.fsdp_size={k} needs trainer.parallel=fsdp2 and must divide the {world_size} ranks (shard "
+                 f"groups of k ranks, replicated across groups); give a divisor, or -1 for one group.")
     d, a = cfg.data, cfg.actor
     if d.train_batch_size % world_size:
         p.append(f"data.train_batch_size={d.train_batch_size} prompts cannot be split over {world_size} ranks; "

@@ -257,6 +257,10 @@ class TrainerConfig:
     nnodes: int = 1
     devices_per_node: int = 1
     parallel: Literal["auto", "fsdp2", "ddp"] = "auto"
+    # FSDP2: ranks one shard group spans (verl's fsdp_size). -1: every rank (one group). A divisor k of the world
+    # size shards within groups of k consecutive ranks (a node) and replicates across groups (HSDP), so the per-layer
+    # all-gathers stay inside a node and only gradients cross nodes.
+    fsdp_size: int = -1
     dist_timeout_s: float = 600.0
     val_before_train: bool = True  # validate before the first step (with test_freq > 0)
     # console (the progress bar and lines), tensorboard (with trainer.tensorboard), wandb, mlflow

@@ -59,6 +59,7 @@ DIRECT = {
     AR + "actor.grad_clip": "actor.grad_clip",
     AR + "actor.freeze_vision_tower": "actor.freeze_vision_tower",
     AR + "actor.fsdp_config.use_no_sync_for_gradient_accumulation": "actor.use_no_sync_for_gradient_accumulation",
+    AR + "actor.fsdp_config.fsdp_size": "trainer.fsdp_size",
     AR + "actor.lora.rank": "model.lora.rank",
     AR + "actor.lora.alpha": "model.lora.alpha",
     AR + "actor.lora.dropout": "model.lora.dropout",

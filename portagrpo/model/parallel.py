@@ -82,8 +82,9 @@ class ParallelStrategy(Protocol):
 class SingleProcess:
     name = "none"
 
-    def __init__(self, comm: Collectives) -> None:
-        self.comm = comm
+    def __init__(self, comm: Collectives, shard_group: int = -1) -> None:
+        """`shard_group`: trainer.fsdp_size, the ranks one FSDP2 shard group spans (-1: all; the others ignore it)."""
+        self.comm, self.shard_group = comm, shard_group
 
     @property
     def generate_kwargs(self) -> dict[str, Any]:
@@ -161,6 +162,28 @@ class FSDP2(SingleProcess):
     sums."""
 
     name = "fsdp2"
+    _mesh = None
+
+    def mesh(self):
+        """None: FSDP2's own mesh over every rank. With trainer.fsdp_size k < world: a (world / k) x k mesh, each row
+        k consecutive ranks (a node) that shard, the columns replicas that all-reduce the gradient shards (HSDP).
+        Made once, so the policy and the reference share it."""
+        world, k = self.comm.world_size, self.shard_group
+        if k in (-1, world):
+            return None
+        if self._mesh is None:
+            from torch.distributed.device_mesh import init_device_mesh
+
+            from portagrpo.backends.fsdp_compat import native_sum
+
+            if not native_sum():
+                raise UserError(f"trainer.fsdp_size={k} needs torch 2.8 or newer here (FSDP2 summing gradients across "
+                                f"replicas, set_force_sum_reduction_for_comms); use trainer.fsdp_size=-1 on torch "
+                                f"{torch.__version__}.")
+            accelerator = torch.accelerator.current_accelerator() if hasattr(torch, "accelerator") else None
+            self._mesh = init_device_mesh(accelerator.type if accelerator is not None else "cpu", (world // k, k),
+                                          mesh_dim_names=("replicate", "shard"))
+        return self._mesh
 
     @property
     def generate_kwargs(self) -> dict[str, Any]:
@@ -175,6 +198,9 @@ class FSDP2(SingleProcess):
         # copy) and gradients reduce-scatter in fp32: verl's FSDP2 setting. fp32/fp64 runs move their own dtype.
         low = compute_dtype in (torch.bfloat16, torch.float16)
         mp = {"mp_policy": MixedPrecisionPolicy(param_dtype=compute_dtype, reduce_dtype=torch.float32)} if low else {}
+        mesh = self.mesh()
+        if mesh is not None:
+            mp["mesh"] = mesh
         # a vision-language policy's vision blocks are units of their own too (frozen ones are gathered, never reduced)
         for layer in [*vision_blocks(scorer.lm), *getattr(decoder_of(scorer.lm), "layers", [])]:
             fully_shard(layer, **mp)
@@ -233,8 +259,9 @@ STRATEGIES.register("ddp")(Replicated)
 STRATEGIES.register("fsdp2")(FSDP2)
 
 
-def make_strategy(name: str, comm: Collectives):
-    """`name` is the backend's answer to trainer.parallel (see `BaseBackend.parallel_strategy`)."""
+def make_strategy(name: str, comm: Collectives, shard_group: int = -1):
+    """`name` is the backend's answer to trainer.parallel (see `BaseBackend.parallel_strategy`); `shard_group` is
+    trainer.fsdp_size."""
     if comm.world_size == 1:
         return SingleProcess(comm)
-    return STRATEGIES.get(name, field="trainer.parallel")(comm)
+    return STRATEGIES.get(name, field="trainer.parallel")(comm, shard_group)

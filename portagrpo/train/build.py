@@ -156,7 +156,8 @@ def set_threads(threads: int | None, comm: Collectives, backend: Backend, proces
 
 def build(cfg: Config, runtime: Runtime, run_dir: Path, log: Callable[[str], None]) -> Parts:
     """Every part of a run, in the order each needs the one before."""
-    strategy = make_strategy(runtime.backend.parallel_strategy(cfg.trainer.parallel), runtime.comm)
+    strategy = make_strategy(runtime.backend.parallel_strategy(cfg.trainer.parallel), runtime.comm,
+                             cfg.trainer.fsdp_size)
     data = build_data(cfg, log)
     try:
         models = build_models(cfg, runtime, strategy, data.tokenizer, run_dir, log)
