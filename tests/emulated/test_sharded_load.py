@@ -1,12 +1,15 @@
 """A model that never exists whole (model/sharded.py), measured on the emulated device's per-rank byte count: under
 FSDP2 each rank's load peak is its shards of the policy and the reference plus at most one layer and a fixed buffer,
-going from 2 to 4 ranks halves it, and the numbers trained are the same at either world size."""
+going from 2 to 4 ranks halves it, and the numbers trained are the same at either world size. With hybrid sharding
+(trainer.fsdp_size=2 on 4 ranks) a rank holds the shard of a group of 2."""
 import json
 import subprocess
 import sys
 
 import pytest
 from test_emulated_device import ENV, pytestmark  # noqa: F401 - the same skip rule
+
+from portagrpo.backends.fsdp_compat import native_sum
 
 HIDDEN, LAYERS, INTER = 256, 4, 1024
 RUN = ["trainer.total_steps=1", "trainer.test_freq=0", "trainer.save_freq=0", "trainer.progress_bar=false",
@@ -16,9 +19,9 @@ RUN = ["trainer.total_steps=1", "trainer.test_freq=0", "trainer.save_freq=0", "t
 MIB = 2**20
 
 
-def _train(out, ranks: int) -> dict:
+def _train(out, ranks: int, group: int = -1) -> dict:
     cmd = [sys.executable, "-m", "portagrpo", "train", "--device", "emu", "--output-dir", str(out),
-           f"trainer.nproc_per_node={ranks}", *RUN]
+           f"trainer.nproc_per_node={ranks}", f"trainer.fsdp_size={group}", *RUN]
     res = subprocess.run(cmd, env={**ENV, "PORTAGRPO_EMU_DEVICES": "1"}, capture_output=True, text=True, timeout=1200,
                          cwd=out.parent)
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
@@ -44,20 +47,25 @@ def _sizes(run_dir) -> tuple[int, int]:
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
     base = tmp_path_factory.mktemp("sharded")
-    return {ranks: (_train(base / f"r{ranks}", ranks), base / f"r{ranks}") for ranks in (2, 4)}
+    shapes = {(2, -1): 2, (4, -1): 4}  # (ranks, trainer.fsdp_size) -> ranks one tensor is split over
+    if native_sum():
+        shapes[(4, 2)] = 2
+    return {(ranks, group): (_train(base / f"r{ranks}g{group}", ranks, group), base / f"r{ranks}g{group}", split)
+            for (ranks, group), split in shapes.items()}
 
 
 def test_no_rank_holds_more_than_its_shards_at_load(runs):
-    for ranks, (row, run_dir) in runs.items():
+    for shape, (row, run_dir, split) in runs.items():
         params, layer = _sizes(run_dir)
-        shards = 2 * params / ranks  # the policy's and the reference's (both fp32 here), each split over the ranks
+        shards = 2 * params / split  # the policy's and the reference's (both fp32 here), each split over a group
         load = row["mem/load_peak_gb"] * 2**30
-        assert load <= shards + layer + 1 * MIB, (ranks, load / MIB, shards / MIB, layer / MIB)
-        assert load >= 0.9 * shards, (ranks, load / MIB, shards / MIB)  # the shards are really there
+        assert load <= shards + layer + 1 * MIB, (shape, load / MIB, shards / MIB, layer / MIB)
+        assert load >= 0.9 * shards, (shape, load / MIB, shards / MIB)  # the shards are really there
 
 
 def test_four_ranks_halve_the_load_and_train_the_same(runs):
-    (two, _), (four, _) = runs[2], runs[4]
+    two, four = runs[(2, -1)][0], runs[(4, -1)][0]
     assert four["mem/load_peak_gb"] <= 0.6 * two["mem/load_peak_gb"]
-    for key in ("loss_policy", "kl", "grad_norm", "entropy"):
-        assert four[key] == pytest.approx(two[key], rel=2e-5, abs=1e-7), key
+    for row, _, _ in runs.values():
+        for key in ("loss_policy", "kl", "grad_norm", "entropy"):
+            assert row[key] == pytest.approx(two[key], rel=2e-5, abs=1e-7), key
