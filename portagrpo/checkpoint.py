@@ -2,12 +2,19 @@
 
 A checkpoint directory is valid only if its manifest exists and every listed file has the
 recorded size and SHA-256; anything else is reported and never loaded.
+
+Two formats. Whole: `model/` (Hugging Face safetensors) and `optimizer.pt`, written by rank 0 from
+state gathered onto it (one process, DDP, LoRA). Sharded (FSDP2 on several ranks): `shards/`, the
+files of `torch.distributed.checkpoint`, each rank writing and reading only its own shards, and
+`model/` with the config and tokenizer but no weights. Both hold the scheduler, the RNG streams,
+the loader's position and any batch in flight.
 """
 from __future__ import annotations
 
 import hashlib
 import json
 import shutil
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -19,6 +26,8 @@ from portagrpo.fileio import atomic_path
 
 MANIFEST = "manifest.json"
 PREFIX = "step_"
+SHARDS = "shards"  # a sharded checkpoint's model and optimizer state (torch.distributed.checkpoint's files)
+SINGLE_PROCESS = ".*assuming the intent"  # torch's warning that it loads in one process, where that is meant
 
 
 class CheckpointError(UserError, RuntimeError):
@@ -61,18 +70,101 @@ def save_checkpoint(
     # written whole or not at all: a full disk or a kill leaves the previous checkpoints as they were
     with atomic_path(final, directory=True, what=f"saving checkpoint step {step} to") as tmp:
         model.save_pretrained(tmp / "model", state_dict=model_state, safe_serialization=True)
-        tokenizer.save_pretrained(tmp / "model")
         torch.save(optimizer_state, tmp / "optimizer.pt")
-        torch.save(scheduler.state_dict(), tmp / "scheduler.pt")
-        torch.save(rng, tmp / "rng.pt")
-        if inflight is not None:
-            torch.save(inflight, tmp / INFLIGHT)
-        (tmp / "trainer_state.json").write_text(json.dumps({"step": step, **state}, indent=1))
-        files = {str(p.relative_to(tmp)): {"size": p.stat().st_size, "sha256": _sha256(p)}
-                 for p in sorted(tmp.rglob("*")) if p.is_file()}
-        (tmp / MANIFEST).write_text(json.dumps({"step": step, "files": files}, indent=1))
+        _write_run_state(tmp, step, tokenizer, scheduler, state, rng, inflight)
+        _write_manifest(tmp, step, _hashes(tmp, [p for p in tmp.rglob("*") if p.is_file()]))
     prune_checkpoints(run_dir, keep)
     return final
+
+
+def save_sharded_checkpoint(
+    run_dir: Path,
+    step: int,
+    *,
+    comm,
+    model,
+    tokenizer,
+    shards: dict[str, Any],
+    scheduler,
+    state: dict[str, Any],
+    rng: dict[str, Any],
+    keep: int,
+    inflight: dict[str, Any] | None = None,
+) -> Path | None:
+    """Write checkpoint `step` with each rank's own `shards` (`ParallelStrategy.sharded_state`); a collective, the
+    path on rank 0 (None elsewhere). No rank gathers the model: every rank writes its shards and hashes them.
+
+    The order keeps a kill -9 at any moment from leaving a checkpoint that looks whole:
+    1. rank 0 makes the temporary directory (`.tmp_step_*_<pid>`, no `step_` name) and names it to the others;
+    2. every rank writes its shards (torch.distributed.checkpoint: rank 0 writes `.metadata` once all ranks'
+       files are written, and each file is fsynced) and hashes the files it wrote;
+    3. rank 0 writes the rest, gathers every rank's hashes, writes the manifest last and renames the temporary
+       into place; 4. a barrier, so no rank trains on before the checkpoint is in place.
+    Before the rename only a temporary exists (removed by the next writer of the run); after it, a whole checkpoint.
+    """
+    final = checkpoint_dir(run_dir, step)
+    if not comm.is_main:
+        tmp = Path(comm.broadcast_object(None))
+        comm.all_gather_object(_write_shards(tmp, shards, comm))
+        comm.barrier()
+        return None
+    with atomic_path(final, directory=True, what=f"saving checkpoint step {step} to") as tmp:
+        comm.broadcast_object(str(tmp))
+        mine = _write_shards(tmp, shards, comm)
+        model.config.save_pretrained(tmp / "model")  # the shape check and the export read it; no weights here
+        if getattr(model, "generation_config", None) is not None:
+            model.generation_config.save_pretrained(tmp / "model")
+        _write_run_state(tmp, step, tokenizer, scheduler, state, rng, inflight)
+        hashed = _hashes(tmp, [p for p in tmp.rglob("*") if p.is_file() and p.parent.name != SHARDS])
+        for part in comm.all_gather_object(mine):
+            hashed.update(part)
+        _write_manifest(tmp, step, hashed)
+    prune_checkpoints(run_dir, keep)
+    comm.barrier()
+    return final
+
+
+def _write_shards(tmp: Path, shards: dict[str, Any], comm) -> dict[str, dict[str, Any]]:
+    """This rank's shards written into `tmp/shards` (a collective); the sizes and hashes of the files it wrote."""
+    import torch.distributed.checkpoint as dcp
+
+    folder = tmp / SHARDS
+    dcp.save(shards, storage_writer=dcp.FileSystemWriter(str(folder)))
+    # torch.distributed.checkpoint names rank r's files `__r_<n>.distcp`; rank 0 hashes any other file (.metadata)
+    files = sorted(p for p in folder.iterdir() if p.is_file())
+    others = tuple(f"__{r}_" for r in range(comm.world_size) if r != comm.rank)
+    own = [p for p in files if p.name.startswith(f"__{comm.rank}_") or (comm.is_main and not p.name.startswith(others))]
+    return _hashes(tmp, own)
+
+
+def load_shards(path: Path, shards: dict[str, Any]) -> None:
+    """Read checkpoint `path`'s shards into `shards` (`ParallelStrategy.sharded_state`, in place): each rank reads the
+    slices its tensors hold, so a checkpoint written by another number of ranks is resharded as it loads."""
+    import torch.distributed.checkpoint as dcp
+
+    with warnings.catch_warnings():  # one process (no process group) is told apart by torch itself
+        warnings.filterwarnings("ignore", message=SINGLE_PROCESS)
+        dcp.load(shards, storage_reader=dcp.FileSystemReader(str(Path(path) / SHARDS)))
+
+
+def _write_run_state(tmp: Path, step: int, tokenizer, scheduler, state: dict[str, Any], rng: dict[str, Any],
+                     inflight: dict[str, Any] | None) -> None:
+    """What both formats hold beside the model and optimizer state."""
+    tokenizer.save_pretrained(tmp / "model")
+    torch.save(scheduler.state_dict(), tmp / "scheduler.pt")
+    torch.save(rng, tmp / "rng.pt")
+    if inflight is not None:
+        torch.save(inflight, tmp / INFLIGHT)
+    (tmp / "trainer_state.json").write_text(json.dumps({"step": step, **state}, indent=1))
+
+
+def _hashes(root: Path, files: list[Path]) -> dict[str, dict[str, Any]]:
+    return {str(p.relative_to(root)): {"size": p.stat().st_size, "sha256": _sha256(p)} for p in sorted(files)}
+
+
+def _write_manifest(tmp: Path, step: int, files: dict[str, dict[str, Any]]) -> None:
+    """Last, once every listed file is written: a checkpoint without it is never loaded."""
+    (tmp / MANIFEST).write_text(json.dumps({"step": step, "files": dict(sorted(files.items()))}, indent=1))
 
 
 def verify_checkpoint(path: Path) -> list[str]:
@@ -124,9 +216,9 @@ INFLIGHT = "inflight.pt"
 
 @dataclass(frozen=True)
 class CheckpointState:
-    """The non-model parts of a verified checkpoint (the model loads from `model_dir`)."""
+    """The non-model parts of a verified checkpoint (the model loads from `model_dir`, or from `shards`)."""
 
-    optimizer: dict[str, Any]
+    optimizer: dict[str, Any] | None  # None in a sharded checkpoint: its optimizer state is in `shards`
     scheduler: dict[str, Any]
     rng: dict[str, Any]
     step: int
@@ -134,22 +226,26 @@ class CheckpointState:
     world_size: int | None  # the ranks that wrote it (None in checkpoints older than that field)
     model_dir: Path
     inflight: dict[str, Any] | None  # a batch source's state (train/sources: SourceState.to_saved), if any
+    shards: Path | None = None  # a sharded checkpoint's folder (load_shards), None in the whole format
 
 
-def load_checkpoint_state(path: Path) -> CheckpointState:
-    """Verify then load the non-model parts of a checkpoint; the model loads from `path/model`."""
+def load_checkpoint_state(path: Path, *, verified: bool = False) -> CheckpointState:
+    """Verify (unless the caller has) then load the non-model parts of a checkpoint; the model loads from
+    `path/model` or, in a sharded checkpoint, with `load_shards`."""
     path = Path(path)
-    problems = verify_checkpoint(path)
+    problems = [] if verified else verify_checkpoint(path)
     if problems:
         raise CheckpointError(f"checkpoint {path} is corrupt and was not loaded: {problems[0]}.")
     trainer = json.loads((path / "trainer_state.json").read_text())
+    sharded = (path / SHARDS).is_dir()
     return CheckpointState(
-        optimizer=torch.load(path / "optimizer.pt", weights_only=False),
+        optimizer=None if sharded else torch.load(path / "optimizer.pt", weights_only=False),
         scheduler=torch.load(path / "scheduler.pt", weights_only=False),
         rng=torch.load(path / "rng.pt", weights_only=False),
         step=int(trainer["step"]), loader=trainer["loader"], world_size=trainer.get("world_size"),
         model_dir=path / "model",
         inflight=torch.load(path / INFLIGHT, weights_only=False) if (path / INFLIGHT).exists() else None,
+        shards=path / SHARDS if sharded else None,
     )
 
 

@@ -1,6 +1,6 @@
 """Data-parallel strategies for the policy: none (one process), replicated (DDP-style gradient
 all-reduce) and FSDP2 (`fully_shard`). The loop asks its strategy to wrap the model, to sync
-gradients, to clip, and for full (unsharded) state dicts for checkpoints.
+gradients, to clip, and for the state checkpoints hold (full state dicts, or each rank's own shards).
 
 Every rank's loss is normalised by *global* token and sequence counts, so the gradient of the
 global mini-batch is the SUM of the per-rank gradients: both strategies sum, never average.
@@ -48,6 +48,7 @@ class ParallelStrategy(Protocol):
     """How the policy's scorers are spread over the ranks: what the loop, the engines and the checkpoints ask."""
 
     name: str
+    shards_checkpoints: bool  # each rank writes and reads only its own shards of a checkpoint
 
     @property
     def generate_kwargs(self) -> dict[str, Any]:
@@ -78,9 +79,15 @@ class ParallelStrategy(Protocol):
     def load_optimizer_state(self, scorer: torch.nn.Module, optimizer: torch.optim.Optimizer, state: dict) -> None:
         ...
 
+    def sharded_state(self, scorer: torch.nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]: ...
+
+    def load_sharded_state(self, scorer: torch.nn.Module, optimizer: torch.optim.Optimizer, state: dict) -> None:
+        ...
+
 
 class SingleProcess:
     name = "none"
+    shards_checkpoints = False  # rank 0 writes a checkpoint's whole tensors (a sharded strategy: each rank its own)
 
     def __init__(self, comm: Collectives, shard_group: int = -1) -> None:
         """`shard_group`: trainer.fsdp_size, the ranks one FSDP2 shard group spans (-1: all; the others ignore it)."""
@@ -130,6 +137,21 @@ class SingleProcess:
     def load_optimizer_state(self, scorer: torch.nn.Module, optimizer: torch.optim.Optimizer, state: dict) -> None:
         set_optimizer_state_dict(scorer, optimizer, state, options=StateDictOptions(full_state_dict=True))
 
+    def sharded_state(self, scorer: torch.nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+        """This rank's own part of the model and optimizer state, gathered nowhere: DTensors of its shards under
+        FSDP2, whole tensors otherwise. They are the live tensors, so `torch.distributed.checkpoint` writes them as
+        they are and loads a checkpoint into them in place, resharded to this run's ranks (checkpoint.py)."""
+        aliases = {n for n, _ in scorer.named_parameters(remove_duplicate=False)} - {n for n, _ in
+                                                                                  scorer.named_parameters()}
+        model = {k: v for k, v in get_model_state_dict(scorer).items() if k not in aliases}  # a tied weight once
+        return {"model": _strip("lm.", model), "optimizer": get_optimizer_state_dict(scorer, optimizer)}
+
+    def load_sharded_state(self, scorer: torch.nn.Module, optimizer: torch.optim.Optimizer, state: dict) -> None:
+        """Put back what `sharded_state` returned once a checkpoint was read into it (its tied aliases left out)."""
+        named = {f"lm.{k}": v for k, v in state["model"].items()}
+        set_model_state_dict(scorer, named, options=StateDictOptions(strict=False))
+        set_optimizer_state_dict(scorer, optimizer, state["optimizer"])
+
 
 class Replicated(SingleProcess):
     """Every rank holds the whole model; gradients are summed with one all-reduce per mini-batch."""
@@ -162,6 +184,7 @@ class FSDP2(SingleProcess):
     sums."""
 
     name = "fsdp2"
+    shards_checkpoints = True
     _mesh = None
 
     def mesh(self):

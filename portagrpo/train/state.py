@@ -1,4 +1,5 @@
-"""Checkpoints of a run: save (every rank takes part, rank 0 writes) and resume, with the RNG streams."""
+"""Checkpoints of a run: save (every rank takes part; rank 0 writes, or under FSDP2 every rank its own shards) and
+resume, with the RNG streams."""
 from __future__ import annotations
 
 import random
@@ -14,7 +15,10 @@ from portagrpo.checkpoint import (
     check_checkpoint_fits,
     latest_valid_checkpoint,
     load_checkpoint_state,
+    load_shards,
     save_checkpoint,
+    save_sharded_checkpoint,
+    verify_checkpoint,
 )
 from portagrpo.data.records import PromptLoader
 from portagrpo.fileio import WriteError
@@ -36,55 +40,53 @@ class Checkpointer:
     def save(self, step: int) -> Path | None:
         """The checkpoint of `step` (a collective: every rank calls it); its path on rank 0."""
         m, comm = self.models, self.runtime.comm
+        if m.strategy.shards_checkpoints and not m.is_lora:  # a LoRA adapter is small: gathered, as one process saves
+            return self._saving(step, lambda: save_sharded_checkpoint(
+                self.run_dir, step, comm=comm, model=m.policy, tokenizer=self.tokenizer,
+                shards=m.strategy.sharded_state(m.scorer, self.optim.optimizer), **self._run_state(step)))
         model_state = m.strategy.model_state(m.scorer)
         optimizer_state = m.strategy.optimizer_state(m.scorer, self.optim.optimizer)
-        state = self.source.state() if self.source is not None else None  # a collective
-        inflight = None if state is None else state.to_saved()
+        run_state = self._run_state(step)  # a collective (the batch in flight)
         path = None
         if comm.is_main:
-            path = self._write(step, model_state, optimizer_state, inflight)
-            self.log(f"saved checkpoint {path}")
+            path = self._saving(step, lambda: save_checkpoint(
+                self.run_dir, step, model=m.policy, tokenizer=self.tokenizer, model_state=model_state,
+                optimizer_state=optimizer_state, **run_state))
         comm.barrier()
         return path
 
-    def _write(self, step: int, model_state, optimizer_state, inflight=None) -> Path:
+    def _run_state(self, step: int) -> dict[str, Any]:
+        """Everything but the model and optimizer state (a collective: the source gathers its batch in flight)."""
+        state = self.source.state() if self.source is not None else None
+        return {"scheduler": self.optim.scheduler, "keep": self.keep, "rng": rng_state(self.runtime.backend),
+                "state": {"loader": self.loader.state_dict(), "world_size": self.runtime.comm.world_size},
+                "inflight": None if state is None else state.to_saved()}
+
+    def _saving(self, step: int, write: Callable[[], Path | None]) -> Path | None:
         try:
-            return save_checkpoint(
-                self.run_dir, step, model=self.models.policy, tokenizer=self.tokenizer, model_state=model_state,
-                optimizer_state=optimizer_state, scheduler=self.optim.scheduler,
-                state={"loader": self.loader.state_dict(), "world_size": self.runtime.comm.world_size},
-                rng=rng_state(self.runtime.backend), keep=self.keep, inflight=inflight,
-            )
+            path = write()
         except WriteError as err:  # the temporary is gone; say what is still there to resume from
             last = latest_valid_checkpoint(self.run_dir, warn=lambda message: None)
             after = (f"The last whole checkpoint, {last.name}, is untouched: free space, then continue with --resume "
                      f"{self.run_dir}." if last else "No earlier checkpoint exists, so the run cannot be resumed.")
             raise WriteError(f"{err} {after}") from None
+        if path is not None:
+            self.log(f"saved checkpoint {path}")
+        return path
 
     def resume(self, target: str | Path) -> int:
         """Load `target` (a checkpoint, or a run directory: its latest whole one); the step it holds."""
-        target = Path(target)
-        if (target / "manifest.json").exists() or target.name.startswith("step_"):
-            ckpt = target
-        else:
-            ckpt = latest_valid_checkpoint(target, warn=self.log)
-            if ckpt is None:
-                raise CheckpointError(
-                    f"--resume {str(target)!r}: no whole checkpoint found under {target}/checkpoints."
-                )
+        ckpt = self._choose(Path(target))
         m = self.models
         check_checkpoint_fits(ckpt, m.policy.config, self.lora_rank)
-        parts = load_checkpoint_state(ckpt)
-        from safetensors.torch import load_file
-
-        state = {}
-        for f in sorted(parts.model_dir.glob("*.safetensors")):
-            state.update(load_file(f))
-        if m.is_lora:
-            self._load_adapter(ckpt, state)
+        parts = load_checkpoint_state(ckpt, verified=True)
+        if parts.shards is not None:
+            shards = m.strategy.sharded_state(m.scorer, self.optim.optimizer)
+            load_shards(ckpt, shards)  # each rank reads only the slices it holds
+            m.strategy.load_sharded_state(m.scorer, self.optim.optimizer, shards)
         else:
-            self._load_full(ckpt, state)
-        m.strategy.load_optimizer_state(m.scorer, self.optim.optimizer, parts.optimizer)
+            self._load_whole(ckpt, parts.model_dir)
+            m.strategy.load_optimizer_state(m.scorer, self.optim.optimizer, parts.optimizer)
         self.optim.scheduler.load_state_dict(parts.scheduler)
         self.loader.load_state_dict(parts.loader)
         set_rng_state(self.runtime.backend, parts.rng)
@@ -92,6 +94,43 @@ class Checkpointer:
         step = parts.step
         self.log(f"resumed from {ckpt} at step {step}")
         return step
+
+    def _choose(self, target: Path) -> Path:
+        """The checkpoint to load, verified on rank 0 alone (hashing reads every byte) and named to the other ranks,
+        so they load the one rank 0 checked; a refusal is the same sentence on every rank."""
+        comm = self.runtime.comm
+        found = None
+        if comm.is_main:
+            try:
+                found = (str(self._verified(target)), None)
+            except CheckpointError as err:
+                found = (None, str(err))
+        path, refusal = comm.broadcast_object(found)
+        if refusal is not None:
+            raise CheckpointError(refusal)
+        return Path(path)
+
+    def _verified(self, target: Path) -> Path:
+        if (target / "manifest.json").exists() or target.name.startswith("step_"):
+            problems = verify_checkpoint(target)
+            if problems:
+                raise CheckpointError(f"checkpoint {target} is corrupt and was not loaded: {problems[0]}.")
+            return target
+        ckpt = latest_valid_checkpoint(target, warn=self.log)
+        if ckpt is None:
+            raise CheckpointError(f"--resume {str(target)!r}: no whole checkpoint found under {target}/checkpoints.")
+        return ckpt
+
+    def _load_whole(self, ckpt: Path, model_dir: Path) -> None:
+        from safetensors.torch import load_file
+
+        state = {}
+        for f in sorted(model_dir.glob("*.safetensors")):
+            state.update(load_file(f))
+        if self.models.is_lora:
+            self._load_adapter(ckpt, state)
+        else:
+            self._load_full(ckpt, state)
 
     def _load_adapter(self, ckpt: Path, state: dict[str, torch.Tensor]) -> None:
         from peft import set_peft_model_state_dict
