@@ -147,6 +147,12 @@ def load_shards(path: Path, shards: dict[str, Any]) -> None:
         dcp.load(shards, storage_reader=dcp.FileSystemReader(str(Path(path) / SHARDS)))
 
 
+def load_model_shards(path: Path, model: torch.nn.Module) -> None:
+    """A sharded checkpoint's weights read into `model`, a whole Hugging Face model of its shape, in place (eval)."""
+    aliases = {n for n, _ in model.named_parameters(remove_duplicate=False)} - {n for n, _ in model.named_parameters()}
+    load_shards(path, {"model": {k: v for k, v in model.state_dict().items() if k not in aliases}})
+
+
 def _write_run_state(tmp: Path, step: int, tokenizer, scheduler, state: dict[str, Any], rng: dict[str, Any],
                      inflight: dict[str, Any] | None) -> None:
     """What both formats hold beside the model and optimizer state."""

@@ -17,7 +17,7 @@ PIXELS_FIELD = "--max-image-pixels"  # eval's data.max_image_pixels
 def load_for_eval(model: str | Path, allow_untrained: bool = False):
     """(model, tokenizer, processor, description) from a model path, a .gguf, or a run directory's newest
     checkpoint. `processor`: a vision-language model's (its tokenizer is `tokenizer`), else None."""
-    from portagrpo.checkpoint import latest_valid_checkpoint
+    from portagrpo.checkpoint import SHARDS, latest_valid_checkpoint, load_model_shards
     from portagrpo.config import load_config
     from portagrpo.errors import UserError
     from portagrpo.model.loading import load_model
@@ -36,6 +36,10 @@ def load_for_eval(model: str | Path, allow_untrained: bool = False):
         if ckpt is None:
             return load_model(base, "sdpa"), *text_side(cfg.model.tokenizer_path or base), f"{base} (no checkpoint)"
         model_dir = ckpt / "model"
+        if (ckpt / SHARDS).is_dir():  # FSDP2's sharded format: the base model, its weights read from the shards
+            model = load_model(base, "sdpa")
+            load_model_shards(ckpt, model)
+            return model, *text_side(model_dir), f"{ckpt} (sharded)"
         if (model_dir / "adapter_config.json").is_file():
             from peft import PeftModel
 

@@ -1,6 +1,6 @@
 """Sharded checkpoints under FSDP2 on 2 gloo ranks: each rank writes its own shards; a kill -9 at any moment leaves
 only whole checkpoints; a resume repeats the uninterrupted run exactly, at 2 ranks or resharded at 1; `portagrpo
-export` writes a Hugging Face directory from the shards."""
+export` writes a Hugging Face directory from the shards, and `portagrpo eval` reads them."""
 import json
 import os
 import shutil
@@ -164,3 +164,19 @@ def test_export_of_a_sharded_checkpoint_loads_with_transformers(whole_run, tmp_p
         (split / f.name).write_bytes(f.read_bytes())
     again = AutoModelForCausalLM.from_pretrained(split)
     assert all(torch.equal(again.state_dict()[k], v) for k, v in state.items())
+
+
+def test_eval_of_a_run_reads_its_sharded_checkpoint(whole_run):
+    """`portagrpo eval --model RUN` builds the run's base model and reads the newest checkpoint's shards into it."""
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+    from portagrpo.tools.evaluate import load_for_eval
+
+    model, _, _, described = load_for_eval(whole_run)
+    ckpt = list_checkpoints(whole_run)[-1]
+    assert described == f"{ckpt} (sharded)"
+    dcp_to_torch_save(ckpt / SHARDS, whole_run.parent / "eval-whole.pt")
+    saved = torch.load(whole_run.parent / "eval-whole.pt", weights_only=False)["model"]
+    state = model.state_dict()
+    for name, value in saved.items():
+        assert torch.equal(state[name], value), name
