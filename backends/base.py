@@ -58,6 +58,9 @@ class BackendSpec:
     # vLLM's block-FP8 rollout (rollout.precision=fp8): e4m3 weights with per-block scales, the format
     # verl's FP8 rollout uses on NVIDIA; ROCm (e4m3fnuz) and Ascend are not built.
     vllm_fp8: bool = False
+    # Page-locked host memory for what FSDP2 offloads (actor.offload, actor.ref_offload): faster, asynchronous copies
+    # to the device where the vendor's runtime has it (CUDA, ROCm's HIP, Ascend's ACL).
+    pinned_offload: bool = False
     # vLLM's sleep mode (LLM(enable_sleep_mode=True), sleep/wake_up): vLLM offers it where
     # `Platform.is_sleep_mode_available()` says so (vllm/platforms/interface.py: CUDA, ROCm, XPU; vllm-ascend's
     # NPU platform too) and refuses it elsewhere (vllm/config/model.py: "Sleep mode is not supported on current

@@ -27,6 +27,7 @@ SPEC = BackendSpec(
     decode_cache="static",
     vllm_fp8=True,
     install_hint="install a CUDA build of torch for your driver (see pytorch.org), then `pip install portagrpo[cuda]`",
+    pinned_offload=True,
 )
 
 

@@ -40,6 +40,7 @@ SPEC = BackendSpec(
     vllm_plugin="vllm-ascend",
     install_hint=("install the CANN toolkit and the torch_npu release matching your torch "
                   "(`pip install torch-npu==<torch version>`), then `" + SET_ENV_HINT + "`"),
+    pinned_offload=True,
 )
 
 

@@ -22,6 +22,7 @@ SPEC = BackendSpec(
     collective_env=NCCL_WATCHDOG_ENV,
     decode_cache="static",
     install_hint="install torch from the ROCm wheel index (see pytorch.org), then `pip install portagrpo[rocm]`",
+    pinned_offload=True,
 )
 
 

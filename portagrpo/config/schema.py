@@ -218,6 +218,12 @@ class ActorConfig:
     # after every micro-batch, so a rank holds only its gradient shard; true keeps the whole model's unsharded fp32
     # gradients over a mini-batch and reduce-scatters once (fewer collectives, when memory allows).
     use_no_sync_for_gradient_accumulation: bool = False
+    # FSDP2 offload (FSDP2's CPUOffloadPolicy): `offload` keeps the policy's parameter shards, their gradients and the
+    # optimizer state in host memory (each unit copied to the device for its forward and backward; AdamW steps on
+    # the CPU): verl's param_offload, optimizer_offload and grad_offload, which go together here. `ref_offload`: the
+    # reference's shards in host memory, copied in per unit for its forward (verl's ref param_offload).
+    offload: bool = False
+    ref_offload: bool = False
     clip_ratio: float = 0.2
     clip_ratio_low: Optional[float] = None
     clip_ratio_high: Optional[float] = None

@@ -108,10 +108,6 @@ def is_verl_key(key: str) -> bool:
 NO_EFFECT = {
     AR + "model.use_shm": "portagrpo loads models from the local path as they are",
     AR + "model.use_remove_padding": "portagrpo always drops padding from its forwards (packed when it pays)",
-    AR + "actor.fsdp_config.param_offload": "portagrpo keeps parameters on the device",
-    AR + "actor.fsdp_config.optimizer_offload": "portagrpo keeps optimizer state on the device",
-    AR + "actor.fsdp_config.grad_offload": "portagrpo keeps gradients on the device",
-    AR + "ref.fsdp_config.param_offload": "portagrpo keeps the reference on the device",
     AR + "rollout.load_format": "the engine loads the run's own weights",
     AR + "rollout.layered_summon": "portagrpo gathers one tensor at a time for the weight push",
     AR + "rollout.enable_chunked_prefill": "vLLM's scheduling",
@@ -129,6 +125,10 @@ NO_EFFECT = {
     "reward_model.reward_manager": "reward.overlong_buffer is DAPO's reward manager here",
     "reward_model.overlong_buffer.log": "metrics.jsonl logs every step",
 }
+# verl's offload switches -> portagrpo's: the actor's three go together here (FSDP2's CPUOffloadPolicy offloads a
+# shard's parameters, gradients and optimizer state as one), the reference's alone
+ACTOR_OFFLOAD = tuple(AR + f"actor.fsdp_config.{k}_offload" for k in ("param", "optimizer", "grad"))
+REF_OFFLOAD = AR + "ref.fsdp_config.param_offload"
 # verl's global (all-GPU) micro-batches, deprecated by verl for the *_per_gpu keys
 GLOBAL_MICRO = {AR + "actor.ppo_micro_batch_size": "actor.micro_batch_size",
                 AR + "rollout.log_prob_micro_batch_size": "actor.logprob_micro_batch_size",
@@ -153,7 +153,8 @@ def translate(pairs: list[tuple[str, Any]]) -> tuple[list[tuple[str, Any]], list
             notices.append(f"verl key {key} -> portagrpo rollout.multi_turn.max_tool_response_length (counted in "
                            f"tokens here; verl counts characters)")
         elif key in NO_EFFECT or key in GLOBAL_MICRO or key in (MINI_BATCH, REWARD_PATH, REWARD_NAME, LORA_ENABLE,
-                                                                  GPUS_PER_NODE, "trainer.critic_warmup"):
+                                                                  GPUS_PER_NODE, "trainer.critic_warmup",
+                                                                  REF_OFFLOAD, *ACTOR_OFFLOAD):
             held[key] = value
         else:
             _schedule_key(key, value, out, notices, rejected)
@@ -175,7 +176,24 @@ def _schedule_key(key: str, value: Any, out: list, notices: list[str], rejected:
         rejected.append(key)
 
 
+def _offload(held: dict[str, Any], out: list, notices: list[str]) -> None:
+    """verl's offload keys, honoured: any of the actor's three on offloads all three (actor.offload); the
+    reference's is actor.ref_offload."""
+    on = [k for k in ACTOR_OFFLOAD if str(held.get(k, "false")).lower() == "true"]
+    if on:
+        out.append(("actor.offload", True))
+        notices.append(f"verl key(s) {', '.join(on)} -> portagrpo actor.offload=true (FSDP2's CPUOffloadPolicy keeps "
+                       f"a shard's parameters, gradients and optimizer state in host memory together)")
+    elif any(k in held for k in ACTOR_OFFLOAD):
+        out.append(("actor.offload", False))
+    if REF_OFFLOAD in held:
+        value = str(held[REF_OFFLOAD]).lower() == "true"
+        out.append(("actor.ref_offload", value))
+        notices.append(f"verl key {REF_OFFLOAD} -> portagrpo actor.ref_offload={str(value).lower()}")
+
+
 def _held(held: dict[str, Any], out: list, notices: list[str], rejected: list[str]) -> None:
+    _offload(held, out, notices)
     gpus = held.get(GPUS_PER_NODE)
     if gpus is not None:
         out += [("trainer.nproc_per_node", gpus), ("trainer.devices_per_node", gpus)]

@@ -54,9 +54,10 @@ class ParallelStrategy(Protocol):
     def generate_kwargs(self) -> dict[str, Any]:
         """Extra `generate` arguments (`synced_gpus` under FSDP2)."""
 
-    def wrap(self, scorer: torch.nn.Module, *, trainable: bool, compute_dtype: torch.dtype | None = None
-             ) -> torch.nn.Module:
-        """The scorer as this strategy runs it."""
+    def wrap(self, scorer: torch.nn.Module, *, trainable: bool, compute_dtype: torch.dtype | None = None,
+             offload: bool = False) -> torch.nn.Module:
+        """The scorer as this strategy runs it; `offload`: its shards (and their gradients and optimizer state) in
+        host memory, copied to the device unit by unit (FSDP2 only)."""
 
     def generation(self, scorer: torch.nn.Module) -> contextlib.AbstractContextManager:
         """Around a rollout with the training model itself (a sharded one is gathered once)."""
@@ -89,16 +90,18 @@ class SingleProcess:
     name = "none"
     shards_checkpoints = False  # rank 0 writes a checkpoint's whole tensors (a sharded strategy: each rank its own)
 
-    def __init__(self, comm: Collectives, shard_group: int = -1) -> None:
-        """`shard_group`: trainer.fsdp_size, the ranks one FSDP2 shard group spans (-1: all; the others ignore it)."""
-        self.comm, self.shard_group = comm, shard_group
+    def __init__(self, comm: Collectives, shard_group: int = -1, pinned_offload: bool = False) -> None:
+        """`shard_group`: trainer.fsdp_size, the ranks one FSDP2 shard group spans (-1: all; the others ignore it).
+        `pinned_offload`: the backend's answer to whether offloaded shards sit in page-locked memory."""
+        self.comm, self.shard_group, self.pinned_offload = comm, shard_group, pinned_offload
 
     @property
     def generate_kwargs(self) -> dict[str, Any]:
         return {}
 
-    def wrap(self, scorer: torch.nn.Module, *, trainable: bool, compute_dtype: torch.dtype | None = None
-             ) -> torch.nn.Module:
+    def wrap(self, scorer: torch.nn.Module, *, trainable: bool, compute_dtype: torch.dtype | None = None,
+             offload: bool = False) -> torch.nn.Module:
+        refuse_offload(offload, "one process", scorer)
         return scorer
 
     def generation(self, scorer: torch.nn.Module):
@@ -162,8 +165,9 @@ class Replicated(SingleProcess):
     def generate_kwargs(self) -> dict[str, Any]:
         return {}
 
-    def wrap(self, scorer: torch.nn.Module, *, trainable: bool, compute_dtype: torch.dtype | None = None
-             ) -> torch.nn.Module:
+    def wrap(self, scorer: torch.nn.Module, *, trainable: bool, compute_dtype: torch.dtype | None = None,
+             offload: bool = False) -> torch.nn.Module:
+        refuse_offload(offload, "trainer.parallel=ddp", scorer)
         with torch.no_grad():
             for tensor in list(scorer.parameters()) + list(scorer.buffers()):
                 self.comm.broadcast_(tensor.data, src=0)  # identical starting weights everywhere
@@ -213,8 +217,8 @@ class FSDP2(SingleProcess):
         # Ranks finish sampling at different steps; sharded forwards must stay in lockstep.
         return {"synced_gpus": True}
 
-    def wrap(self, scorer: torch.nn.Module, *, trainable: bool, compute_dtype: torch.dtype | None = None
-             ) -> torch.nn.Module:
+    def wrap(self, scorer: torch.nn.Module, *, trainable: bool, compute_dtype: torch.dtype | None = None,
+             offload: bool = False) -> torch.nn.Module:
         from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard, register_fsdp_forward_method
 
         # Under bf16/fp16 the all-gathers carry parameters in that dtype (half the bytes of the fp32 master
@@ -224,6 +228,10 @@ class FSDP2(SingleProcess):
         mesh = self.mesh()
         if mesh is not None:
             mp["mesh"] = mesh
+        if offload:
+            from torch.distributed.fsdp import CPUOffloadPolicy
+
+            mp["offload_policy"] = CPUOffloadPolicy(pin_memory=self.pinned_offload)
         # a vision-language policy's vision blocks are units of their own too (frozen ones are gathered, never reduced)
         for layer in [*vision_blocks(scorer.lm), *getattr(decoder_of(scorer.lm), "layers", [])]:
             fully_shard(layer, **mp)
@@ -282,9 +290,17 @@ STRATEGIES.register("ddp")(Replicated)
 STRATEGIES.register("fsdp2")(FSDP2)
 
 
-def make_strategy(name: str, comm: Collectives, shard_group: int = -1):
+def make_strategy(name: str, comm: Collectives, shard_group: int = -1, pinned_offload: bool = False):
     """`name` is the backend's answer to trainer.parallel (see `BaseBackend.parallel_strategy`); `shard_group` is
-    trainer.fsdp_size."""
+    trainer.fsdp_size; `pinned_offload` the backend row's."""
     if comm.world_size == 1:
         return SingleProcess(comm)
-    return STRATEGIES.get(name, field="trainer.parallel")(comm, shard_group)
+    return STRATEGIES.get(name, field="trainer.parallel")(comm, shard_group, pinned_offload)
+
+
+def refuse_offload(offload: bool, where: str, scorer: torch.nn.Module) -> None:
+    """Offload asked of a strategy without FSDP2's: fine where the model already lives in host memory (the CPU
+    backend), else one sentence."""
+    if offload and any(p.device.type != "cpu" for p in scorer.parameters()):
+        raise UserError(f"actor.offload / actor.ref_offload move FSDP2's shards to host memory, and {where} has none; "
+                        f"use trainer.parallel=fsdp2 on several ranks, or turn offload off.")

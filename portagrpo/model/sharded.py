@@ -121,20 +121,24 @@ def local_rows(param: torch.Tensor) -> tuple[slice, ...]:
     return tuple(slice(s, s + n) for s, n in zip(start, size))
 
 
-def materialize(scorer: torch.nn.Module, device: torch.device, path: str | Path, prefix: str = "lm.") -> int:
-    """Give a sharded meta scorer storage on `device` and fill each rank's shards from the checkpoint at `path`.
+def materialize(scorer: torch.nn.Module, device: torch.device, path: str | Path, prefix: str = "lm.",
+                shards_on: torch.device | None = None) -> int:
+    """Give a sharded meta scorer storage and fill each rank's shards from the checkpoint at `path`: its parameter
+    shards on `shards_on` (host memory when FSDP2 offloads them; by default `device`), its buffers on `device`.
     Returns the bytes this rank read. A tensor the model has and the checkpoint lacks (other than an LM head tied
     to the embedding) is one sentence."""
     from safetensors import safe_open
     from torch.distributed.tensor import DTensor
 
     files = weight_files(path) or {}
-    buffers = {name: b.detach().clone() for name, b in scorer.named_buffers() if b.device.type != "meta"}
-    scorer.to_empty(device=device)
-    with torch.no_grad():
-        for name, buffer in scorer.named_buffers():
-            if name in buffers:
-                buffer.copy_(buffers[name])
+    buffers = {}
+    for module in scorer.modules():
+        for name, buffer in module._buffers.items():
+            if buffer is not None and buffer.device.type != "meta":
+                buffers[(module, name)] = buffer.detach().clone()
+    scorer.to_empty(device=shards_on or device)
+    for (module, name), buffer in buffers.items():
+        module._buffers[name] = buffer.to(device)
     tied = _tied_names(scorer)
     read = 0
     handles: dict[Path, object] = {}

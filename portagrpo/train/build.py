@@ -157,7 +157,7 @@ def set_threads(threads: int | None, comm: Collectives, backend: Backend, proces
 def build(cfg: Config, runtime: Runtime, run_dir: Path, log: Callable[[str], None]) -> Parts:
     """Every part of a run, in the order each needs the one before."""
     strategy = make_strategy(runtime.backend.parallel_strategy(cfg.trainer.parallel), runtime.comm,
-                             cfg.trainer.fsdp_size)
+                             cfg.trainer.fsdp_size, runtime.backend.spec.pinned_offload)
     data = build_data(cfg, log)
     try:
         models = build_models(cfg, runtime, strategy, data.tokenizer, run_dir, log)
@@ -248,9 +248,10 @@ def build_models(cfg: Config, runtime: Runtime, strategy, tokenizer, run_dir: Pa
     if cfg.model.gradient_checkpointing:
         policy.gradient_checkpointing_enable()
     policy.config.use_cache = True
-    scorer = strategy.wrap(ResponseScorer(policy, kernel), trainable=True, compute_dtype=runtime.dtype)
-    if sharded:
-        materialize(scorer, runtime.device, policy_path)
+    scorer = strategy.wrap(ResponseScorer(policy, kernel), trainable=True, compute_dtype=runtime.dtype,
+                           offload=cfg.actor.offload)
+    if sharded:  # offloaded shards live in host memory
+        materialize(scorer, runtime.device, policy_path, shards_on=_host_if(cfg.actor.offload))
     ref = ref_scorer = None
     if (cfg.actor.use_kl_loss or cfg.algorithm.use_kl_in_reward) and is_lora:
         ref_scorer = AdaptersOff(scorer)  # the reference is the base model under the adapter
@@ -260,10 +261,16 @@ def build_models(cfg: Config, runtime: Runtime, strategy, tokenizer, run_dir: Pa
                                            "model.ref_path" if cfg.model.ref_path else "model.path")
         ref.eval().requires_grad_(False)
         _tower_attention(ref, cfg, runtime)
-        ref_scorer = strategy.wrap(ResponseScorer(ref, kernel), trainable=False, compute_dtype=runtime.dtype)
+        ref_scorer = strategy.wrap(ResponseScorer(ref, kernel), trainable=False, compute_dtype=runtime.dtype,
+                                   offload=cfg.actor.ref_offload)
         if ref_sharded:
-            materialize(ref_scorer, runtime.device, ref_path)
+            materialize(ref_scorer, runtime.device, ref_path, shards_on=_host_if(cfg.actor.ref_offload))
     return Models(policy, scorer, ref, ref_scorer, strategy, kernel_name, is_lora)
+
+
+def _host_if(offload: bool) -> torch.device | None:
+    """Where FSDP2 keeps an offloaded model's shards: host memory."""
+    return torch.device("cpu") if offload else None
 
 
 def _language_model(cfg: Config, runtime: Runtime, strategy, path, attn: str, dtype: torch.dtype, lora: bool,

@@ -1,0 +1,47 @@
+"""FSDP2 offload (actor.offload, actor.ref_offload) on 2 emulated ranks, whose device counts its bytes: the shards,
+their gradients and the optimizer state leave the device, which then holds only what a unit's forward or backward
+needs, and the numbers trained do not change."""
+import json
+import subprocess
+import sys
+
+import pytest
+from test_emulated_device import ENV, pytestmark  # noqa: F401 - the same skip rule
+
+RUN = ["trainer.total_steps=2", "trainer.test_freq=0", "trainer.save_freq=0", "trainer.progress_bar=false",
+       "trainer.tensorboard=false", "trainer.plot=false", "data.train_batch_size=4", "rollout.n=2",
+       "actor.ppo_mini_batch_size=8", "actor.micro_batch_size=2", "trainer.parallel=fsdp2", "rollout.engine=fixed",
+       "trainer.nproc_per_node=2", "model.tiny.hidden_size=256", "model.tiny.num_layers=4",
+       "model.tiny.intermediate_size=1024"]
+
+
+def _train(out, offload: bool) -> list[dict]:
+    flag = str(offload).lower()
+    cmd = [sys.executable, "-m", "portagrpo", "train", "--device", "emu", "--output-dir", str(out), *RUN,
+           f"actor.offload={flag}", f"actor.ref_offload={flag}"]
+    res = subprocess.run(cmd, env={**ENV, "PORTAGRPO_EMU_DEVICES": "1"}, capture_output=True, text=True, timeout=1200,
+                         cwd=out.parent)
+    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
+    return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+
+
+def test_offload_moves_the_states_off_the_device_and_changes_no_number(tmp_path):
+    on, off = _train(tmp_path / "on", True), _train(tmp_path / "off", False)
+    assert on[0]["mem/load_peak_gb"] < 0.01 * off[0]["mem/load_peak_gb"]  # both models' shards in host memory
+    for a, b in zip(on, off):
+        assert a["mem/update_peak_gb"] <= 0.5 * b["mem/update_peak_gb"]  # no optimizer state, no gradient shards
+        for key in ("loss_policy", "grad_norm", "kl", "entropy"):
+            assert a[key] == pytest.approx(b[key], rel=1e-6, abs=1e-9), key
+
+
+def test_verls_offload_keys_are_honoured():
+    from portagrpo.config.verl import translate
+
+    ar = "actor_rollout_ref."
+    out, notices, rejected = translate([(ar + "actor.fsdp_config.param_offload", "True"),
+                                        (ar + "actor.fsdp_config.optimizer_offload", "True"),
+                                        (ar + "ref.fsdp_config.param_offload", "True")])
+    assert ("actor.offload", True) in out and ("actor.ref_offload", True) in out and not rejected
+    assert not any("no effect" in n for n in notices)
+    out, _, _ = translate([(ar + "actor.fsdp_config.param_offload", "False")])
+    assert out == [("actor.offload", False)]
