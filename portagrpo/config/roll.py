@@ -74,6 +74,9 @@ def translate(raw: dict[str, Any]) -> tuple[dict[str, Any], list[str], list[str]
                 problems.append(_not_a_section(key, value))
             else:
                 _section(key, value or {}, put, notices, problems)
+        elif key == "reference" and isinstance(value, dict) and _offloaded(value.get("strategy_args")):
+            put("reference.strategy_args.strategy_config.zero_optimization.offload_param", "actor.ref_offload", True,
+                "FSDP2's CPUOffloadPolicy on the reference")
         elif key in NO_EFFECT or key == "num_gpus_per_node":
             pass  # below, with the keys that need the whole file
         elif key not in _SPECIAL:
@@ -158,7 +161,21 @@ def _not_a_section(where: str, value: Any) -> str:
             f"mapping (as in ROLL's example_grpo.yaml) or remove it.")
 
 
+def _offloaded(strategy_args: Any) -> bool:
+    """Whether a ROLL worker's DeepSpeed strategy offloads to the CPU (zero_optimization.offload_param or
+    offload_optimizer with device cpu, as ROLL's deepspeed_zero3_cpuoffload config writes them)."""
+    config = strategy_args.get("strategy_config") if isinstance(strategy_args, dict) else None
+    zero = config.get("zero_optimization") if isinstance(config, dict) else None
+    if not isinstance(zero, dict):
+        return False
+    return any(isinstance(zero.get(k), dict) and zero[k].get("device") == "cpu"
+               for k in ("offload_param", "offload_optimizer"))
+
+
 def _section(name: str, body: dict, put, notices: list[str], problems: list[str]) -> None:
+    if name == "actor_train" and _offloaded(body.get("strategy_args")):
+        put("actor_train.strategy_args.strategy_config.zero_optimization.offload_*", "actor.offload", True,
+            "FSDP2's CPUOffloadPolicy: parameters, gradients and optimizer state together")
     for part, values in body.items():
         where = f"{name}.{part}"
         if not isinstance(values, dict):

@@ -45,3 +45,17 @@ def test_verls_offload_keys_are_honoured():
     assert not any("no effect" in n for n in notices)
     out, _, _ = translate([(ar + "actor.fsdp_config.param_offload", "False")])
     assert out == [("actor.offload", False)]
+
+
+def test_rolls_deepspeed_offload_is_honoured():
+    from portagrpo.config.roll import translate
+
+    zero = {"stage": 3, "offload_optimizer": {"device": "cpu"}, "offload_param": {"device": "cpu"}}
+    ref_zero = {"offload_param": {"device": "cpu"}}
+    raw = {"pretrain": "m", "actor_train": {"strategy_args": {"strategy_config": {"zero_optimization": zero}}},
+           "reference": {"strategy_args": {"strategy_config": {"zero_optimization": ref_zero}}}}
+    out, _, problems = translate(raw)
+    assert out["actor.offload"] is True and out["actor.ref_offload"] is True and not problems
+    raw["actor_train"]["strategy_args"]["strategy_config"]["zero_optimization"] = {"stage": 3}
+    out, _, _ = translate(raw)
+    assert "actor.offload" not in out
