@@ -24,6 +24,7 @@ import torch
 from portagrpo.errors import UserError
 from portagrpo.paths import resolve_model_path
 
+MIN_TORCH = (2, 8)  # FSDP2's meta-device build with to_empty as tested here; older torch loads whole, as before
 INDEX = "model.safetensors.index.json"
 SINGLE = "model.safetensors"
 
@@ -49,6 +50,8 @@ def sharded_load_problem(path: str | Path, *, strategy: str, world_size: int, lo
     """Why a model loads whole instead (None: it loads by shards)."""
     if strategy != "fsdp2" or world_size < 2:
         return "only FSDP2 on several ranks shards a model"
+    if tuple(int(x) for x in torch.__version__.split("+")[0].split(".")[:2]) < MIN_TORCH:
+        return f"the sharded build is tested on torch {MIN_TORCH[0]}.{MIN_TORCH[1]} and newer, not {torch.__version__}"
     if lora:
         return "LoRA adapters are made after a whole model is loaded"
     if weight_files(path) is None:
