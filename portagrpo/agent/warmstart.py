@@ -125,7 +125,9 @@ def format_loss(model, ids: torch.Tensor, mask: torch.Tensor, trained: torch.Ten
 
 @dataclass(frozen=True)
 class WarmStart:
-    steps: int = 400
+    # model.tiny's 2 heads of 32 learn to repeat the tool's result late: teacher-forced, 24% of answers right at step
+    # 400, 90-100% at 1000 (seeds 1 and 2). GRPO from the 400-step one had reward 0.15 after 50 steps, from 1000 0.6
+    steps: int = 1000
     batch_size: int = 64
     lr: float = 3e-3
     call_share: float = 0.5
