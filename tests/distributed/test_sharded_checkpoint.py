@@ -146,9 +146,25 @@ def test_a_sharded_checkpoint_resumes_at_another_world_size_or_strategy(fp64_run
     loaded state is bit for bit the state that was saved, and the next step equals the uninterrupted run's to the
     fp64 tolerance of 1 process == 2 processes (tests/distributed/test_data_parallel.py)."""
     out, two = fp64_run
-    shutil.copytree(out / "run", tmp_path / "run")
-    ckpt = tmp_path / "run" / "checkpoints" / Path(two["checkpoint"]).name
-    other = run_worker(tmp_path, nproc, parallel, str(ckpt))
+    resumed_matches(out, two, tmp_path, nproc, parallel)
+
+
+@pytest.mark.skipif(fsdp2_problem(torch.float64) is not None, reason="FSDP2 refuses float64 on this torch")
+def test_a_whole_checkpoint_still_resumes_under_fsdp2(tmp_path):
+    """The format DDP (and every FSDP2 run before sharded checkpoints) writes: `model/` safetensors and
+    `optimizer.pt`, loaded by 2 FSDP2 ranks as before."""
+    out = tmp_path / "ddp"
+    two = run_worker(out, 2, "ddp", "train")
+    assert (Path(two["checkpoint"]) / "optimizer.pt").is_file() and not (Path(two["checkpoint"]) / SHARDS).exists()
+    resumed_matches(out, two, tmp_path / "fsdp2", 2, "fsdp2")
+
+
+def resumed_matches(out: Path, two: dict, where: Path, nproc: int, parallel: str) -> None:
+    """A copy of the worker's run resumed by `nproc` ranks under `parallel` loads the saved state bit for bit and
+    repeats the next step to the fp64 tolerance of 1 process == 2 processes."""
+    shutil.copytree(out / "run", where / "run")
+    ckpt = where / "run" / "checkpoints" / Path(two["checkpoint"]).name
+    other = run_worker(where, nproc, parallel, str(ckpt))
     assert (two["world"], other["world"]) == (2, nproc)
     assert other["before"].keys() == two["before"].keys() and any(".exp_avg_sq" in k for k in other["before"])
     for name, saved in two["before"].items():
@@ -178,8 +194,7 @@ def test_export_of_a_sharded_checkpoint_loads_with_transformers(whole_run, tmp_p
     split.mkdir()
     files = write_sharded_weights(list_checkpoints(whole_run)[-1] / SHARDS, split, shard_bytes=100_000)
     assert len(files) > 1 and (split / "model.safetensors.index.json").is_file()
-    for f in (out / "config.json",):
-        (split / f.name).write_bytes(f.read_bytes())
+    shutil.copy(out / "config.json", split)
     again = AutoModelForCausalLM.from_pretrained(split)
     assert all(torch.equal(again.state_dict()[k], v) for k, v in state.items())
 
