@@ -21,7 +21,7 @@ def portagrpo_command(*args: str) -> list[str]:
     return [sys.executable, *safe_path, "-m", "portagrpo", *args]
 
 
-def _pid_alive(pid: int) -> bool:
+def pid_alive(pid: int) -> bool:
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
@@ -67,7 +67,7 @@ def exit_with_parent(parent_pid: int, what: str, interval_s: float = 0.5) -> Non
     started_under = os.getppid()
 
     def gone() -> bool:
-        return not _pid_alive(parent_pid) or (started_under == parent_pid and os.getppid() != parent_pid)
+        return not pid_alive(parent_pid) or (started_under == parent_pid and os.getppid() != parent_pid)
 
     def watch() -> None:
         while not gone():

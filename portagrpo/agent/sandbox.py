@@ -36,7 +36,7 @@ from typing import Any
 
 from portagrpo.agent.isolation import Isolation, SetupError, drop_network, enter_namespaces, libc, set_limits
 from portagrpo.errors import UserError
-from portagrpo.procs import sigint_ignored
+from portagrpo.procs import pid_alive, sigint_ignored
 
 PR_SET_CHILD_SUBREAPER = 36
 STATUS_OK, STATUS_EXCEPTION, STATUS_MEMORY, STATUS_SETUP = b"ok", b"exception", b"memory", b"setup"
@@ -276,20 +276,10 @@ def remove_stale_dirs() -> int:
     removed = 0
     for path in glob.glob(os.path.join(tempfile.gettempdir(), f"{TEMP_PREFIX}*")):
         owner = os.path.basename(path)[len(TEMP_PREFIX):].split("-", 1)[0]
-        if owner.isdigit() and not _alive(int(owner)):
+        if owner.isdigit() and not pid_alive(int(owner)):
             shutil.rmtree(path, ignore_errors=True)
             removed += 1
     return removed
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
 
 
 # ---------------------------------------------------------------- the worker process
