@@ -1,5 +1,6 @@
 """Multi-turn, tool-using GRPO end to end through the CLI: the tiny policy on the hf engine with the calculator, and
 a scripted engine that calls the tool every step (so tool turns are certainly in the trained batches)."""
+import contextlib
 import json
 import math
 
@@ -29,6 +30,10 @@ class ScriptedTools:
 
     holds_weights = False
     needs_weights = False
+    max_model_len = None
+
+    def turns(self):
+        return contextlib.nullcontext()
 
     @classmethod
     def from_run(cls, inputs):

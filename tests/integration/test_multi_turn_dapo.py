@@ -1,6 +1,7 @@
 """DAPO's dynamic sampling with multi-turn, tool-using rollouts: every round is sampled as conversations, groups
 without a reward spread are dropped, and the rounds' batches (prompts of different widths, a model-token mask) are
 concatenated into the step's batch, whose loss still counts the model's own tokens only."""
+import contextlib
 import json
 import math
 import zlib
@@ -47,6 +48,10 @@ class CallsThenGuesses:
 
     holds_weights = False
     needs_weights = False
+    max_model_len = None
+
+    def turns(self):
+        return contextlib.nullcontext()
 
     @classmethod
     def from_run(cls, inputs):
