@@ -96,3 +96,16 @@ def test_the_stand_in_never_shadows_a_real_torch_npu(tmp_path):
     res = subprocess.run([sys.executable, "-c", "import torch_npu"], env=env, capture_output=True, text=True,
                          timeout=300)
     assert res.returncode != 0 and "a real torch_npu is installed" in res.stderr
+
+
+def test_visible_devices_are_read_once_at_first_use(tmp_path):
+    """As ACL reads ASCEND_RT_VISIBLE_DEVICES when torch_npu initialises, the simulated Ascend reads it once: a change
+    after that first use is not seen (a child process that must see one device sets it before it starts)."""
+    env = {**npu_sim_env(tmp_path), "PORTAGRPO_NPU_SIM_DEVICES": "4", "ASCEND_RT_VISIBLE_DEVICES": "1,3"}
+    code = ("import os, torch, torch_npu\n"
+            "first = torch.npu.device_count()\n"
+            "os.environ['ASCEND_RT_VISIBLE_DEVICES'] = ''\n"
+            "print(first, torch.npu.device_count(), torch.npu.is_available())\n")
+    res = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
+    assert res.returncode == 0, res.stderr[-2000:]
+    assert res.stdout.split() == ["2", "2", "True"]

@@ -25,9 +25,8 @@ def sim_device_count() -> int:
 
 
 class NpuModule(EmuModule):
-    @staticmethod
-    def device_count() -> int:
-        return sim_device_count()
+    # device_count is EmuModule's: the devices installed when torch_npu was imported. ASCEND_RT_VISIBLE_DEVICES is
+    # read once, at that first use, as ACL reads it when torch_npu initialises; a later change is not seen.
 
     @staticmethod
     def is_available() -> bool:
