@@ -129,6 +129,18 @@ class HostStagedGroup(dist.ProcessGroup):
         host_out = [self._host_view("allgather", outs, opts) for outs in output_lists]
         return self._run("all_gather", inputs, self._host.allgather(host_out, host_in, opts), output_lists)
 
+    def gather(self, output_lists, inputs, opts):
+        """torch.distributed.checkpoint's planning (gather_object / scatter_object_list) uses these two; NCCL and
+        HCCL have them."""
+        host_in = self._host_view("gather", inputs, opts)
+        host_out = [self._host_view("gather", outs, opts) for outs in output_lists]
+        return self._run("gather", inputs, self._host.gather(host_out, host_in, opts), output_lists)
+
+    def scatter(self, outputs, input_lists, opts):
+        host_out = self._host_view("scatter", outputs, opts)
+        host_in = [self._host_view("scatter", ins, opts) for ins in input_lists]
+        return self._run("scatter", outputs, self._host.scatter(host_out, host_in, opts), outputs)
+
     def _allgather_base(self, output, input, opts):
         host_out, host_in = self._host_view("all_gather_into_tensor", [output, input], opts)
         return self._run("all_gather", [input], self._host._allgather_base(host_out, host_in, opts), output)
