@@ -85,7 +85,7 @@ class Sampling:
         # Sampling with the training model itself (not an engine holding its own weights): a sharded
         # policy is gathered once for the whole rollout.
         gather = nullcontext() if self.engine.holds_weights else self.strategy.generation(self.scorer)
-        with gather, self.runtime.phase("rollout"):
+        with self.runtime.phase("rollout"), gather:  # the gather is a part of the rollout's peak
             if self.processor is not None:
                 return vision_rollout(self.engine, self.processor, records, n, params, self.runtime.device,
                                       uid_base=uid_base, prompt_width=prompt_width, widen=self.widest)

@@ -213,7 +213,7 @@ class MultiTurnSource(InStepSource):
         holding its own weights), a sharded policy is gathered once for the whole rollout."""
         s = self.sampling
         gather = nullcontext() if s.engine.holds_weights else s.strategy.generation(s.scorer)
-        with gather, s.runtime.phase("rollout"):
+        with s.runtime.phase("rollout"), gather:  # the gather is a part of the rollout's peak
             return self.rollouts.rollout(records, n, params, s.runtime.device, uid_base=uid_base,
                                          prompt_width=prompt_width, counts=self.counts)
 
