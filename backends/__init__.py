@@ -70,6 +70,13 @@ def all_backends() -> list[Backend]:
     return [BACKENDS.get(name)() for name in BACKENDS]
 
 
+def backend_spec(name: str) -> BackendSpec:
+    """The data row of backend `name`, whether or not it is usable on this machine (the memory plan of a recipe is
+    made away from its cluster)."""
+    load_plugins()
+    return BACKENDS.get(name, field="trainer.device")().spec
+
+
 def get_backend(name: str | None = None, factories: dict[str, Callable[[], BaseBackend]] | None = None) -> Backend:
     """Return a usable backend for `name` (cpu|cuda|rocm|npu|auto), or raise BackendUnavailable.
 

@@ -9,7 +9,7 @@ import contextlib
 import os
 import random
 from dataclasses import dataclass, field
-from typing import Any, ContextManager, Protocol, runtime_checkable
+from typing import Callable, Any, ContextManager, Protocol, runtime_checkable
 
 import numpy as np
 import torch
@@ -71,6 +71,9 @@ class BackendSpec:
     vllm_head_sizes: tuple[int, ...] | None = None
     # Environment vLLM reads when its engine is built, set unless the user set it (e.g. the CPU's KV cache size).
     vllm_env: tuple[tuple[str, str], ...] = ()
+    # Whether `sdpa` keeps each head's length x length attention probabilities for backward (a math path, as torch's
+    # fallback on a device without a fused kernel); `eager` always does. The memory plan (portagrpo plan) counts them.
+    attention_saves_scores: bool = False
 
 
 @dataclass
@@ -142,6 +145,8 @@ class Backend(Protocol):
     def empty_cache(self) -> None: ...
 
     def attention_implementation(self, requested: str, dtype: torch.dtype) -> str: ...
+
+    def varlen_attention(self, attention: str) -> Callable | None: ...
 
     def vision_attention_implementation(self, requested: str, dtype: torch.dtype) -> str: ...
 
@@ -341,6 +346,12 @@ class BaseBackend:
         return {}
 
     def set_rng_state(self, state: dict[str, Any]) -> None:
+        return None
+
+    def varlen_attention(self, attention: str) -> Callable | None:
+        """The variable-length causal attention for packed rows under the decoder attention `attention` (the
+        backend's answer), as `f(q [Hq, N, D], k [Hkv, N, D], v, seqlens, scale, dropout) -> [Hq, N, D]`; None: the
+        trainer's block-diagonal SDPA (portagrpo/model/ulysses.py), one call per sequence."""
         return None
 
     def attention_implementation(self, requested: str, dtype: torch.dtype) -> str:

@@ -33,6 +33,7 @@ SPEC = BackendSpec(
     rollout_engines=("hf", "fixed"),
     collective_dtypes=(torch.float32, torch.bfloat16, torch.float16, torch.int64, torch.int32, torch.uint8,
                        torch.int8, torch.bool),
+    attention_saves_scores=True,  # torch's math SDPA on a PrivateUse1 device: the scores are kept for backward
 )
 
 
