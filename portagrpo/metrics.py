@@ -66,12 +66,16 @@ class StepMetrics:
     # `mem/<phase>_peak_gb`: each phase's own peak since the last step's report, the largest over the ranks
     # (train/memory.py; load with the first step, a checkpoint with the step after it); logged flat
     memory: dict[str, float] | None = None
+    # `moe/route_agreement`: a mixture-of-experts policy's share of (token, layer) top-k decisions in the step's
+    # forwards that chose the experts the batch's routes hold (the sampler's; model/moe.py); logged flat
+    moe: dict[str, float] | None = None
 
     def as_dict(self) -> dict[str, Any]:
-        flat = ("rollout_corr", "rollout_metrics", "memory")
+        flat = ("rollout_corr", "rollout_metrics", "memory", "moe")
         out = {f.name: getattr(self, f.name) for f in fields(self) if getattr(self, f.name) is not None
                and f.name not in flat}
-        return {**out, **(self.rollout_corr or {}), **(self.rollout_metrics or {}), **(self.memory or {})}
+        return {**out, **(self.rollout_corr or {}), **(self.rollout_metrics or {}), **(self.memory or {}),
+                **(self.moe or {})}
 
 
 class _RowView(Mapping):

@@ -98,6 +98,9 @@ def tiny_problems(tiny) -> list[str]:
     elif not p and (tiny.hidden_size // tiny.num_heads) % 2:
         p.append(f"model.tiny.hidden_size / num_heads = {tiny.hidden_size // tiny.num_heads} must be even (rotary "
                  f"embeddings rotate pairs); change one of them.")
+    if getattr(tiny, "moe", None) and not 1 <= tiny.num_experts_per_tok <= tiny.num_experts:
+        p.append(f"model.tiny.num_experts_per_tok={tiny.num_experts_per_tok} must be between 1 and model.tiny."
+                 f"num_experts={tiny.num_experts}; route each token to fewer experts than there are.")
     return p
 
 

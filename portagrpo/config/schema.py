@@ -33,6 +33,12 @@ class TinyModelConfig:
     # A vision-language policy (Qwen2.5-VL architecture: this text part plus a small vision tower) with a
     # processor built locally, for rows with images (model/vision.py).
     vision: bool = False
+    # A mixture-of-experts policy instead of the dense Llama: "qwen3_moe" or "qwen2_moe" (model/loading.py), every
+    # layer's MLP `num_experts` experts of `moe_intermediate_size`, each token routed to `num_experts_per_tok`.
+    moe: Optional[Literal["qwen3_moe", "qwen2_moe"]] = None
+    num_experts: int = 4
+    num_experts_per_tok: int = 2
+    moe_intermediate_size: int = 64
 
 
 @dataclass(frozen=True)
@@ -236,6 +242,10 @@ class ActorConfig:
     entropy_coeff: float = 0.0
     # A vision-language policy's vision tower gets no gradient and stays out of the optimizer (verl's key).
     freeze_vision_tower: bool = False
+    # Mixture-of-experts router replay (verl's actor.router_replay.mode names; model/moe.py): null routes live; R2:
+    # the update replays the experts the old policy's scoring pass chose; R3: the scoring and update forwards replay
+    # the experts the rollout engine chose. Replayed experts are weighed by the live router (its gradient flows).
+    router_replay: Optional[Literal["R2", "R3"]] = None
 
 
 @dataclass(frozen=True)

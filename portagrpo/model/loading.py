@@ -84,6 +84,8 @@ def build_tiny_model(cfg: "ModelConfig", tokenizer, seed: int):
     from transformers import LlamaConfig, LlamaForCausalLM
 
     t = cfg.tiny
+    if getattr(t, "moe", None):
+        return build_tiny_moe_model(t, tokenizer, seed)
     config = LlamaConfig(
         vocab_size=len(tokenizer),
         hidden_size=t.hidden_size,
@@ -100,6 +102,37 @@ def build_tiny_model(cfg: "ModelConfig", tokenizer, seed: int):
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         model = LlamaForCausalLM(config)
+    return model.float()
+
+
+MOE_FAMILIES = {"qwen3_moe": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM"),
+                "qwen2_moe": ("Qwen2MoeConfig", "Qwen2MoeForCausalLM")}
+
+
+def build_tiny_moe_model(t, tokenizer, seed: int):
+    """A small random-init mixture-of-experts policy (`model.tiny.moe`: Qwen3-MoE, or Qwen2-MoE with its shared
+    expert): every layer sparse, `num_experts` experts of `moe_intermediate_size`, top-`num_experts_per_tok`, the
+    top-k weights renormalised (as Qwen3-30B-A3B's config sets). transformers 5 keeps each layer's experts as packed
+    3-D tensors (`mlp.experts.gate_up_proj` [E, 2I, H], `mlp.experts.down_proj` [E, H, I]), 4.x as one module each."""
+    import transformers
+
+    config_name, model_name = MOE_FAMILIES[t.moe]
+    extra = {"shared_expert_intermediate_size": t.moe_intermediate_size} if t.moe == "qwen2_moe" else {}
+    config = getattr(transformers, config_name)(
+        vocab_size=len(tokenizer), hidden_size=t.hidden_size, intermediate_size=t.intermediate_size,
+        moe_intermediate_size=t.moe_intermediate_size, num_experts=t.num_experts,
+        num_experts_per_tok=t.num_experts_per_tok, norm_topk_prob=True, decoder_sparse_step=1,
+        num_hidden_layers=t.num_layers, num_attention_heads=t.num_heads, num_key_value_heads=t.num_heads,
+        max_position_embeddings=512, tie_word_embeddings=t.tie_word_embeddings,
+        bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id, **extra)
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        model = getattr(transformers, model_name)(config)
+        # transformers initialises a router at zero (every expert tied): a random one routes as a trained model does
+        for name, p in model.named_parameters():
+            if name.endswith("mlp.gate.weight"):
+                torch.nn.init.normal_(p, std=0.5)
     return model.float()
 
 
@@ -120,6 +153,14 @@ def check_tiny_matches(tiny, init_dir: Path) -> None:
     saved = saved.get("text_config", saved)
     pairs = {"hidden_size": "hidden_size", "num_layers": "num_hidden_layers", "num_heads": "num_attention_heads",
              "intermediate_size": "intermediate_size", "tie_word_embeddings": "tie_word_embeddings"}
+    moe = getattr(tiny, "moe", None)
+    if moe != saved.get("model_type") and (moe or saved.get("model_type") in MOE_FAMILIES):
+        raise ModelLoadError(
+            f"model.tiny.moe={moe} but this run's init_model is a {saved.get('model_type')} model; resume with the "
+            f"run's own model settings (its config.yaml) or start a new run.")
+    if moe:
+        pairs.update(num_experts="num_experts", num_experts_per_tok="num_experts_per_tok",
+                     moe_intermediate_size="moe_intermediate_size")
     for ours, theirs in pairs.items():
         if theirs in saved and saved[theirs] != getattr(tiny, ours):
             raise ModelLoadError(
@@ -240,6 +281,7 @@ def apply_lora(model, lora):
     targets: list[str] | str = list(lora.target_modules)
     if getattr(model.config, "vision_config", None) is not None:
         targets = language_only_targets(targets)  # the language model's layers only, never the vision tower's
+    refuse_expert_lora(model, lora.target_modules)
     config = LoraConfig(r=lora.rank, lora_alpha=lora.alpha, lora_dropout=lora.dropout,
                         target_modules=targets, task_type="CAUSAL_LM")
     try:
@@ -250,3 +292,18 @@ def apply_lora(model, lora):
             f"model.lora.target_modules={list(lora.target_modules)} cannot be adapted ({str(err)[:120]}); "
             f"this model's linear layers are named {names}."
         ) from None
+
+
+def refuse_expert_lora(model, targets) -> None:
+    """LoRA adapts a mixture-of-experts policy's attention and dense layers; its experts' packed 3-D tensors and its
+    routers are no linear layers peft adapts (and an adapted router would change routes under replay): refused."""
+    from portagrpo.model.moe import moe_layers
+
+    if not moe_layers(model):
+        return
+    wrong = sorted({t.rsplit(".", 1)[-1] for t in targets} & {"gate", "experts", "gate_up_proj", "down_proj",
+                                                                 "up_proj", "gate_proj"})
+    if wrong:
+        raise ModelLoadError(
+            f"model.lora.target_modules={list(targets)} names {wrong}, and on a mixture-of-experts policy LoRA adapts "
+            f"attention only (q_proj, k_proj, v_proj, o_proj): the experts and routers train in full or not at all.")

@@ -17,6 +17,7 @@ import torch
 
 from portagrpo.batch import RolloutBatch
 from portagrpo.kernels import TokenLogprobFn, logits_from_hidden, token_logprobs_from_logits
+from portagrpo.model import moe
 from portagrpo.model.loading import decoder_of, lm_head_of, position_ids_from_mask
 from portagrpo.model.vision import vl_hidden_states
 
@@ -223,9 +224,10 @@ def response_stats(
     lengths = batch.host_lengths()
     counts = (sum(p + r for p, r in lengths), sum(r for _, r in lengths))
     extra = {} if batch.images is None else {"images": batch.images}
-    logp, entropy, logp_vocab = scorer(trimmed.input_ids, trimmed.attention_mask, trimmed.responses,
-                                       trimmed.response_mask.bool(), temperature, compute_entropy, vocab, autocast,
-                                       counts, **extra)
+    with moe.scoring(scorer, batch, trimmed, counts[0]):  # a MoE policy's router replay (model/moe.py)
+        logp, entropy, logp_vocab = scorer(trimmed.input_ids, trimmed.attention_mask, trimmed.responses,
+                                           trimmed.response_mask.bool(), temperature, compute_entropy, vocab,
+                                           autocast, counts, **extra)
     grow = lambda x: None if x is None else _pad_time(x, t_full)  # noqa: E731
     return ResponseStats(grow(logp), grow(entropy), grow(logp_vocab))
 

@@ -144,6 +144,9 @@ class Sampled(NamedTuple):
     responses: torch.Tensor  # long, right-padded
     mask: torch.Tensor  # float, 1 up to and including EOS
     logp: torch.Tensor | None  # float32: each token's log-prob under the distribution it was sampled from
+    # int16 [B, P + max_tokens, L, k]: a mixture-of-experts policy's experts per token and MoE layer, on the prompt and
+    # response grid (model/moe.py), -1 where unknown; None: a dense model, or an engine that does not say
+    routes: torch.Tensor | None = None
 
 
 class RolloutEngine(Protocol):
@@ -248,11 +251,14 @@ class HFRollout:
     @torch.no_grad()
     def generate(self, prompt_ids, prompt_mask, params: SamplingParams, images=None) -> Sampled:
         gen = explicit_generation_config(params, self.eos_ids, self.pad_id)
+        from portagrpo.model.moe import GenerationRoutes
+
         record = SampledLogprobs(params)
+        routes = GenerationRoutes(self.model)  # a MoE policy's experts, recorded in these very forwards
         was_training = self.model.training
         self.model.eval()
         try:
-            with self.autocast(), blank_generation_config(self.model):
+            with self.autocast(), blank_generation_config(self.model), routes.recording():
                 out = self._generate(prompt_ids, prompt_mask, gen, record, images)
         finally:
             self.model.train(was_training)
@@ -265,7 +271,8 @@ class HFRollout:
         mask = response_mask_from_tokens(responses, self.eos_ids)
         responses = torch.where(mask.bool(), responses, torch.full_like(responses, self.pad_id))
         # after EOS a finished row draws padding, which truncation may have ruled out (-inf): keep 0 there
-        return Sampled(responses, mask, torch.where(mask.bool(), logp, torch.zeros_like(logp)).to(torch.float32))
+        return Sampled(responses, mask, torch.where(mask.bool(), logp, torch.zeros_like(logp)).to(torch.float32),
+                       routes.grid(prompt_ids, prompt_mask, prompt_ids.shape[1] + params.max_tokens))
 
     def _generate(self, prompt_ids, prompt_mask, gen, record: SampledLogprobs, images=None):
         from transformers import LogitsProcessorList
@@ -411,7 +418,7 @@ def rollout_batch(tokenizer, group: GroupPrompts, sampled: Sampled):
     from portagrpo.batch import RolloutBatch
 
     records, n, device = group.records, group.n, group.prompt_ids.device
-    responses, mask, sampled_logp = (None if t is None else t.to(device) for t in sampled)
+    responses, mask, sampled_logp, routes = (None if t is None else t.to(device) for t in sampled)
     rep = lambda xs: [x for x in xs for _ in range(n)]  # noqa: E731
     rows, keeps = responses.tolist(), mask.tolist()  # the step's one read of the responses (rewards need text)
     return RolloutBatch(
@@ -422,6 +429,7 @@ def rollout_batch(tokenizer, group: GroupPrompts, sampled: Sampled):
         ground_truth=rep([r.ground_truth for r in records]), data_source=rep([r.data_source for r in records]),
         extra_info=rep([r.extra_info for r in records]),
         lengths=[(len(p), round(sum(k))) for p, k in zip(group.ids, keeps)], rollout_logp=sampled_logp,
+        routes=routes,
     )
 
 

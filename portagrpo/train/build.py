@@ -30,6 +30,8 @@ from portagrpo.data.records import (
 from portagrpo.fileio import atomic_path
 from portagrpo.kernels import logprob_impl
 from portagrpo.model.loading import apply_lora, build_tiny_model, check_tiny_matches, load_model, load_tokenizer
+from portagrpo.model.moe import RouteTally, refuse_r3_engine
+from portagrpo.model.moe import configure as configure_routing
 from portagrpo.model.parallel import ParallelStrategy, make_strategy
 from portagrpo.model.scorer import AdaptersOff, ResponseScorer
 from portagrpo.model.sharded import buffers_to, empty_model, materialize, missing_tensors, sharded_load_problem
@@ -59,6 +61,7 @@ class Runtime:
     device: torch.device
     dtype: torch.dtype  # model.dtype: what the forward computes in
     memory: PhaseMemory = field(init=False)  # this rank's peak memory per phase (train/memory.py)
+    routes: RouteTally = field(init=False, default_factory=RouteTally)  # MoE route agreement (model/moe.py)
 
     def __post_init__(self) -> None:
         self.memory = PhaseMemory(self.backend)
@@ -252,6 +255,7 @@ def build_models(cfg: Config, runtime: Runtime, strategy, tokenizer, run_dir: Pa
                            offload=cfg.actor.offload)
     if sharded:  # offloaded shards live in host memory
         materialize(scorer, runtime.device, policy_path, shards_on=_host_if(cfg.actor.offload))
+    configure_routing(scorer, cfg.actor.router_replay, runtime.routes)  # a MoE policy's router replay
     ref = ref_scorer = None
     if (cfg.actor.use_kl_loss or cfg.algorithm.use_kl_in_reward) and is_lora:
         ref_scorer = AdaptersOff(scorer)  # the reference is the base model under the adapter
@@ -336,6 +340,7 @@ def build_engine(cfg: Config, runtime: Runtime, models: Models, tokenizer, run_d
         log(f"note: rollout.tensor_model_parallel_size={cfg.rollout.tensor_model_parallel_size} has no effect with "
             f"rollout.engine={name}, which samples on every rank with the training model")
     engine = ROLLOUT_ENGINES.get(name, field="rollout.engine")
+    refuse_r3_engine(cfg.actor.router_replay, name)
     if name == "hf" and cfg.rollout.precision != "auto" and cfg.rollout.mode == "sync":
         # the hf engine on a copy in that precision (with one_step_off the copy lives in the sampler
         # process, and this engine, on the training model, only validates)

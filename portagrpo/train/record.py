@@ -22,7 +22,7 @@ from portagrpo.model.vision import PromptImages
 
 ROLLOUT_TENSORS = ("prompt_ids", "prompt_mask", "responses", "response_mask", "uid", "prompt_index")
 # the sampler's log-probs, when the engine reported them; the model's own tokens of a multi-turn rollout
-OPTIONAL_TENSORS = ("rollout_logp", "model_mask")
+OPTIONAL_TENSORS = ("rollout_logp", "model_mask", "routes")  # routes: a MoE policy's experts (model/moe.py)
 # a vision-language step's images (model/vision.py: PromptImages), kept as they were processed
 IMAGE_FIELDS = ("pixel_values", "grid_thw", "patch_spans", "image_spans", "row_prompt")
 
@@ -72,7 +72,8 @@ class StepRecord:
         return RolloutBatch(**{k: r[k].to(device) for k in ROLLOUT_TENSORS}, response_text=[], ground_truth=[],
                             data_source=[], extra_info=[], lengths=[(int(p), int(n)) for p, n in lengths.tolist()],
                             rollout_logp=r["rollout_logp"].to(device) if "rollout_logp" in r else None,
-                            model_mask=r["model_mask"].to(device) if "model_mask" in r else None, images=images)
+                            model_mask=r["model_mask"].to(device) if "model_mask" in r else None, images=images,
+                            routes=r["routes"].to(device) if "routes" in r else None)
 
 
 def record_of(rollout: RolloutBatch, scores: torch.Tensor, correct: torch.Tensor, metrics: dict[str, Any],

@@ -180,6 +180,7 @@ class Sampling:
             lengths=[(p, r) for p, r in g(torch.tensor(rb.host_lengths(), device=self.runtime.device)).tolist()],
             rollout_logp=None if rb.rollout_logp is None else g(rb.rollout_logp),
             model_mask=None if rb.model_mask is None else g(rb.model_mask),
+            routes=None if rb.routes is None else g(rb.routes.long()).to(rb.routes.dtype),  # int64 on the wire
             # a vision-language policy's images, gathered so each row's pixels follow it
             images=None if self.processor is None else gather_images(comm, rb.images, rb.size, self.runtime.device),
         )

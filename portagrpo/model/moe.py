@@ -1,0 +1,420 @@
+"""Mixture-of-experts routing: each token's top-k experts per MoE layer, recorded in a forward and replayed in another.
+
+A *route* grid is `[B, S, L, k]` int16: for row b, column s (the grid of a RolloutBatch's `input_ids`: left-padded
+prompt, then right-padded response), MoE layer l, the k experts the token there was sent to; -1 where no route is
+known (the router then chooses live). Router replay (`actor.router_replay`, verl's names):
+- R3: the rollout engine's routes (the hf engine records them in its own `generate`) are replayed by the scoring and
+  the update forwards;
+- R2: the scoring pass (the old policy) records its routes and the update replays them.
+A replayed token keeps the experts it is given and weighs them with the live router's probabilities (softmax over
+all experts, gathered at the given ones, renormalised where the model renormalises), so the router's gradient flows
+exactly as it does through a live top-k.
+
+Hooks sit on each MoE block's router and change its output only; they work the same under DDP, FSDP2 (the
+hooks see the gathered weights' outputs) and gradient checkpointing (a recomputed forward replays the same routes).
+Two router layouts are read: transformers >= 5 (`gate` a top-k router module returning (logits, weights, indices))
+and transformers 4.x (`gate` an `nn.Linear` giving logits, the top-k inside the block).
+"""
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass, field
+from typing import Iterator
+
+import torch
+
+from portagrpo.errors import UserError
+
+ROUTE_DTYPE = torch.int16  # expert ids up to 32767 (Qwen3: 128, DeepSeek-V3: 256); -1: not known
+REPLAY_MODES = (None, "R2", "R3")
+
+
+@dataclass(frozen=True)
+class MoeLayer:
+    """One MoE block: its router module, its layout, its top-k and expert count."""
+
+    index: int  # among the model's MoE layers (the L axis of a route grid)
+    gate: torch.nn.Module
+    layout: str  # "router" (transformers >= 5: the gate returns (logits, weights, indices)), "linear" (4.x)
+    top_k: int
+    num_experts: int
+    norm_topk_prob: bool
+
+
+def base_lm(model) -> torch.nn.Module:
+    """The transformers model under our wrappers (the scorer's `.lm`, peft)."""
+    lm = getattr(model, "lm", model)
+    return lm.get_base_model() if hasattr(lm, "get_base_model") else lm
+
+
+def _decoder_layers(model) -> list[torch.nn.Module]:
+    from portagrpo.model.loading import decoder_of
+
+    return list(getattr(decoder_of(base_lm(model)), "layers", []))
+
+
+def moe_layers(model) -> list[MoeLayer]:
+    """The model's MoE blocks in layer order (a decoder layer whose `mlp` has a `gate` and `experts`); [] for a dense
+    model."""
+    out = []
+    for layer in _decoder_layers(model):
+        block = getattr(layer, "mlp", None)
+        gate, experts = getattr(block, "gate", None), getattr(block, "experts", None)
+        if gate is None or experts is None:
+            continue
+        if hasattr(gate, "top_k"):  # transformers >= 5: a router module
+            out.append(MoeLayer(len(out), gate, "router", gate.top_k, gate.num_experts, bool(gate.norm_topk_prob)))
+        elif isinstance(gate, torch.nn.Linear) and hasattr(block, "top_k"):  # transformers 4.x
+            out.append(MoeLayer(len(out), gate, "linear", block.top_k, block.num_experts,
+                                bool(getattr(block, "norm_topk_prob", False))))
+    return out
+
+
+def is_moe(model) -> bool:
+    return bool(moe_layers(model))
+
+
+@dataclass(frozen=True)
+class MoeShape:
+    """What a plan needs to count a MoE model: experts, the parameters a token uses and the route buffers."""
+
+    moe_layers: int
+    num_experts: int
+    top_k: int
+    total_params: int
+    active_params: int  # parameters one token's forward touches: all but the experts it is not routed to
+    route_bytes_per_token: int  # a route grid's int16 entries per token (L x k x 2 bytes)
+
+
+def moe_shape(model) -> MoeShape | None:
+    """Total and active parameter counts and the routing buffer per token; None for a dense model."""
+    layers = moe_layers(model)
+    if not layers:
+        return None
+    total = sum(p.numel() for p in model.parameters())
+    expert_params = 0
+    for layer in _decoder_layers(model):
+        experts = getattr(getattr(layer, "mlp", None), "experts", None)
+        if experts is not None:
+            expert_params += sum(p.numel() for p in experts.parameters())
+    e, k = layers[0].num_experts, layers[0].top_k
+    active = total - expert_params + expert_params * k // e
+    return MoeShape(len(layers), e, k, total, active, len(layers) * k * 2)
+
+
+def live_topk(logits: torch.Tensor, k: int) -> torch.Tensor:
+    """[N, E] router logits -> [N, k] the experts a live router takes (softmax in fp32, then top-k, as transformers)."""
+    return torch.topk(torch.softmax(logits, dim=-1, dtype=torch.float32), k, dim=-1).indices
+
+
+def replayed_weights(logits: torch.Tensor, experts: torch.Tensor, renormalise: bool) -> torch.Tensor:
+    """[N, E] logits, [N, k] given experts -> [N, k] their weights from the live router: the softmax over every
+    expert gathered at the given ones, divided by their sum when the model renormalises its top-k (differentiable
+    in the logits, as a live top-k is)."""
+    probs = torch.softmax(logits, dim=-1, dtype=torch.float32)
+    weights = probs.gather(1, experts)
+    if renormalise:
+        weights = weights / weights.sum(dim=-1, keepdim=True)
+    return weights.to(logits.dtype)
+
+
+def same_experts(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """[..., k] x [..., k] -> [...] bool: the same set of experts (order ignored)."""
+    return (a.sort(dim=-1).values == b.sort(dim=-1).values).all(dim=-1)
+
+
+@dataclass
+class RouteTally:
+    """(token, layer) decisions where a live router agreed with the batch's routes, and how many were compared, per
+    kind of forward: the scoring pass (no gradient: the weights the batch was sampled with) and the update's (which
+    may come after an optimizer step). Device tensors, read once per step."""
+
+    agree: dict[bool, torch.Tensor] = field(default_factory=dict)  # by torch.is_grad_enabled()
+    total: dict[bool, torch.Tensor] = field(default_factory=dict)
+
+    def add(self, agree: torch.Tensor, total: torch.Tensor) -> None:
+        kind = torch.is_grad_enabled()
+        self.agree[kind] = self.agree.get(kind, 0) + agree
+        self.total[kind] = self.total.get(kind, 0) + total
+
+    def take(self, comm=None) -> float | None:
+        """The share of agreeing decisions since the last take, summed over ranks: the scoring passes' where any ran,
+        else the update's (a fully on-policy step has no scoring pass); None if nothing was compared."""
+        kind = False if False in self.total else True
+        if kind not in self.total:
+            return None
+        both = torch.stack([self.agree[kind].double().cpu(), self.total[kind].double().cpu()])
+        self.agree, self.total = {}, {}
+        if comm is not None and comm.world_size > 1:
+            both = comm.sum_on_host(both)
+        agree, total = both.tolist()
+        return agree / total if total else None
+
+
+@dataclass
+class _Plan:
+    """How one forward's flat token axis maps to a route grid: the grid [B, S, L, k] (replayed, or None), which
+    positions are real tokens, and what the hooks recorded."""
+
+    replay: torch.Tensor | None
+    valid: torch.Tensor  # [B, S] bool
+    n_valid: int
+    tally: RouteTally | None
+    record: bool
+    apply: bool = True  # False: compare `replay` with the live routes (tally), route live
+    recorded: dict[int, torch.Tensor] = field(default_factory=dict)  # layer -> [N, k]
+
+    def flat(self, grid: torch.Tensor, n: int) -> torch.Tensor:
+        """The grid's rows for a forward over `n` tokens: the whole [B*S] grid, or its real tokens packed."""
+        whole = grid.flatten(0, 1)
+        if n == whole.shape[0]:
+            return whole
+        if n == self.n_valid:
+            from portagrpo.model.scorer import true_positions
+
+            return whole.index_select(0, true_positions(self.valid, n))
+        raise RuntimeError(f"a MoE forward over {n} tokens matches neither the route grid ({whole.shape[0]}) nor its "
+                           f"{self.n_valid} real tokens")
+
+
+class _Hooks:
+    """Forward hooks on every MoE router, active while a plan is set; the run's replay mode and route tally
+    (`configure`)."""
+
+    def __init__(self, layers: list[MoeLayer]) -> None:
+        self.layers, self.plan = layers, None
+        self.mode: str | None = None
+        self.tally: RouteTally | None = None
+        self.handles = [layer.gate.register_forward_hook(self._hook(layer)) for layer in layers]
+
+    def remove(self) -> None:
+        for h in self.handles:
+            h.remove()
+
+    def _hook(self, layer: MoeLayer):
+        def hook(module, args, output):
+            plan = self.plan
+            if plan is None:
+                return None
+            logits = output[0] if layer.layout == "router" else output
+            live = output[2] if layer.layout == "router" else live_topk(logits, layer.top_k)
+            if plan.record:
+                plan.recorded[layer.index] = live.detach().to(ROUTE_DTYPE)
+            if plan.replay is None or (not plan.apply and plan.tally is None):
+                return None
+            given = plan.flat(plan.replay[:, :, layer.index], logits.shape[0]).long()
+            known = given[:, 0] >= 0
+            chosen = torch.where(known[:, None], given, live)
+            if plan.tally is not None:
+                rows = known & plan.flat(plan.valid[..., None], logits.shape[0])[:, 0]
+                plan.tally.add((same_experts(live, chosen) & rows).sum(), rows.sum())
+            if not plan.apply:
+                return None
+            if layer.layout == "router":
+                return logits, replayed_weights(logits, chosen, layer.norm_topk_prob), chosen
+            # transformers 4.x: the block takes top-k of softmax(logits) itself; logits masked to the chosen experts
+            # give it exactly those, weighted by the renormalised live probabilities
+            keep = torch.zeros_like(logits, dtype=torch.bool).scatter_(1, chosen, True) | ~known[:, None]
+            return logits.masked_fill(~keep, torch.finfo(logits.dtype).min)
+        return hook
+
+
+def refuse_replay_problem(model, mode: str | None) -> str | None:
+    """Why `actor.router_replay=mode` cannot run on this model, in one sentence; None when it can."""
+    if mode is None:
+        return None
+    if mode not in REPLAY_MODES:
+        return f"actor.router_replay={mode!r} is not a router replay mode; use null, R2 or R3."
+    layers = moe_layers(model)
+    if not layers:
+        return (f"actor.router_replay={mode} replays a mixture-of-experts router, and this policy has none; set "
+                f"actor.router_replay=null.")
+    bad = [m for m in layers if m.layout == "linear" and not m.norm_topk_prob]
+    if bad:
+        return (f"actor.router_replay={mode} on transformers {_tf_version()} replays only routers that renormalise "
+                f"their top-k (norm_topk_prob=true), and this model's do not; upgrade to transformers 5, or set "
+                f"actor.router_replay=null.")
+    return None
+
+
+def _tf_version() -> str:
+    import transformers
+
+    return transformers.__version__
+
+
+def _hooks_of(model) -> _Hooks | None:
+    """The router hooks of `model`, installed once (kept on the transformers model itself); None for a dense model."""
+    lm = base_lm(model)
+    hooks = lm.__dict__.get("_portagrpo_route_hooks")
+    if hooks is None:
+        layers = moe_layers(lm)
+        if not layers:
+            return None
+        hooks = lm.__dict__["_portagrpo_route_hooks"] = _Hooks(layers)
+    return hooks
+
+
+@contextlib.contextmanager
+def routing(model, *, valid: torch.Tensor, n_valid: int, replay: torch.Tensor | None = None, record: bool = False,
+            tally: RouteTally | None = None, apply: bool = True) -> Iterator[_Plan | None]:
+    """Around one forward of `model` over the grid `valid` ([B, S] bool, the real tokens): replay `replay` ([B, S, L,
+    k], -1 = live) and/or record the live routes; `tally` counts where the live router agreed with `replay`.
+    Yields the plan (its `recorded` routes by layer after the forward), or None for a dense model."""
+    hooks = _hooks_of(model) if (replay is not None or record) else None
+    if hooks is None:
+        yield None
+        return
+    plan = _Plan(replay, valid, n_valid, tally, record, apply=apply)
+    previous, hooks.plan = hooks.plan, plan
+    try:
+        yield plan
+    finally:
+        hooks.plan = previous
+
+
+def grid_of(plan: _Plan, shape: tuple[int, int]) -> torch.Tensor:
+    """The recorded routes of one forward over the [B, S] grid (packed forwards: -1 at padding) as [B, S, L, k]."""
+    layers = [plan.recorded[i] for i in sorted(plan.recorded)]
+    stacked = torch.stack(layers, dim=1)  # [N, L, k]
+    b, s = shape
+    if stacked.shape[0] == b * s:
+        return stacked.view(b, s, *stacked.shape[1:])
+    from portagrpo.model.scorer import true_positions
+
+    out = stacked.new_full((b * s, *stacked.shape[1:]), -1)
+    out[true_positions(plan.valid, stacked.shape[0])] = stacked
+    return out.view(b, s, *stacked.shape[1:])
+
+
+def widen(routes: torch.Tensor, left: int, right: int) -> torch.Tensor:
+    """A route grid with `left` unknown (-1) columns before and `right` after: a trimmed forward's routes back on
+    the batch's grid."""
+    if left == 0 and right == 0:
+        return routes
+    return torch.nn.functional.pad(routes, (0, 0, 0, 0, left, right), value=-1)
+
+
+class GenerationRoutes:
+    """Records the routes of every forward of a transformers `generate` and assembles them on the rollout's grid:
+    the prompt's columns from the prefill (a prefill shared by a group's repeats is taken per distinct prompt),
+    then one column per generated token fed back in. The last generated token is never fed in: its column, and
+    every column past the end of generation, stays -1 (no later token depends on its route)."""
+
+    def __init__(self, model) -> None:
+        from portagrpo.model.loading import decoder_of
+
+        self.hooks = _hooks_of(model)
+        self.decoder = decoder_of(base_lm(model))
+        self.calls: list[tuple[int, int, _Plan]] = []
+
+    @contextlib.contextmanager
+    def recording(self) -> Iterator["GenerationRoutes"]:
+        if self.hooks is None:
+            yield self
+            return
+        handle = self.decoder.register_forward_pre_hook(self._start, with_kwargs=True)
+        try:
+            yield self
+        finally:
+            handle.remove()
+            self.hooks.plan = None
+
+    def _start(self, module, args, kwargs):
+        x = kwargs.get("input_ids")
+        if x is None:
+            x = args[0] if args else kwargs.get("inputs_embeds")
+        b, s = x.shape[0], x.shape[1]
+        plan = _Plan(None, torch.ones(b, s, dtype=torch.bool), b * s, None, True)
+        self.calls.append((b, s, plan))
+        self.hooks.plan = plan
+
+    def grid(self, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, width: int) -> torch.Tensor | None:
+        """[B, width, L, k] on the rollout's grid (prompt columns, then response columns); None for a dense model."""
+        if self.hooks is None or not self.calls:
+            return None
+        rows = prompt_ids.shape[0]
+        layers = len(self.hooks.layers)
+        k = self.hooks.layers[0].top_k
+        out = torch.full((rows, width, layers, k), -1, dtype=ROUTE_DTYPE, device=prompt_ids.device)
+        column = 0
+        for b, s, plan in self.calls:
+            if column >= width:
+                break
+            r = grid_of(plan, (b, s)).to(prompt_ids.device)
+            if b != rows:  # a prefill over the distinct prompts (engines.py: _shared_prefill), copied to repeats
+                both = torch.cat([prompt_ids, prompt_mask.to(prompt_ids.dtype)], dim=1)
+                r = r.index_select(0, torch.unique(both, dim=0, return_inverse=True)[1])
+            s = min(s, width - column)
+            out[:, column:column + s] = r[:, :s]
+            column += s
+        return out
+
+
+def check_routes(routes: torch.Tensor, model, field_name: str = "routes") -> None:
+    """A route grid fits this model: L MoE layers, top-k, expert ids in range (a record from another model is
+    refused in one sentence)."""
+    layers = moe_layers(model)
+    if routes.shape[2] != len(layers) or routes.shape[3] != layers[0].top_k:
+        raise UserError(f"{field_name} hold {routes.shape[2]} layers x top-{routes.shape[3]} routes, and this model "
+                        f"has {len(layers)} MoE layers x top-{layers[0].top_k}; replay them on the model that "
+                        f"made them.")
+
+
+def fit_experts_to_dtype(model) -> None:
+    """transformers 5 runs packed experts with `torch._grouped_mm` by default, which takes fp32/bf16/fp16 only: an
+    fp64 model (the parity reference, model.dtype=fp64) runs them with its eager per-expert loop instead."""
+    lm = base_lm(model)
+    config = getattr(lm, "config", None)
+    if config is None or not moe_layers(lm) or getattr(config, "_experts_implementation", None) in (None, "eager"):
+        return
+    if any(p.dtype == torch.float64 for p in lm.parameters()):
+        config._experts_implementation = "eager"
+
+
+def configure(policy, mode: str | None, tally: RouteTally) -> None:
+    """The run's router replay for the policy (`actor.router_replay`), and where its forwards count the routes
+    they agree on with the batch's (`moe/route_agreement`). A dense policy with mode null: nothing to do."""
+    problem = refuse_replay_problem(policy, mode)
+    if problem:
+        raise UserError(problem)
+    fit_experts_to_dtype(policy)
+    hooks = _hooks_of(policy)
+    if hooks is not None:
+        hooks.mode, hooks.tally = mode, tally
+
+
+def scoring(scorer, batch, trimmed, n_valid: int) -> contextlib.AbstractContextManager:
+    """Around a scorer's forward over `trimmed` (`batch` with its all-padding columns dropped): the batch's routes
+    replayed where the run replays them (R3: every forward of the policy; R2: the update's, with gradients), else
+    only compared with the live routes for the tally. A reference scorer (LoRA's adapters-off view included), a
+    dense model, or a batch without routes: nothing."""
+    hooks = None if hasattr(scorer, "scorer") else _hooks_of(scorer)
+    if hooks is not None and hooks.mode == "R3" and batch.routes is None:
+        raise UserError("actor.router_replay=R3 replays the sampler's experts, and this step's batch came without "
+                        "them (multi-turn and DAPO rounds do not carry routes yet); set actor.router_replay=null.")
+    if hooks is None or batch.routes is None or (hooks.mode is None and hooks.tally is None):
+        return contextlib.nullcontext()
+    p0 = batch.prompt_len - trimmed.prompt_len
+    given = batch.routes[:, p0:p0 + trimmed.prompt_len + trimmed.responses.shape[1]]
+    apply = hooks.mode == "R3" or (hooks.mode == "R2" and torch.is_grad_enabled())
+    return routing(scorer, valid=trimmed.attention_mask.bool(), n_valid=n_valid, replay=given, tally=hooks.tally,
+                   apply=apply)
+
+
+def route_metrics(tally: RouteTally, comm) -> dict[str, float] | None:
+    """`moe/route_agreement`: the share of (token, layer) top-k decisions of the step's policy forwards that chose
+    the same experts as the batch's routes (the sampler's, R2: the old policy's); None when nothing was compared.
+    # host read: one per step, with routes"""
+    share = tally.take(comm)
+    return None if share is None else {"moe/route_agreement": share}
+
+
+def refuse_r3_engine(mode: str | None, engine: str) -> None:
+    """R3 replays the experts the sampler chose, so the engine must say which: the hf engine records them; vLLM
+    returns them only with `enable_return_routed_experts`, which needs its model runner V2 and so Triton (not on
+    vLLM's CPU build), and portagrpo does not read them from vLLM yet."""
+    if mode == "R3" and engine != "hf":
+        raise UserError(f"actor.router_replay=R3 replays the experts the sampler chose, and rollout.engine={engine} "
+                        f"does not return them here (vLLM's enable_return_routed_experts needs its model runner V2, "
+                        f"hence Triton, which its CPU build lacks); use rollout.engine=hf, or actor.router_replay=R2.")

@@ -1,0 +1,160 @@
+"""Mixture-of-experts routing (model/moe.py): the tiny MoE families, recording and replaying routes, the router's
+gradient under replay, the routes the hf engine records in `generate`, and the refusals."""
+import pytest
+import torch
+
+from portagrpo.config import LoraSettings, ModelConfig, TinyModelConfig
+from portagrpo.errors import UserError
+from portagrpo.model import moe
+from portagrpo.model.loading import ModelLoadError, apply_lora, build_char_tokenizer, build_tiny_model
+
+TOK = build_char_tokenizer()
+FAMILIES = ["qwen3_moe", "qwen2_moe"]
+
+
+def tiny(family: str, seed: int = 0, dtype=torch.float32):
+    model = build_tiny_model(ModelConfig(tiny=TinyModelConfig(moe=family)), TOK, seed).eval().to(dtype)
+    moe.fit_experts_to_dtype(model)
+    return model
+
+
+def recorded(model, ids, valid=None):
+    valid = torch.ones_like(ids, dtype=torch.bool) if valid is None else valid
+    with moe.routing(model, valid=valid, n_valid=int(valid.sum()), record=True) as plan:
+        logits = model(input_ids=ids).logits
+    return logits, moe.grid_of(plan, tuple(ids.shape))
+
+
+def other_expert(routes: torch.Tensor, num_experts: int) -> torch.Tensor:
+    """Each route with its first expert swapped for one it does not hold."""
+    out = routes.clone()
+    first = (out[..., 0] + 1) % num_experts
+    first = torch.where(first == out[..., 1], (first + 1) % num_experts, first)
+    out[..., 0] = first
+    return out
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_tiny_moe_counts_experts_and_active_parameters(family):
+    model = tiny(family)
+    shape = moe.moe_shape(model)
+    layers = moe.moe_layers(model)
+    assert (shape.moe_layers, shape.num_experts, shape.top_k) == (2, 4, 2)
+    experts = sum(p.numel() for layer in model.model.layers for p in layer.mlp.experts.parameters())
+    assert shape.active_params == shape.total_params - experts // 2  # top-2 of 4: half the experts idle per token
+    assert shape.route_bytes_per_token == 2 * 2 * 2
+    assert all(layer.norm_topk_prob for layer in layers)
+    # the random router is not the zero one transformers starts from (every expert tied)
+    assert layers[0].gate.weight.abs().sum() > 0
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_replaying_the_recorded_routes_changes_nothing_and_other_routes_do(family):
+    model = tiny(family)
+    ids = torch.randint(4, 60, (3, 9), generator=torch.Generator().manual_seed(1))
+    logits, routes = recorded(model, ids)
+    assert routes.shape == (3, 9, 2, 2) and routes.dtype == moe.ROUTE_DTYPE and (routes >= 0).all()
+    tally = moe.RouteTally()
+    with moe.routing(model, valid=torch.ones(3, 9, dtype=torch.bool), n_valid=27, replay=routes, tally=tally):
+        again = model(input_ids=ids).logits
+    assert torch.equal(again, logits) or (again - logits).abs().max() < 1e-6  # transformers 4.x: masked softmax
+    assert tally.take() == 1.0
+    with moe.routing(model, valid=torch.ones(3, 9, dtype=torch.bool), n_valid=27,
+                     replay=other_expert(routes, 4), tally=tally):
+        moved = model(input_ids=ids).logits
+    assert (moved - logits).abs().max() > 1e-3
+    assert tally.take() == 0.0
+    # -1 (unknown) routes live
+    with moe.routing(model, valid=torch.ones(3, 9, dtype=torch.bool), n_valid=27, replay=torch.full_like(routes, -1)):
+        assert torch.equal(model(input_ids=ids).logits, logits)
+
+
+def test_replayed_weights_are_the_live_routers_and_its_gradient_flows():
+    logits = torch.randn(5, 4, dtype=torch.float64, requires_grad=True)
+    experts = torch.tensor([[0, 1], [2, 3], [1, 3], [0, 2], [3, 0]])
+    w = moe.replayed_weights(logits, experts, renormalise=True)
+    p = torch.softmax(logits, -1).gather(1, experts)
+    torch.testing.assert_close(w, p / p.sum(-1, keepdim=True))
+    (w[:, 0] * torch.arange(5.0, dtype=torch.float64)).sum().backward()
+    assert logits.grad.abs().sum() > 0
+    torch.testing.assert_close(moe.replayed_weights(logits, experts, renormalise=False), p)
+    # with the live top-k given, the replayed weights are the live router's exactly
+    live = moe.live_topk(logits.detach(), 2)
+    probs = torch.softmax(logits.detach(), -1, dtype=torch.float32)
+    top = probs.gather(1, live)
+    assert torch.equal(moe.replayed_weights(logits.detach(), live, True), (top / top.sum(-1, keepdim=True)).double())
+
+
+def test_router_gradient_under_replay_matches_the_live_forward():
+    model = tiny("qwen3_moe", dtype=torch.float64)
+    ids = torch.randint(4, 60, (2, 7), generator=torch.Generator().manual_seed(2))
+    _, routes = recorded(model, ids)
+    gate = moe.moe_layers(model)[0].gate.weight
+    model(input_ids=ids).logits.square().mean().backward()
+    live = gate.grad.clone()
+    model.zero_grad()
+    with moe.routing(model, valid=torch.ones(2, 7, dtype=torch.bool), n_valid=14, replay=routes):
+        model(input_ids=ids).logits.square().mean().backward()
+    assert live.abs().sum() > 0
+    # fp64: equal up to rounding. transformers 4.x takes the router's softmax in fp32 even in an fp64 model, and
+    # replay there masks the logits (the same function of them, rounded differently): fp32 rounding
+    bound = 1e-9 if moe.moe_layers(model)[0].layout == "router" else 1e-5
+    assert (gate.grad - live).norm() / live.norm() < bound
+
+
+def test_a_packed_forward_takes_the_routes_of_the_real_tokens():
+    model = tiny("qwen3_moe")
+    ids = torch.randint(4, 60, (2, 6), generator=torch.Generator().manual_seed(3))
+    valid = torch.tensor([[0, 0, 1, 1, 1, 1], [1, 1, 1, 1, 1, 1]], dtype=torch.bool)
+    _, routes = recorded(model, ids)
+    plan = moe._Plan(routes, valid, 10, None, False)
+    packed = plan.flat(routes, 10)
+    assert torch.equal(packed, routes.flatten(0, 1)[valid.flatten()])
+    with pytest.raises(RuntimeError, match="matches neither"):
+        plan.flat(routes, 7)
+
+
+def test_generation_routes_are_the_samplers_own():
+    """The hf engine's routes: the prompt's from the prefill, each fed-back token's from its decode step; the full
+    forward over the same tokens routes the same (fp64: no near-tie flips), and the last token stays unknown."""
+    from portagrpo.rollout.engines import HFRollout
+    from portagrpo.rollout.settings import SamplingParams
+
+    model = tiny("qwen3_moe", dtype=torch.float64)
+    engine = HFRollout(model, TOK, autocast=lambda: torch.autocast("cpu", enabled=False))
+    prompts = torch.tensor([[0, 10, 11, 12], [13, 14, 15, 16], [0, 10, 11, 12]])
+    mask = (prompts != 0).long()
+    out = engine.generate(prompts, mask, SamplingParams(temperature=1.0, top_p=1.0, top_k=0, max_tokens=5))
+    assert out.routes.shape == (3, 9, 2, 2)
+    lengths = out.mask.sum(1).long().tolist()
+    ids = torch.cat([prompts, out.responses], 1)
+    full = torch.cat([mask, out.mask.long()], 1)
+    from portagrpo.model.loading import position_ids_from_mask
+
+    with moe.routing(model, valid=full.bool(), n_valid=int(full.sum()), record=True) as plan:
+        model(input_ids=ids, attention_mask=full, position_ids=position_ids_from_mask(full))
+    forward = moe.grid_of(plan, tuple(ids.shape))
+    for row, n in enumerate(lengths):
+        real = [c for c in range(4) if mask[row, c]] + list(range(4, 4 + n - 1))  # every token fed back in
+        assert torch.equal(out.routes[row, real], forward[row, real])
+        assert (out.routes[row, 4 + n - 1:] == -1).all()
+
+
+def test_refusals_are_one_sentence():
+    dense = build_tiny_model(ModelConfig(), TOK, 0)
+    assert "has none" in moe.refuse_replay_problem(dense, "R3")
+    assert moe.refuse_replay_problem(tiny("qwen3_moe"), "R3") is None
+    assert "not a router replay mode" in moe.refuse_replay_problem(tiny("qwen3_moe"), "R4")
+    with pytest.raises(UserError, match="rollout.engine=hf"):
+        moe.refuse_r3_engine("R3", "vllm")
+    moe.refuse_r3_engine("R2", "vllm")
+    with pytest.raises(ModelLoadError, match="attention only"):
+        apply_lora(tiny("qwen3_moe"), LoraSettings(rank=4, target_modules=["q_proj", "gate_up_proj"]))
+
+
+def test_lora_on_moe_attention_trains_only_adapters():
+    pytest.importorskip("peft")
+    model = apply_lora(tiny("qwen3_moe"), LoraSettings(rank=4))
+    trainable = [n for n, p in model.named_parameters() if p.requires_grad]
+    assert trainable and all("lora_" in n for n in trainable)
+    assert moe.moe_layers(model)  # the routers are still found under peft's wrapper
