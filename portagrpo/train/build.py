@@ -30,7 +30,7 @@ from portagrpo.data.records import (
 from portagrpo.fileio import atomic_path
 from portagrpo.kernels import logprob_impl
 from portagrpo.model.loading import apply_lora, build_tiny_model, check_tiny_matches, load_model, load_tokenizer
-from portagrpo.model.moe import RouteTally, refuse_r3_engine
+from portagrpo.model.moe import RouteTally, fit_experts_to_dtype, refuse_r3_engine
 from portagrpo.model.moe import configure as configure_routing
 from portagrpo.model.parallel import ParallelStrategy, make_strategy
 from portagrpo.model.scorer import AdaptersOff, ResponseScorer
@@ -264,6 +264,7 @@ def build_models(cfg: Config, runtime: Runtime, strategy, tokenizer, run_dir: Pa
         ref, ref_sharded = _language_model(cfg, runtime, strategy, ref_path, attn, runtime.dtype, False, log,
                                            "model.ref_path" if cfg.model.ref_path else "model.path")
         ref.eval().requires_grad_(False)
+        fit_experts_to_dtype(ref)  # a MoE reference in fp64 runs its experts eagerly (model/moe.py)
         _tower_attention(ref, cfg, runtime)
         ref_scorer = strategy.wrap(ResponseScorer(ref, kernel), trainable=False, compute_dtype=runtime.dtype,
                                    offload=cfg.actor.ref_offload)

@@ -1,0 +1,53 @@
+"""One rank of the mixture-of-experts equivalence check (run directly for 1 process, or by portagrpo.launcher).
+
+A tiny Qwen3-MoE (4 experts, top-2, 2 layers, hidden 64). ENGINE=fixed: rollouts that depend only on the prompt, so 1
+process and K processes train on identical rollouts; ENGINE=hf: sampled, with actor.router_replay=R3.
+Writes `result.pt` from rank 0: metrics, the full state after 2 steps, and how FSDP2 placed the experts.
+Usage: moe_worker.py OUT PARALLEL DTYPE ENGINE [DEVICE]
+"""
+import os
+import sys
+from pathlib import Path
+
+import torch
+
+from portagrpo.config import load_config
+from portagrpo.train import Trainer
+
+OVERRIDES = [
+    "trainer.progress_bar=false", "trainer.test_freq=0", "trainer.save_freq=0", "trainer.tensorboard=false",
+    "trainer.plot=false", "data.train_size=64", "data.train_batch_size=4", "rollout.n=4",
+    "actor.ppo_mini_batch_size=8", "actor.micro_batch_size=2", "actor.ppo_epochs=2", "actor.kl_loss_coef=0.1",
+    "actor.warmup_steps=0", "model.tiny.moe=qwen3_moe", "data.max_response_length=12",
+]
+
+
+def expert_placement(scorer) -> dict:
+    """Each packed expert tensor's global and local shape and FSDP2's placement of it."""
+    out = {}
+    for name, p in scorer.named_parameters():
+        if ".experts." in name or name.endswith("mlp.gate.weight"):
+            local = p.to_local() if hasattr(p, "to_local") else p
+            out[name] = (tuple(p.shape), tuple(local.shape), str(getattr(p, "placements", None)))
+    return out
+
+
+def main() -> None:
+    out, parallel, dtype, engine = Path(sys.argv[1]), sys.argv[2], sys.argv[3], sys.argv[4]
+    device = sys.argv[5] if len(sys.argv) > 5 else "cpu"
+    replay = ["actor.router_replay=R3"] if engine == "hf" else []
+    cfg = load_config(None, [*OVERRIDES, *replay, f"rollout.engine={engine}", f"trainer.parallel={parallel}",
+                             f"model.dtype={dtype}", f"trainer.device={device}"])
+    trainer = Trainer(cfg, run_dir=out / "run", log=lambda m: None).setup()
+    metrics = [trainer.step().metrics for _ in range(2)]
+    placement = expert_placement(trainer.models.scorer)
+    state = {k: v.cpu() for k, v in trainer.models.strategy.model_state(trainer.models.scorer).items()}
+    if trainer.runtime.comm.is_main:
+        torch.save({"metrics": [dict(m) for m in metrics], "state": state, "placement": placement,
+                    "world": trainer.runtime.comm.world_size}, out / "result.pt")
+    trainer.close()
+
+
+if __name__ == "__main__":
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    main()
