@@ -93,6 +93,35 @@ def npu_attention_forward(
     return out.transpose(1, 2).contiguous(), None
 
 
+def npu_varlen_causal(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, seqlens, scale: float | None,
+                      dropout: float, *, fused_op: Callable[..., Any] | None = None) -> torch.Tensor:
+    """Causal attention within each sequence of a packed row in npu_fusion_attention's TND layout: q [Hq, N, D],
+    k/v [Hkv, N, D] (the op takes the head ratio), `seqlens` host ints -> [Hq, N, D]. Calls of at most 1024
+    sequences and 1M tokens (npu_varlen.varlen_calls); causal from each sequence's corner (sparse_mode 3 with the
+    compressed mask)."""
+    from .npu_varlen import varlen_calls
+
+    if fused_op is None:
+        import torch_npu
+
+        fused_op = torch_npu.npu_fusion_attention
+    device_type = q.device.type
+    dtype = torch.get_autocast_dtype(device_type) if torch.is_autocast_enabled(device_type) else v.dtype
+    q, k, v = (t.transpose(0, 1).to(dtype) for t in (q, k, v))  # TND: tokens first
+    cu = [0]
+    for n in seqlens:
+        cu.append(cu[-1] + n)
+    scale = scale if scale is not None else q.shape[-1] ** -0.5
+    outs = []
+    for first, end in varlen_calls(cu, cu):
+        a, b = cu[first], cu[end]
+        outs.append(fused_op(q[a:b], k[a:b], v[a:b], q.shape[1], "TND", atten_mask=causal_compressed_mask(q.device),
+                             scale=scale, keep_prob=1.0 - dropout, sparse_mode=CAUSAL_BOTTOM_RIGHT,
+                             actual_seq_qlen=[c - a for c in cu[first + 1:end + 1]],
+                             actual_seq_kvlen=[c - a for c in cu[first + 1:end + 1]])[0])
+    return (outs[0] if len(outs) == 1 else torch.cat(outs)).transpose(0, 1)
+
+
 # npu_fusion_attention's sparse modes (torch_npu docs): 0 = the mask as given, 3 = causal from the
 # bottom-right corner, taking the compressed mask below instead of a [Sq, Skv] one.
 DENSE_MASK, CAUSAL_BOTTOM_RIGHT = 0, 3
@@ -161,6 +190,10 @@ class NPUBackend(AcceleratorBackend):
         if choice == NPU_ATTENTION:
             register_npu_attention()
         return choice
+
+    def varlen_attention(self, attention: str):
+        """Packed rows through npu_fusion_attention's TND layout when the decoder runs npu_fusion."""
+        return npu_varlen_causal if attention == NPU_ATTENTION else None
 
     def vision_attention_implementation(self, requested: str, dtype: torch.dtype) -> str:
         choice = super().vision_attention_implementation(requested, dtype)

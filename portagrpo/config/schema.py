@@ -59,6 +59,13 @@ class ModelConfig:
     dtype: Literal["fp32", "bf16", "fp64"] = "fp32"
     attn_implementation: str = "auto"
     gradient_checkpointing: bool = False
+    # A training forward's saved activations live in host memory until its backward (model/activations.py); with
+    # gradient checkpointing that is each decoder layer's input. Same numbers, one copy out and back per layer.
+    enable_activation_offload: bool = False
+    # Pack each micro-batch's rows into one row without padding (model/ulysses.py's attention keeps to each
+    # sequence: the backend's variable-length kernel, else one SDPA call per sequence; no length cap). false: every
+    # forward runs the padded grid. Sequence parallelism needs it.
+    use_remove_padding: bool = True
     # FSDP2 on several ranks: build the model on the meta device, shard it, and read each rank's shards alone from
     # the safetensors checkpoint (model/sharded.py), so no rank holds it whole; false: every rank loads it whole first
     sharded_load: bool = True
@@ -220,6 +227,10 @@ class ActorConfig:
     use_dynamic_bsz: bool = False
     ppo_max_token_len_per_gpu: int = 16384
     log_prob_max_token_len_per_gpu: Optional[int] = None  # scoring; None: ppo_max_token_len_per_gpu
+    # Ulysses sequence parallelism (model/ulysses.py): groups of this many consecutive ranks split each packed
+    # micro-batch along its length, all-to-all over heads around attention. Data parallelism is world / size;
+    # the token budgets above are per rank, so an SP group's micro-batch holds size x budget tokens (as verl).
+    ulysses_sequence_parallel_size: int = 1
     # FSDP2 gradient accumulation (verl's fsdp_config.use_no_sync_for_gradient_accumulation): false reduce-scatters
     # after every micro-batch, so a rank holds only its gradient shard; true keeps the whole model's unsharded fp32
     # gradients over a mini-batch and reduce-scatters once (fewer collectives, when memory allows).

@@ -23,6 +23,10 @@ DIRECT = {
     "data.image_key": "data.image_key",
     AR + "model.path": "model.path",
     AR + "model.enable_gradient_checkpointing": "model.gradient_checkpointing",
+    AR + "model.enable_activation_offload": "model.enable_activation_offload",
+    AR + "model.use_remove_padding": "model.use_remove_padding",
+    AR + "actor.ulysses_sequence_parallel_size": "actor.ulysses_sequence_parallel_size",
+    AR + "ref.ulysses_sequence_parallel_size": "actor.ulysses_sequence_parallel_size",
     AR + "model.lora_rank": "model.lora.rank",
     AR + "model.lora_alpha": "model.lora.alpha",
     AR + "model.target_modules": "model.lora.target_modules",
@@ -107,7 +111,6 @@ def is_verl_key(key: str) -> bool:
 # Placement and speed settings of verl's workers: what they change is where and how fast, never the numbers.
 NO_EFFECT = {
     AR + "model.use_shm": "portagrpo loads models from the local path as they are",
-    AR + "model.use_remove_padding": "portagrpo always drops padding from its forwards (packed when it pays)",
     AR + "rollout.load_format": "the engine loads the run's own weights",
     AR + "rollout.layered_summon": "portagrpo gathers one tensor at a time for the weight push",
     AR + "rollout.enable_chunked_prefill": "vLLM's scheduling",

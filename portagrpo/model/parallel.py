@@ -298,6 +298,25 @@ def make_strategy(name: str, comm: Collectives, shard_group: int = -1, pinned_of
     return STRATEGIES.get(name, field="trainer.parallel")(comm, shard_group, pinned_offload)
 
 
+_SEQUENCE_GROUPS: dict[tuple[int, int, int], Any] = {}
+
+
+def sequence_parallel_group(comm: Collectives, size: int):
+    """This rank's Ulysses group (actor.ulysses_sequence_parallel_size consecutive ranks; model/ulysses.py), formed
+    once per process, so the policy and the reference share it; None for size 1."""
+    from portagrpo.model.ulysses import sequence_groups
+
+    if size == 1:
+        return None
+    if size < 1 or comm.world_size % size:
+        raise UserError(f"actor.ulysses_sequence_parallel_size={size} must divide the {comm.world_size} ranks; use a "
+                        f"divisor of {comm.world_size}.")
+    key = (comm.world_size, comm.rank, size)
+    if key not in _SEQUENCE_GROUPS:
+        _SEQUENCE_GROUPS[key] = sequence_groups(comm.world_size, comm.rank, size)
+    return _SEQUENCE_GROUPS[key]
+
+
 def refuse_offload(offload: bool, where: str, scorer: torch.nn.Module) -> None:
     """Offload asked of a strategy without FSDP2's: fine where the model already lives in host memory (the CPU
     backend), else one sentence."""

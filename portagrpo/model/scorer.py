@@ -16,10 +16,13 @@ from typing import Callable, ContextManager
 import torch
 
 from portagrpo.batch import RolloutBatch
+from portagrpo.errors import UserError
 from portagrpo.kernels import TokenLogprobFn, logits_from_hidden, token_logprobs_from_logits
+from portagrpo.model.activations import HostActivations
 from portagrpo.model import moe
 from portagrpo.model.loading import decoder_of, lm_head_of, position_ids_from_mask
-from portagrpo.model.vision import vl_hidden_states
+from portagrpo.model.ulysses import GatherTokens, check_heads, check_same_rows, Packing, SequenceGroup, plan_row, use_packed_attention
+from portagrpo.model.vision import vl_body, vl_hidden_states, vl_inputs
 
 
 @dataclass
@@ -151,10 +154,33 @@ def _text_hidden(decoder, input_ids: torch.Tensor, attention_mask: torch.Tensor,
 class ResponseScorer(torch.nn.Module):
     """Causal LM + token log-prob kernel as one module. `generate` is forwarded to the LM."""
 
-    def __init__(self, lm: torch.nn.Module, kernel: TokenLogprobFn) -> None:
+    def __init__(self, lm: torch.nn.Module, kernel: TokenLogprobFn, activations: HostActivations | None = None,
+                 sequence_parallel: SequenceGroup | None = None, varlen: Callable | None = None,
+                 remove_padding: bool = True) -> None:
         super().__init__()
         self.lm = lm
         self.kernel = kernel
+        self.activations = activations  # model.enable_activation_offload: a training forward's activations to host
+        # actor.ulysses_sequence_parallel_size: the group of ranks that splits each packed row (model/ulysses.py)
+        self.sequence_parallel = sequence_parallel
+        self.varlen = varlen  # the backend's variable-length attention for packed rows (None: block-diagonal SDPA)
+        # model.use_remove_padding: packed rows attend within each sequence through model/ulysses.py's attention
+        self.remove_padding = remove_padding
+        self.packs = remove_padding and use_packed_attention(decoder_of(lm).config)
+        if sequence_parallel is not None:
+            c = decoder_of(lm).config
+            problem = check_heads(c.num_attention_heads, getattr(c, "num_key_value_heads", None)
+                                  or c.num_attention_heads, sequence_parallel.size)
+            if problem:
+                raise UserError(problem)
+        if sequence_parallel is not None and not self.packs:
+            raise UserError(f"actor.ulysses_sequence_parallel_size={sequence_parallel.size} splits packed rows, and "
+                            f"this model's attention ({decoder_of(lm).config._attn_implementation!r}) or "
+                            f"model.use_remove_padding={remove_padding} packs none; use model.attn_implementation=sdpa "
+                            f"and model.use_remove_padding=true.")
+
+    def _offloaded(self) -> ContextManager:
+        return contextlib.nullcontext() if self.activations is None else self.activations.around(self.lm)
 
     def forward(
         self,
@@ -168,21 +194,27 @@ class ResponseScorer(torch.nn.Module):
         autocast: Callable[[], ContextManager] = contextlib.nullcontext,
         counts: tuple[int, int] | None = None,  # (valid tokens, response tokens), known on the host
         images=None,  # vision-language rows: their prompts' images (model/vision.py: PromptImages)
+        lengths: list[tuple[int, int]] | None = None,  # each row's (prompt, response) tokens, known on the host
     ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
         prompt_len, t = input_ids.shape[1] - responses.shape[1], responses.shape[1]
         if counts is None:
             counts = (int(attention_mask.sum()), int(response_mask.sum()))  # one read; response_stats passes them
         n_valid, n_response = counts
+        if self.packs and lengths is not None and _packs_through_ulysses(
+                n_valid, attention_mask.numel(), images is not None, self.sequence_parallel is not None):
+            return self._packed_forward(input_ids, attention_mask, responses, response_mask, temperature,
+                                        compute_entropy, vocab, autocast, counts, images, lengths)
         decoder = decoder_of(self.lm)
-        # rows with images are never packed: their multimodal positions are computed per padded row
-        packed = images is None and packing_pays(n_valid, *attention_mask.shape, decoder.config.hidden_size,
+        # rows with images are packed only through model/ulysses.py's attention (above)
+        packed = images is None and self.remove_padding and packing_pays(n_valid, *attention_mask.shape, decoder.config.hidden_size,
                                                  getattr(decoder.config, "_attn_implementation", None))
-        with autocast():
+        with autocast(), self._offloaded():
             if images is not None:
                 out = vl_hidden_states(self.lm, input_ids, attention_mask, images, prompt_len)
             else:
                 out = _text_hidden(decoder, input_ids, attention_mask, n_valid, packed)
-            hidden = out if torch.is_tensor(out) else out[0] if isinstance(out, tuple) else out.last_hidden_state
+        with autocast():
+            hidden = _last_hidden(out)
             # The hidden state at position p predicts token p + 1; `at` lists the response tokens.
             at = true_positions(response_mask, n_response)
             if packed:
@@ -192,21 +224,103 @@ class ResponseScorer(torch.nn.Module):
             else:
                 h = hidden[:, prompt_len - 1:prompt_len + t - 1].flatten(0, 1)[at]
             targets = responses.flatten()[at]
+        logp, entropy, logp_vocab = self._token_stats(h, targets, temperature, compute_entropy, vocab, autocast)
+        return _grid(logp, entropy, logp_vocab, at, response_mask.shape)
+
+    def _token_stats(self, h: torch.Tensor, targets: torch.Tensor, temperature: float, compute_entropy: bool,
+                     vocab: bool, autocast: Callable[[], ContextManager]):
+        """Per-token log-prob, entropy and (`vocab`) full log-distribution of hidden states h [n, H] -> [n]."""
+        with autocast():
             weight, bias = lm_head_of(self.lm)
             h, weight, bias = lm_head_operands(h, weight, bias)
-        grid = response_mask.shape
         if vocab:
             logits = logits_from_hidden(h, weight, bias, temperature)
             logp, entropy = token_logprobs_from_logits(logits, targets, compute_entropy)
-            logp_vocab = _scatter(torch.log_softmax(logits, dim=-1), at, grid)
-        else:
-            logp, entropy = self.kernel(h, weight, targets, bias=bias, temperature=temperature,
-                                        compute_entropy=compute_entropy)
-            logp_vocab = None
-        return (_scatter(logp, at, grid), None if entropy is None else _scatter(entropy, at, grid), logp_vocab)
+            return logp, entropy, torch.log_softmax(logits, dim=-1)
+        logp, entropy = self.kernel(h, weight, targets, bias=bias, temperature=temperature,
+                                    compute_entropy=compute_entropy)
+        return logp, entropy, None
+
+    def _packed_forward(self, input_ids, attention_mask, responses, response_mask, temperature, compute_entropy,
+                        vocab, autocast, counts, images, lengths):
+        """The rows packed into one row without padding (model/ulysses.py), split over the sequence-parallel group
+        when there is one: this rank runs the decoder over its part of the row, the LM head and the kernel over its
+        response tokens, and the group's per-token results are gathered (with autograd) onto the [B, T] grid."""
+        n_valid, n_response = counts
+        sp, prompt_len = self.sequence_parallel, input_ids.shape[1] - responses.shape[1]
+        if sp is not None:
+            check_same_rows(lengths, sp)
+        row = plan_row(lengths, sp)
+        keep = true_positions(attention_mask.bool(), n_valid)
+        pad = sum(row.seqlens) - n_valid
+        with autocast(), self._offloaded():
+            if images is not None:  # the vision tower runs on every rank before the split (its features are few)
+                embeds, positions = vl_inputs(self.lm, input_ids, attention_mask, images, prompt_len)
+                embeds = _pad_rows(embeds.flatten(0, 1).index_select(0, keep), pad)[row.start:row.stop]
+                positions = _pad_rows(positions.flatten(-2).index_select(-1, keep).movedim(-1, 0), pad)
+                inputs = {"inputs_embeds": embeds[None],
+                          "position_ids": positions[row.start:row.stop].movedim(0, -1).unsqueeze(-2)}
+                decoder = vl_body(self.lm).language_model
+            else:
+                ids = _pad_rows(input_ids.flatten().index_select(0, keep), pad)
+                pos = _pad_rows(position_ids_from_mask(attention_mask).flatten().index_select(0, keep), pad)
+                inputs = {"input_ids": ids[row.start:row.stop][None], "position_ids": pos[row.start:row.stop][None]}
+                decoder = decoder_of(self.lm)
+            out = decoder(**inputs, attention_mask=_no_mask(decoder), use_cache=False,
+                          packing=Packing(row.seqlens, sp, self.varlen))
+        a, b = row.mine
+        with autocast():
+            local = torch.tensor(row.predicting[a:b], dtype=torch.long).sub_(row.start).to(input_ids.device)
+            h = _last_hidden(out)[0].index_select(0, local)
+            at = true_positions(response_mask, n_response)
+            targets = responses.flatten()[at][a:b]
+        stats = self._token_stats(h, targets, temperature, compute_entropy, vocab, autocast)
+        if sp is not None:
+            stats = tuple(None if x is None else GatherTokens.apply(x, sp, row.counts) for x in stats)
+        return _grid(*stats, at, response_mask.shape)
 
     def generate(self, **kwargs):
         return self.lm.generate(**kwargs)
+
+
+def _packs_through_ulysses(n_valid: int, grid: int, images: bool, split: bool) -> bool:
+    """Whether a micro-batch goes through model/ulysses.py's packed row: always under sequence parallelism; where
+    there is padding, for vision-language rows (their 3-D positions are selected per token) and for text rows too long
+    for one dense block-causal mask (short text rows keep `packing_pays`'s choice: one batched call over the grid or
+    the dense mask is faster than one attention call per sequence)."""
+    if split:
+        return True
+    return n_valid < grid and (images or n_valid * n_valid > MAX_DENSE_PACKED_MASK)
+
+
+def _last_hidden(out) -> torch.Tensor:
+    return out if torch.is_tensor(out) else out[0] if isinstance(out, tuple) else out.last_hidden_state
+
+
+def _grid(logp, entropy, logp_vocab, at: torch.Tensor, grid: torch.Size):
+    """Per-token values of the response tokens `at` back on the [B, T] grid (zeros elsewhere)."""
+    return tuple(None if x is None else _scatter(x, at, grid) for x in (logp, entropy, logp_vocab))
+
+
+def _pad_rows(x: torch.Tensor, n: int) -> torch.Tensor:
+    """x [N, ...] with n more rows: zeros for ids and embeddings, positions 0..n-1 for position ids (a sequence of
+    its own that pads a packed row to a multiple of the sequence-parallel size)."""
+    if n == 0:
+        return x
+    if x.dtype == torch.long:
+        extra = torch.arange(n, device=x.device).view((n,) + (1,) * (x.dim() - 1)).expand((n,) + x.shape[1:])
+    else:
+        extra = x.new_zeros((n,) + tuple(x.shape[1:]))
+    return torch.cat([x, extra.to(x.dtype)])
+
+
+def _no_mask(decoder):
+    """The attention mask of a packed row: none (model/ulysses.py's attention keeps to each sequence itself). A
+    decoder that takes ready-made masks gets an empty mapping; another a 4-D placeholder, which transformers passes
+    through unread."""
+    if _takes_mask_mapping(type(decoder)):
+        return {k: None for k in ("full_attention", "sliding_attention")}
+    return torch.ones(1, 1, 1, 1, dtype=torch.bool)
 
 
 def response_stats(
@@ -227,7 +341,7 @@ def response_stats(
     with moe.scoring(scorer, batch, trimmed, counts[0]):  # a MoE policy's router replay (model/moe.py)
         logp, entropy, logp_vocab = scorer(trimmed.input_ids, trimmed.attention_mask, trimmed.responses,
                                            trimmed.response_mask.bool(), temperature, compute_entropy, vocab,
-                                           autocast, counts, **extra)
+                                           autocast, counts, lengths=lengths, **extra)
     grow = lambda x: None if x is None else _pad_time(x, t_full)  # noqa: E731
     return ResponseStats(grow(logp), grow(entropy), grow(logp_vocab))
 

@@ -246,3 +246,20 @@ def plan_row(lengths: list[tuple[int, int]], sp: SequenceGroup | None) -> Packed
     counts = [bounds[j + 1] - bounds[j] for j in range(size)]
     return PackedRow(tuple(seqlens), shard * rank, shard * (rank + 1), predicting, (bounds[rank], bounds[rank + 1]),
                      counts)
+
+
+def one_per_group(gathered: torch.Tensor, groups: int, sp: int) -> torch.Tensor:
+    """[world * n, ...] gathered in rank order, where the sp ranks of each group hold the same n rows -> [groups * n,
+    ...], the first rank's copy of each group (how a scoring pass split by groups is gathered back)."""
+    return gathered.view(groups, sp, -1, *gathered.shape[1:])[:, 0].flatten(0, 1)
+
+
+def check_same_rows(lengths: list[tuple[int, int]], sp: SequenceGroup) -> None:
+    """Every rank of the group must hold the same micro-batch; rows that differ (a caller that split the batch by rank,
+    not by group) are one sentence here instead of a collective mismatch inside attention. One small host gather."""
+    seen = [None] * sp.size
+    dist.all_gather_object(seen, tuple(lengths), group=sp.group)
+    if any(s != seen[0] for s in seen):
+        raise UserError("actor.ulysses_sequence_parallel_size: the ranks of a sequence-parallel group were handed "
+                        "different rows to score (split by rank, not by group); this pass does not run under sequence "
+                        "parallelism yet: use actor.ulysses_sequence_parallel_size=1 for it.")

@@ -299,6 +299,16 @@ def vl_hidden_states(model, input_ids: torch.Tensor, attention_mask: torch.Tenso
     distinct prompt of these rows, every row's prompt image tokens get its prompt's image features, and the
     multimodal rotary positions come from the rows' ids, grids and attention masks (as `generate` computed
     them: text positions count real tokens only)."""
+    embeds, positions = vl_inputs(model, input_ids, attention_mask, images, prompt_len)
+    out = vl_body(model).language_model(inputs_embeds=embeds, attention_mask=attention_mask, position_ids=positions,
+                                        use_cache=False)
+    return out.last_hidden_state
+
+
+def vl_inputs(model, input_ids: torch.Tensor, attention_mask: torch.Tensor, images: PromptImages,
+              prompt_len: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """What `vl_hidden_states` hands the language model: the rows' embeddings [B, S, H] with the image features in
+    place, and their multimodal rotary positions [3, B, S] (a packed forward selects the real tokens of both)."""
     body = vl_body(model)
     prompts = images.distinct()
     pixels, grids = images.take(prompts)
@@ -318,9 +328,7 @@ def vl_hidden_states(model, input_ids: torch.Tensor, attention_mask: torch.Tenso
         embeds = embeds + 0 * idle.to(embeds.dtype)
     positions, _ = body.get_rope_index(input_ids, types, image_grid_thw=images.grids_per_row(),
                                        attention_mask=attention_mask)
-    out = body.language_model(inputs_embeds=embeds, attention_mask=attention_mask, position_ids=positions,
-                              use_cache=False)
-    return out.last_hidden_state
+    return embeds, positions
 
 
 def idle_tower(body) -> torch.Tensor | None:

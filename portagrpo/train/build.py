@@ -29,10 +29,11 @@ from portagrpo.data.records import (
 )
 from portagrpo.fileio import atomic_path
 from portagrpo.kernels import logprob_impl
+from portagrpo.model.activations import HostActivations, checkpoint_kwargs
 from portagrpo.model.loading import apply_lora, build_tiny_model, check_tiny_matches, load_model, load_tokenizer
 from portagrpo.model.moe import RouteTally, fit_experts_to_dtype, refuse_r3_engine
 from portagrpo.model.moe import configure as configure_routing
-from portagrpo.model.parallel import ParallelStrategy, make_strategy
+from portagrpo.model.parallel import ParallelStrategy, make_strategy, sequence_parallel_group
 from portagrpo.model.scorer import AdaptersOff, ResponseScorer
 from portagrpo.model.sharded import buffers_to, empty_model, materialize, missing_tensors, sharded_load_problem
 from portagrpo.model.vision import (
@@ -248,11 +249,16 @@ def build_models(cfg: Config, runtime: Runtime, strategy, tokenizer, run_dir: Pa
         freeze_vision_tower(policy)
     if is_lora:
         policy = apply_lora(policy, cfg.model.lora).to(device=runtime.device, dtype=runtime.master_dtype)
+    offload_activations = cfg.model.enable_activation_offload
     if cfg.model.gradient_checkpointing:
-        policy.gradient_checkpointing_enable()
+        policy.gradient_checkpointing_enable(gradient_checkpointing_kwargs=checkpoint_kwargs(offload_activations))
+        if offload_activations:  # a reentrant checkpoint passes gradients only to inputs that ask for them (LoRA)
+            policy.enable_input_require_grads()
     policy.config.use_cache = True
-    scorer = strategy.wrap(ResponseScorer(policy, kernel), trainable=True, compute_dtype=runtime.dtype,
-                           offload=cfg.actor.offload)
+    activations = HostActivations(runtime.backend.spec.pinned_offload) if offload_activations else None
+    packing = packing_settings(cfg, runtime, attn)  # model.use_remove_padding, actor.ulysses_sequence_parallel_size
+    scorer = strategy.wrap(ResponseScorer(policy, kernel, activations, **packing), trainable=True,
+                           compute_dtype=runtime.dtype, offload=cfg.actor.offload)
     if sharded:  # offloaded shards live in host memory
         materialize(scorer, runtime.device, policy_path, shards_on=_host_if(cfg.actor.offload))
     configure_routing(scorer, cfg.actor.router_replay, runtime.routes)  # a MoE policy's router replay
@@ -266,11 +272,19 @@ def build_models(cfg: Config, runtime: Runtime, strategy, tokenizer, run_dir: Pa
         ref.eval().requires_grad_(False)
         fit_experts_to_dtype(ref)  # a MoE reference in fp64 runs its experts eagerly (model/moe.py)
         _tower_attention(ref, cfg, runtime)
-        ref_scorer = strategy.wrap(ResponseScorer(ref, kernel), trainable=False, compute_dtype=runtime.dtype,
-                                   offload=cfg.actor.ref_offload)
+        ref_scorer = strategy.wrap(ResponseScorer(ref, kernel, **packing), trainable=False,
+                                   compute_dtype=runtime.dtype, offload=cfg.actor.ref_offload)
         if ref_sharded:
             materialize(ref_scorer, runtime.device, ref_path, shards_on=_host_if(cfg.actor.ref_offload))
     return Models(policy, scorer, ref, ref_scorer, strategy, kernel_name, is_lora)
+
+
+def packing_settings(cfg: Config, runtime: Runtime, attn: str) -> dict:
+    """The scorers' packing: padding removed or not, the backend's variable-length attention, and this rank's
+    sequence-parallel group (model/parallel.py), made once so the policy and the reference share it."""
+    sp = sequence_parallel_group(runtime.comm, cfg.actor.ulysses_sequence_parallel_size)
+    return {"remove_padding": cfg.model.use_remove_padding, "varlen": runtime.backend.varlen_attention(attn),
+            "sequence_parallel": sp}
 
 
 def _host_if(offload: bool) -> torch.device | None:

@@ -165,8 +165,9 @@ class ExperienceSettings:
                                   r.repetition_penalty)
 
         a = cfg.actor
-        budget = (a.log_prob_max_token_len_per_gpu or a.ppo_max_token_len_per_gpu) if a.use_dynamic_bsz else None
-        return cls(seed=cfg.trainer.seed, n=r.n, micro_batch_size=cfg.logprob_micro_batch(world_size),
+        sp = a.ulysses_sequence_parallel_size  # a group of sp ranks scores each micro-batch: its budget is sp ranks'
+        budget = (a.log_prob_max_token_len_per_gpu or a.ppo_max_token_len_per_gpu) * sp if a.use_dynamic_bsz else None
+        return cls(seed=cfg.trainer.seed, n=r.n, micro_batch_size=cfg.logprob_micro_batch(world_size // sp),
                    token_budget=budget,
                    temperature=r.temperature, sampling=sampling(r.temperature),
                    val_sampling=sampling(r.val_temperature), val_n=r.val_n, val_batch_size=cfg.data.train_batch_size,

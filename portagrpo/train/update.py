@@ -38,9 +38,10 @@ class UpdateSettings:
     @classmethod
     def from_config(cls, cfg: Config, world_size: int) -> "UpdateSettings":
         a = cfg.actor
+        sp = a.ulysses_sequence_parallel_size  # a group of sp ranks runs each micro-batch: its budget is sp ranks'
         return cls(seed=cfg.trainer.seed, ppo_epochs=a.ppo_epochs, mini_batch_size=a.ppo_mini_batch_size,
-                   micro_batch_size=cfg.micro_batch(world_size), grad_clip=a.grad_clip,
-                   token_budget=a.ppo_max_token_len_per_gpu if a.use_dynamic_bsz else None,
+                   micro_batch_size=cfg.micro_batch(world_size // sp), grad_clip=a.grad_clip,
+                   token_budget=a.ppo_max_token_len_per_gpu * sp if a.use_dynamic_bsz else None,
                    temperature=cfg.rollout.temperature,
                    entropy_coeff=a.entropy_coeff,
                    full_vocab_kl=a.use_kl_loss and a.kl_loss_type.rstrip("+") == "full",
@@ -117,6 +118,8 @@ class Updater:
         self.settings, self.runtime, self.objective, self.log = settings, runtime, objective, log
         self.scorer, self.ref_scorer, self.strategy = models.scorer, models.ref_scorer, models.strategy
         self.params, self.optimizer, self.scheduler = optim.params, optim.optimizer, optim.scheduler
+        group = getattr(self.scorer, "sequence_parallel", None)  # model/ulysses.py: ranks holding the same rows
+        self.sp, self.sp_rank = (1, 0) if group is None else (group.size, group.rank)
 
     def update(self, batch: TrainBatch, step: int) -> UpdateStats:
         """Update on `batch` (step `step`'s global batch): each rank takes its slice of every
@@ -132,13 +135,15 @@ class Updater:
             for epoch in range(s.ppo_epochs):
                 order = torch.randperm(batch.rollout.size, generator=g)
                 for mini_idx in order.split(s.mini_batch_size):
-                    shares = rank_shares(batch.rollout, mini_idx, comm.world_size, balance=s.token_budget is not None)
-                    rows = shares[comm.rank]
+                    # under sequence parallelism a group of ranks shares one row of the data-parallel split
+                    shares = rank_shares(batch.rollout, mini_idx, comm.world_size // self.sp,
+                                         balance=s.token_budget is not None)
+                    rows = shares[comm.rank // self.sp]
                     self._accumulate_gradients(batch.select(rows), sums, rows, seen if epoch == 0 else None,
                                                self._micro_count(batch.rollout, shares))
                     grad_norms.append(self._clip_and_step(step))
             n_updates = s.ppo_epochs * (batch.rollout.size // s.mini_batch_size)
-            m = sums.reduce(comm, self.runtime.device, n_updates)
+            m = sums.reduce(comm, self.runtime.device, n_updates * self.sp)  # a group's ranks add alike
             if seen is not None and comm.world_size > 1:  # every row was written by exactly one rank
                 seen = comm.all_reduce_sum(seen)
         self.scheduler.step()
@@ -164,7 +169,7 @@ class Updater:
         s = self.settings
         # Counts are whole numbers: reduced exactly as int64 (no vendor reduces float64 everywhere).
         counts = torch.stack(algo.loss_normalizers(mine.mask)).round().long()
-        n_tok, n_seq = self.runtime.comm.all_reduce_sum(counts).to(torch.float64).unbind()
+        n_tok, n_seq = (self.runtime.comm.all_reduce_sum(counts) // self.sp).to(torch.float64).unbind()
         self.optimizer.zero_grad(set_to_none=True)
         micros = micro_batches(mine.rollout, s.micro_batch_size, s.token_budget, count)
         for i, micro_idx in enumerate(micros):
@@ -172,7 +177,7 @@ class Updater:
             self.strategy.gradient_sync(self.scorer, enabled=not s.defer_grad_sync or i == len(micros) - 1)
             micro = mine.select(micro_idx)
             loss, m, logp = self.micro_loss(micro, n_tok, n_seq)
-            if seen is not None:
+            if seen is not None and self.sp_rank == 0:  # a sequence-parallel group's first rank speaks for it
                 seen.index_copy_(0, rows[micro_idx].to(seen.device), logp.to(seen.dtype))
             loss.backward()
             sums.add(m, sum(r for _, r in micro.rollout.host_lengths()))

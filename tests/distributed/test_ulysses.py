@@ -1,0 +1,47 @@
+"""Ulysses sequence parallelism on CPU ranks (gloo): a micro-batch's packed row split over 2 or 4 ranks gives the
+one-rank log-probs, and the group's gradients add up to the one-rank gradient, to fp64 rounding, for dense heads and
+for key/value heads fewer than the group (repeated), with activation offload too (tests/distributed/ulysses_worker.py).
+"""
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from portagrpo.tolerances import tolerance
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+from test_data_parallel import ENV  # noqa: E402
+
+
+def errors(out: Path, ranks: int, *args: str, env=None, device="cpu", dtype="fp64") -> list[dict]:
+    out.mkdir(parents=True, exist_ok=True)
+    cmd = [sys.executable, "-m", "portagrpo.launcher", "--nproc", str(ranks), str(HERE / "ulysses_worker.py"),
+           str(out), device, dtype, *args]
+    res = subprocess.run(cmd, env=env or ENV, capture_output=True, text=True, timeout=600, cwd="/")
+    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
+    return [json.loads((out / f"errors_rank{r}.json").read_text()) for r in range(ranks)]
+
+
+@pytest.mark.parametrize("ranks,sp,kv_heads,extra", [
+    (2, 2, 4, ()),  # dense: 4 heads, 2 each
+    (4, 4, 2, ()),  # GQA with 2 kv heads over 4 ranks: each repeated twice
+    (2, 2, 1, ("offload",)),  # one kv head, activation offload and reentrant checkpoints
+], ids=["sp2-dense", "sp4-gqa2", "sp2-mqa-offload"])
+def test_sequence_parallel_gradients_equal_one_rank(tmp_path, ranks, sp, kv_heads, extra):
+    for rank_errors in errors(tmp_path, ranks, str(sp), str(kv_heads), *extra):
+        rank_errors.pop("moved_bytes", None)
+        worst = max(rank_errors, key=rank_errors.get)
+        assert rank_errors["logp"] <= tolerance(torch.float64, "logprob"), rank_errors["logp"]
+        assert rank_errors[worst] <= tolerance(torch.float64, "grad"), (worst, rank_errors[worst])
+
+
+def test_heads_the_group_cannot_split_are_one_sentence():
+    from portagrpo.model.ulysses import check_heads
+
+    assert check_heads(8, 2, 4) is None and check_heads(8, 8, 4) is None and check_heads(8, 1, 8) is None
+    assert "must divide the model's 6 attention heads" in check_heads(6, 6, 4)
+    assert "one must divide the other" in check_heads(12, 3, 2)

@@ -1,0 +1,86 @@
+"""One rank of the Ulysses check (run by portagrpo.launcher): a tiny Llama scores one micro-batch of packed rows on
+every rank alone (sequence-parallel size 1, the reference) and then split over groups of SP ranks; the loss (a
+token-mean policy-gradient term plus an entropy bonus) is computed from the gathered per-token values, and the sum of
+each group's parameter gradients must equal the reference's.
+Usage: ulysses_worker.py OUT DEVICE DTYPE SP KV_HEADS [offload]. Writes errors_rank<r>.json: relative errors.
+"""
+import json
+import os
+import sys
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from portagrpo.backends import get_backend
+from portagrpo.backends.dist import init_collectives
+from portagrpo.kernels import logprob_impl
+from portagrpo.model.activations import HostActivations
+from portagrpo.model.scorer import ResponseScorer
+from portagrpo.model.ulysses import sequence_groups
+from portagrpo.tolerances import relative_error
+
+DTYPES = {"fp64": torch.float64, "fp32": torch.float32}
+# prompt and response lengths of the micro-batch's rows: sequences cross shard borders, one is cut mid-response
+LENGTHS = [(5, 9), (3, 2), (7, 13), (2, 1)]
+
+
+def batch(device, vocab: int):
+    g = torch.Generator().manual_seed(1)
+    p_max, t_max = max(p for p, _ in LENGTHS), max(r for _, r in LENGTHS)
+    ids = torch.randint(1, vocab, (len(LENGTHS), p_max + t_max), generator=g)
+    mask = torch.zeros_like(ids)
+    for i, (p, r) in enumerate(LENGTHS):
+        mask[i, p_max - p:p_max + r] = 1
+    adv = torch.randn(len(LENGTHS), generator=g)
+    return [x.to(device) for x in (ids, mask, ids[:, p_max:], mask[:, p_max:].bool(), adv)]
+
+
+def loss_and_grads(scorer, params, data):
+    ids, mask, resp, rmask, adv = data
+    counts = (int(mask.sum()), int(rmask.sum()))
+    logp, ent, _ = scorer(ids, mask, resp, rmask, 0.7, True, False, counts=counts, lengths=LENGTHS)
+    n = rmask.sum()
+    loss = -(logp * adv[:, None] * rmask).sum() / n - 0.01 * (ent * rmask).sum() / n
+    for p in params:
+        p.grad = None
+    loss.backward()
+    return logp.detach(), [p.grad.detach().clone() for p in params]
+
+
+def main() -> None:
+    out, device, dtype, sp, kv = Path(sys.argv[1]), sys.argv[2], DTYPES[sys.argv[3]], int(sys.argv[4]), int(sys.argv[5])
+    offload = "offload" in sys.argv[6:]
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    backend = get_backend(device)
+    comm = init_collectives(backend, 120.0)
+    dev = backend.device(comm.env.local_rank)
+    config = LlamaConfig(vocab_size=48, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=kv, attn_implementation="sdpa")
+    torch.manual_seed(0)
+    lm = LlamaForCausalLM(config).to(dtype=dtype).to(dev)
+    params = list(lm.parameters())
+    data = batch(dev, config.vocab_size)
+    ref_logp, ref = loss_and_grads(ResponseScorer(lm, logprob_impl("reference")), params, data)
+    group = sequence_groups(comm.world_size, comm.rank, sp)
+    acts = HostActivations(backend.spec.pinned_offload) if offload else None
+    if offload:
+        lm.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": True})
+        lm.train()
+    logp, grads = loss_and_grads(ResponseScorer(lm, logprob_impl("reference"), acts, sequence_parallel=group),
+                                 params, data)
+    errors = {"logp": relative_error(logp.cpu(), ref_logp.cpu())}
+    for (name, _), g, r in zip(lm.named_parameters(), grads, ref):
+        wire = g.to(torch.float32) if dtype == torch.float64 and device != "cpu" else g  # no fp64 collectives there
+        dist.all_reduce(wire, group=group.group)  # the group's partial gradients add up to the micro-batch's
+        errors[name] = relative_error(wire.to(dtype).cpu(), r.cpu())
+    if offload:
+        errors["moved_bytes"] = acts.moved_bytes
+    (out / f"errors_rank{comm.rank}.json").write_text(json.dumps(errors))
+    comm.close()
+
+
+if __name__ == "__main__":
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    main()
