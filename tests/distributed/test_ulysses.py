@@ -45,3 +45,23 @@ def test_heads_the_group_cannot_split_are_one_sentence():
     assert check_heads(8, 2, 4) is None and check_heads(8, 8, 4) is None and check_heads(8, 1, 8) is None
     assert "must divide the model's 6 attention heads" in check_heads(6, 6, 4)
     assert "one must divide the other" in check_heads(12, 3, 2)
+
+
+def test_verls_long_context_keys_map_to_real_settings():
+    from portagrpo.config.verl import translate
+
+    ar = "actor_rollout_ref."
+    out, notices, rejected = translate([(ar + "actor.ulysses_sequence_parallel_size", "2"),
+                                        (ar + "model.use_remove_padding", "True"),
+                                        (ar + "model.enable_activation_offload", "True")])
+    assert dict(out) == {"actor.ulysses_sequence_parallel_size": "2", "model.use_remove_padding": "True",
+                         "model.enable_activation_offload": "True"} and not rejected
+    assert not any("no effect" in n for n in notices)
+
+
+def test_a_packed_row_plan_splits_response_tokens_by_shard():
+    from portagrpo.model.ulysses import SequenceGroup, plan_row
+
+    row = plan_row([(3, 4), (2, 1)], SequenceGroup(None, 4, 1))  # 10 tokens padded to 12, shards of 3
+    assert row.seqlens == (7, 3, 2) and (row.start, row.stop) == (3, 6)
+    assert row.predicting == [2, 3, 4, 5, 8] and row.counts == [1, 3, 1, 0] and row.mine == (1, 4)
