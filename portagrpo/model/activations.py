@@ -28,13 +28,12 @@ class HostActivations:
         if not torch.is_grad_enabled():
             yield
             return
-        weights = {p.untyped_storage().data_ptr() for p in module.parameters() if p.device.type != "meta"}
+        weights = {id(p) for p in module.parameters()}
         self.moved_bytes = 0
 
         def pack(t: torch.Tensor):
             base = t if t._base is None else t._base
-            if t.device.type == "cpu" or isinstance(base, torch.nn.Parameter) or \
-                    t.untyped_storage().data_ptr() in weights:
+            if t.device.type == "cpu" or isinstance(base, torch.nn.Parameter) or id(base) in weights:
                 return t  # already in host memory, or a weight (FSDP2's gathered ones included): kept as it is
             host = torch.empty(t.shape, dtype=t.dtype, layout=t.layout, pin_memory=self.pinned)
             host.copy_(t, non_blocking=self.pinned)
