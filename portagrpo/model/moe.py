@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import contextlib
 from dataclasses import dataclass, field
-from typing import Iterator
+from typing import Iterable, Iterator
 
 import torch
 
@@ -418,3 +418,25 @@ def refuse_r3_engine(mode: str | None, engine: str) -> None:
         raise UserError(f"actor.router_replay=R3 replays the experts the sampler chose, and rollout.engine={engine} "
                         f"does not return them here (vLLM's enable_return_routed_experts needs its model runner V2, "
                         f"hence Triton, which its CPU build lacks); use rollout.engine=hf, or actor.router_replay=R2.")
+
+
+PACKED_EXPERTS = (".experts.gate_up_proj", ".experts.down_proj")
+
+
+def per_expert_names(named: Iterable[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:
+    """(name, tensor) pairs with transformers 5's packed experts split into the per-expert tensors of a Hugging Face
+    checkpoint, the names every vLLM MoE loader takes (a hub checkpoint's): `<layer>.mlp.experts.gate_up_proj`
+    [E, 2I, H] gives `experts.<e>.gate_proj.weight` (rows :I) and `experts.<e>.up_proj.weight` (rows I:),
+    `experts.down_proj` [E, H, I] gives `experts.<e>.down_proj.weight`. Views, no copies; other pairs pass through."""
+    for name, tensor in named:
+        if name.endswith(PACKED_EXPERTS[0]) and tensor.dim() == 3:
+            prefix, half = name[:-len("gate_up_proj")], tensor.shape[1] // 2
+            for e in range(tensor.shape[0]):
+                yield f"{prefix}{e}.gate_proj.weight", tensor[e, :half]
+                yield f"{prefix}{e}.up_proj.weight", tensor[e, half:]
+        elif name.endswith(PACKED_EXPERTS[1]) and tensor.dim() == 3:
+            prefix = name[:-len("down_proj")]
+            for e in range(tensor.shape[0]):
+                yield f"{prefix}{e}.down_proj.weight", tensor[e]
+        else:
+            yield name, tensor

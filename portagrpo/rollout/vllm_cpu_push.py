@@ -41,9 +41,11 @@ class CpuGemmWeights:
     loader that shards, transforms or splits a tensor: tensor parallel, some vision towers) every push goes through
     `load_weights`. The embedding's own GEMM (unused: it only looks tokens up) is never prepared again."""
 
-    def __init__(self, model, gemm_layers: list, dispatch, plain_layers: list | None = None) -> None:
+    def __init__(self, model, gemm_layers: list, dispatch, plain_layers: list | None = None,
+                 expert_layers: list | None = None) -> None:
         self.model, self.gemm_layers, self.dispatch = model, gemm_layers, dispatch
         self.plain_layers = plain_layers or []
+        self.expert_layers = expert_layers or []  # (MoE layer, its CPU experts' isa): packed again after each push
         self.plan: dict[str, list[torch.Tensor]] | None = None  # name -> views it is copied into, once recorded
         self.recorded = False
         self._fill_map: dict[str, list] | None = None  # name -> prepared layers whose weight it writes into
@@ -110,7 +112,7 @@ class CpuGemmWeights:
         gemm = [m for m in dispatched if isinstance(m, ParallelLMHead) or (
             isinstance(m.quant_method, UnquantizedLinearMethod) and not getattr(m, "_cpu_skip_gemm_dispatch", False))]
         return cls(model, [m for m in gemm if m.cpu_linear is not _plain_linear], dispatch_cpu_unquantized_gemm,
-                   [m for m in gemm if m.cpu_linear is _plain_linear])
+                   [m for m in gemm if m.cpu_linear is _plain_linear], cpu_expert_layers(model))
 
     @torch.no_grad()
     def load(self, named: Iterable[tuple[str, torch.Tensor]]) -> int:
@@ -120,8 +122,22 @@ class CpuGemmWeights:
         if self.plan is None:
             count = self.write(named)
             self.prepare()
-            return count
-        return self.write(named, prepare=True)
+        else:
+            count = self.write(named, prepare=True)
+        self.pack_experts()
+        return count
+
+    def pack_experts(self) -> None:
+        """A mixture-of-experts layer's experts in vLLM's CPU kernel layout again. vLLM's CPU experts
+        (CPUUnquantizedExperts) repack w13/w2 into their grouped-GEMM layout once, when the engine is built, and a
+        weight update does not repack them; the push writes checkpoint layout into those very tensors (every expert,
+        whole), so each is packed again here from a copy of what was written."""
+        import vllm._custom_ops  # noqa: F401 - registers torch.ops._C
+
+        for layer, isa in self.expert_layers:
+            for name in ("w13_weight", "w2_weight"):
+                live = getattr(layer, name).data
+                torch.ops._C.prepack_moe_weight(live.clone(), live, isa)
 
     @torch.no_grad()
     def write(self, named: Iterable[tuple[str, torch.Tensor]], prepare: bool = False) -> int:
@@ -206,6 +222,31 @@ class CpuGemmWeights:
         self.plan = plan
         tensors.clear()
         return count
+
+
+def cpu_expert_layers(model) -> list:
+    """(layer, isa) of each MoE layer whose experts run vLLM's CPU grouped-GEMM kernel on prepacked weights; a layer
+    whose intermediate size vLLM pads for that kernel is refused (a push could not write its padded rows)."""
+    try:
+        from vllm.model_executor.layers.fused_moe.experts.cpu_moe import CPUUnquantizedExperts
+    except ImportError:
+        return []
+    out = []
+    for module in model.modules():
+        kernel = getattr(getattr(module, "quant_method", None), "moe_kernel", None)
+        experts = getattr(kernel, "fused_experts", None)
+        if not isinstance(experts, CPUUnquantizedExperts) or getattr(experts, "_use_zentorch", False):
+            continue
+        config = module.moe_config
+        if experts._padded_intermediate_size(config) != config.intermediate_size_per_partition:
+            from portagrpo.errors import UserError
+
+            raise UserError(f"vLLM's CPU build pads this model's expert intermediate size "
+                            f"{config.intermediate_size_per_partition} to a multiple of "
+                            f"{experts._intermediate_alignment()}, where a weight push cannot write; train it with "
+                            f"rollout.engine=hf on the CPU.")
+        out.append((module, experts.isa))
+    return out
 
 
 def _identity(tensor: torch.Tensor) -> tuple:

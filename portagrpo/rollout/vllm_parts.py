@@ -17,7 +17,14 @@ from portagrpo.rollout.engines import (
     hf_weight_names,
 )
 
-vllm_weight_names = hf_weight_names  # vLLM loads checkpoints by their Hugging Face names
+
+
+def vllm_weight_names(state, *, tied_embeddings: bool):
+    """vLLM loads checkpoints by their Hugging Face names (`hf_weight_names`), and a mixture-of-experts policy's
+    packed experts by a hub checkpoint's per-expert names (model/moe.py: `per_expert_names`)."""
+    from portagrpo.model.moe import per_expert_names
+
+    return per_expert_names(hf_weight_names(state, tied_embeddings=tied_embeddings))
 
 def sampling_kwargs(
     params: SamplingParams, *, seed: int | None, stop_token_ids: list[int], n: int = 1

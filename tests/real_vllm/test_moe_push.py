@@ -1,0 +1,97 @@
+"""A tiny Qwen3-MoE (4 experts, top-2) pushed into real vLLM's CPU build: the packed experts go under a hub
+checkpoint's per-expert names (model/moe.py: per_expert_names) and vLLM's CPU experts are packed again into their
+kernel layout after every push (rollout/vllm_cpu_push.py: CpuGemmWeights.pack_experts). Without that repack the
+engine computes with the dummy weights it was built from: the step-1 gap issue 43 saw.
+- just after a push the sampler's log-probs equal the trainer's (fp32), through vLLM's loader and the direct copy;
+- after an update of the experts alone that was not pushed they differ, and equal again once it is pushed;
+- a push that skips the repack leaves a gap of whole hundredths of a nat."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from portagrpo.rollout.engines import SamplingParams
+from portagrpo.tolerances import assert_close, relative_error, tolerance
+
+pytestmark = pytest.mark.real_vllm
+
+
+@pytest.fixture(scope="module")
+def moe_dir(tmp_path_factory, tokenizer):
+    from portagrpo.config import ModelConfig, TinyModelConfig
+    from portagrpo.model.loading import build_tiny_model
+
+    path = tmp_path_factory.mktemp("qwen3_moe")
+    build_tiny_model(ModelConfig(tiny=TinyModelConfig(moe="qwen3_moe")), tokenizer, 7).save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    return path
+
+
+@pytest.fixture(scope="module")
+def engine(moe_dir, tokenizer):
+    from portagrpo.rollout.vllm import VLLMRollout
+
+    return VLLMRollout(None, tokenizer, None, model_path=str(moe_dir), dtype="float32", max_model_len=256,
+                       tied_embeddings=True, sleep_mode=False)
+
+
+@pytest.fixture(scope="module")
+def policy(moe_dir):
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(moe_dir, dtype=torch.float32).eval()
+
+
+def _gap(engine, policy) -> tuple[torch.Tensor, torch.Tensor]:
+    ids = torch.randint(5, 60, (4, 12), generator=torch.Generator().manual_seed(5))
+    sampled = engine.generate(ids, torch.ones_like(ids), SamplingParams(8, 1.0))
+    with torch.no_grad():
+        logits = policy(input_ids=torch.cat([ids, sampled.responses], dim=1)).logits.float()
+    ours = torch.log_softmax(logits[:, ids.shape[1] - 1:-1], dim=-1).gather(
+        2, sampled.responses.unsqueeze(2)).squeeze(2)
+    mask = sampled.mask.bool()
+    return sampled.logp[mask], ours[mask]
+
+
+def _perturb_experts(policy, seed: int) -> None:
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in policy.named_parameters():
+            if ".experts." in name:
+                p.add_(torch.randn(p.shape, generator=g) * 0.2)
+
+
+def test_the_packed_experts_push_under_per_expert_names_and_are_repacked(engine, policy):
+    from portagrpo.model.moe import per_expert_names
+
+    gemms = engine.in_place
+    assert gemms is not None and len(gemms.expert_layers) == 2, "vLLM's CPU experts were not found"
+    names = dict(per_expert_names(policy.state_dict().items()))
+    assert "model.layers.0.mlp.experts.3.up_proj.weight" in names and not any(n.endswith("gate_up_proj")
+                                                                             for n in names)
+    assert engine.update_weights(policy.state_dict().items()) > 0
+    assert gemms.plan is not None, "vLLM's loader did something a direct copy cannot repeat"
+    assert_close(*_gap(engine, policy), torch.float32, "logprob", "sampler vs trainer just after the first push")
+
+
+def test_an_expert_update_shows_until_pushed(engine, policy):
+    _perturb_experts(policy, 1)
+    stale = relative_error(*_gap(engine, policy))
+    assert stale > 10 * tolerance(torch.float32, "logprob"), stale
+    engine.update_weights(policy.state_dict().items())  # the direct copy, then the repack
+    assert_close(*_gap(engine, policy), torch.float32, "logprob", "sampler vs trainer after pushing the experts")
+
+
+def test_a_push_without_the_repack_is_the_step_1_gap(engine, policy):
+    gemms = engine.in_place
+    _perturb_experts(policy, 2)
+    packer = gemms.pack_experts
+    gemms.pack_experts = lambda: None
+    try:
+        engine.update_weights(policy.state_dict().items())
+        sampler, trainer = _gap(engine, policy)
+    finally:
+        gemms.pack_experts = packer
+    assert (sampler - trainer).abs().mean() > 1e-3
+    engine.update_weights(policy.state_dict().items())
+    assert_close(*_gap(engine, policy), torch.float32, "logprob", "sampler vs trainer once repacked")
