@@ -35,7 +35,7 @@ class HostActivations:
             base = t if t._base is None else t._base
             if t.device.type == "cpu" or isinstance(base, torch.nn.Parameter) or id(base) in weights:
                 return t  # already in host memory, or a weight (FSDP2's gathered ones included): kept as it is
-            host = torch.empty(t.shape, dtype=t.dtype, layout=t.layout, pin_memory=self.pinned)
+            host = self._host_like(t)
             host.copy_(t, non_blocking=self.pinned)
             self.moved_bytes += t.numel() * t.element_size()
             return t.device, host
@@ -48,6 +48,17 @@ class HostActivations:
 
         with torch.autograd.graph.saved_tensors_hooks(pack, unpack):
             yield
+
+
+    def _host_like(self, t: torch.Tensor) -> torch.Tensor:
+        if self.pinned:
+            try:
+                return torch.empty(t.shape, dtype=t.dtype, layout=t.layout, pin_memory=True)
+            except (NotImplementedError, RuntimeError):
+                # a runtime without a page-locked allocator for its device (the simulated Ascend's PrivateUse1 one):
+                # pageable memory, copied synchronously, from here on
+                self.pinned = False
+        return torch.empty(t.shape, dtype=t.dtype, layout=t.layout)
 
 
 def checkpoint_kwargs(offload: bool) -> dict | None:
