@@ -90,6 +90,16 @@ def _dry_run(config_path, overrides: list[str]) -> int:
             print(f"  on this machine, a run would stop: {too_many}")
     for missing in missing_files(cfg):
         print(f"  to provide before training: {missing}")
+    if t.device_memory_gb is not None:  # the cluster the recipe is planned for: its memory plan (portagrpo plan)
+        from portagrpo.tools.plan import describe, plan_config
+
+        memory, source = plan_config(cfg)
+        for line in describe(memory, source):
+            print(f"  {line}")
+        if not memory.fits:
+            raise UserError(f"the memory plan does not fit trainer.device_memory_gb={t.device_memory_gb:g} (peak "
+                            f"{memory.peak.total / 2**30:.1f} GiB in {memory.peak.name}); change a setting the plan "
+                            f"lists above, or plan for a larger cluster.")
     return 0
 
 
@@ -228,6 +238,12 @@ def _tool(module: str, drop: int = 0):
 BENCHMARKS = {"kernels": "portagrpo.tools.bench", "step": "portagrpo.tools.bench_step"}
 
 
+def cmd_plan(args) -> int:
+    from portagrpo.tools.plan import cmd_plan as run
+
+    return run(args)
+
+
 def cmd_bench(argv: list[str]) -> int:
     usage = (
         "usage: portagrpo bench kernels|step ...\n  step     the whole GRPO step by phase against its FLOP floor "
@@ -253,6 +269,8 @@ class Command:
 COMMANDS: dict[str, Command] = {
     "train": Command("train a policy with GRPO/DrGRPO", cmd_train, parsed=True),
     "doctor": Command("what this machine has, per backend", cmd_doctor, parsed=True),
+    "plan": Command("the memory plan of a run: each device's peak per phase, and whether it fits", cmd_plan,
+                    parsed=True),
     "parity": Command(
         "compare this backend with the float64 golden (`portagrpo parity --help`)", _tool("portagrpo.tools.parity")
     ),
@@ -295,6 +313,10 @@ def build_parser() -> argparse.ArgumentParser:
             d.add_argument(
                 "--require", metavar="BACKEND", help="exit 1 unless this backend is usable (image health checks)"
             )
+        elif name == "plan":
+            from portagrpo.tools.plan import add_parser
+
+            add_parser(sub)
         else:
             sub.add_parser(name, help=command.help)
     return parser

@@ -1,0 +1,331 @@
+"""The memory plan of a run, before it starts: what each rank holds on its device, phase by phase, and what each node
+holds in host memory, from the model's config.json (an empty model on the meta device: no weights read) and the run's
+config. Pure arithmetic over a `ModelShape` and a `RunShape`; `portagrpo plan` (tools/plan.py) prints it.
+
+The terms, per rank (F: the ranks one FSDP2 shard group spans, 1 without FSDP2; bm: the master dtype's bytes, 4;
+bc: the compute dtype's, model.dtype):
+- states: the policy's parameters bm*P/F, AdamW's two moments 2*bm*P_train/F, the reference bc*P/F (none with LoRA,
+  whose reference is the base under the adapter), gradients bm*P_train/F during the update (bm*P_train whole with
+  actor.use_no_sync_for_gradient_accumulation, the unsharded gradients FSDP2 accumulates). actor.offload moves the
+  policy's three to host memory, actor.ref_offload the reference's.
+- FSDP2's gathers: a forward holds the root unit (embeddings, final norm, LM head) and about three decoder layers
+  unsharded in the compute dtype (the layer running, the next one prefetched, the all-gather's output buffer); a
+  backward also holds a layer's unsharded gradients and the reduce-scatter's fp32 input.
+- activations of one micro-batch: per token and layer, what a Llama-style layer saves for backward
+  (ACT_H_COMPUTE compute-dtype and ACT_H_FP32 fp32 tensors of the hidden size, ACT_I tensors of the MLP width, and,
+  where the backend's attention keeps its scores, heads x sequence length); with gradient checkpointing only each
+  layer's input (GC_H tensors of the hidden size), plus one layer recomputed in full; the log-prob kernel's chunk of
+  logits (kernels/chunked.py) and its gradient.
+- the rollout: the hf engine samples with the training model, gathered whole (bc*P plus one layer's gather buffer)
+  with its KV cache; vLLM takes rollout.vllm_gpu_memory_utilization of the device while it samples and, where the
+  backend has sleep mode, nothing while it sleeps; its weights (bc*P / tensor-parallel size) are awake for the push.
+
+The constants were fitted to the emulated device's byte counts (tests/emulated/test_memory_plan.py keeps the plan
+within 15% of what 2 and 4 emulated ranks measure, phase by phase, on three model shapes); docs/memory.md has the
+model, the figures and what each knob costs.
+"""
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+GIB = 2**30
+DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2, "fp64": 8}
+
+# per token and decoder layer, what training saves for backward (fitted on the emulated device, Llama layers)
+ACT_H_COMPUTE = 4.5  # tensors of the hidden size in the compute dtype (inputs of the projections, q/k/v, outputs)
+ACT_H_FP32 = 7.5  # fp32 tensors of the hidden size (RMSNorm computes in fp32 and keeps its normalised input)
+ACT_I = 4.0  # tensors of the MLP width (gate, up, the activation, their product)
+FWD_I, FWD_H = 2.0, 2.0  # a forward without gradients: a layer's working set, MLP-width and hidden-size tensors
+GC_H = 2.0  # with gradient checkpointing: a layer's saved input (and its rotary inputs), hidden-size tensors
+FWD_GATHER_UNITS = 3.0  # FSDP2 forward: layers unsharded at once (running, prefetched, all-gather output)
+BWD_GATHER_UNITS = 2.4  # FSDP2 backward: layer-sized compute-dtype tensors at once (parameters, their gradients)
+BWD_GRAD_UNITS = 1.1  # ... and layer-sized fp32 ones (the reduce-scatter's input and output)
+GEN_GATHER_UNITS = 0.5  # the hf engine's whole-model gather: an all-gather buffer on top, on average half a layer
+ADAM_TEMP = 1.0  # AdamW's foreach step: one temporary the size of the parameters it updates (fp32)
+LOGITS_CHUNK_ELEMENTS = 2**25  # kernels/chunked.py's chunk of logits (fp32), and its gradient in the backward
+HOST_BUFFER_GB = 4.0  # a rank's host-side working set besides offloaded states (Python, CUDA context, loaders)
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    """What the plan needs of a model, counted from its config.json on the meta device."""
+
+    name: str
+    params: int  # parameters, each tied tensor once
+    unit_params: int  # the largest FSDP2 unit: a decoder layer or a vision block
+    root_params: int  # parameters outside the units (embeddings, final norm, LM head, the vision merger)
+    vision_params: int  # the vision tower's
+    layers: int
+    hidden: int
+    mlp_width: int  # MLP width a token goes through (an MoE: experts per token x expert width, + shared experts)
+    heads: int
+    kv_heads: int
+    head_dim: int
+    vocab: int
+    experts: int = 0  # routed experts per MoE layer (0: dense)
+    experts_per_token: int = 0
+    active_params: int = 0  # parameters one token uses (an MoE's routed experts counted top-k of E)
+
+    @property
+    def is_moe(self) -> bool:
+        return self.experts > 0
+
+
+@dataclass(frozen=True)
+class Cluster:
+    nodes: int
+    devices_per_node: int
+    device_memory_gb: float
+    host_memory_gb: float  # per node
+
+    @property
+    def world(self) -> int:
+        return self.nodes * self.devices_per_node
+
+
+@dataclass(frozen=True)
+class RunShape:
+    """The settings of a run that decide its memory, read from its config (`from_config`)."""
+
+    strategy: str  # fsdp2 | ddp | none
+    shard_group: int  # ranks one FSDP2 shard group spans (F)
+    master_bytes: int
+    compute_bytes: int
+    trainable_params: int
+    has_ref: bool
+    offload: bool
+    ref_offload: bool
+    no_sync: bool  # unsharded gradients kept across a mini-batch's micro-batches
+    accumulation: int  # micro-batches per optimizer step on a rank
+    update_tokens: int  # tokens of one update micro-batch (rows x padded width, or the dynamic token budget)
+    update_rows: int
+    scoring_tokens: int
+    scoring_rows: int
+    seq_len: int  # prompt + response, padded
+    gradient_checkpointing: bool
+    activation_offload: bool
+    engine: str  # hf | vllm | other
+    rollout_rows: int  # responses one rank samples in a step (the hf engine's KV cache)
+    vllm_fraction: float
+    vllm_sleeps: bool
+    tensor_parallel: int
+    attention_keeps_scores: bool  # the backend's attention saves heads x length x length (a math/eager path)
+    sequence_parallel: int = 1
+
+
+@dataclass
+class PhasePlan:
+    name: str
+    items: dict[str, float] = field(default_factory=dict)  # bytes per rank
+
+    @property
+    def total(self) -> float:
+        return sum(self.items.values())
+
+
+@dataclass
+class Plan:
+    model: ModelShape
+    cluster: Cluster
+    run: RunShape
+    phases: list[PhasePlan]
+    host_per_node: dict[str, float]
+    advice: list[str]
+
+    @property
+    def peak(self) -> PhasePlan:
+        return max(self.phases, key=lambda p: p.total)
+
+    @property
+    def fits_device(self) -> bool:
+        return self.peak.total <= self.cluster.device_memory_gb * GIB
+
+    @property
+    def fits_host(self) -> bool:
+        return sum(self.host_per_node.values()) <= self.cluster.host_memory_gb * GIB
+
+    @property
+    def fits(self) -> bool:
+        return self.fits_device and self.fits_host
+
+    def as_json(self) -> dict[str, Any]:
+        return {
+            "model": asdict(self.model), "cluster": asdict(self.cluster), "run": asdict(self.run),
+            "phases": {p.name: {"peak_gib": p.total / GIB, "items_gib": {k: v / GIB for k, v in p.items.items()}}
+                       for p in self.phases},
+            "peak_phase": self.peak.name, "peak_gib": self.peak.total / GIB,
+            "host_per_node_gib": {k: v / GIB for k, v in self.host_per_node.items()},
+            "fits_device": self.fits_device, "fits_host": self.fits_host, "fits": self.fits, "advice": self.advice,
+        }
+
+
+def layer_activation_bytes(m: ModelShape, r: RunShape, tokens: int, seq_len: int) -> float:
+    """What one decoder layer saves for backward over `tokens` tokens of rows `seq_len` long (no checkpointing)."""
+    per_token = (ACT_H_COMPUTE * r.compute_bytes * m.hidden + ACT_H_FP32 * 4 * m.hidden
+                 + ACT_I * r.compute_bytes * m.mlp_width)
+    if r.attention_keeps_scores:
+        per_token += m.heads * seq_len * r.compute_bytes
+    if m.is_moe:
+        per_token += 2 * 4 * m.experts  # router logits and probabilities, fp32
+    return per_token * tokens / max(r.sequence_parallel, 1)
+
+
+def activations(m: ModelShape, r: RunShape, tokens: int, rows: int, training: bool) -> dict[str, float]:
+    """One micro-batch's activations on a rank: saved for backward (training), or a forward's working set."""
+    seq = r.seq_len
+    one_layer = layer_activation_bytes(m, r, tokens, seq)
+    logits = min(LOGITS_CHUNK_ELEMENTS, max(tokens, 1) * m.vocab) * 4
+    hidden_out = tokens * m.hidden * 4 / max(r.sequence_parallel, 1)  # final hidden states, upcast for the kernel
+    if not training:  # nothing saved: a layer's working set, its MLP's two widest tensors and two of the hidden size
+        per_token = r.compute_bytes * (FWD_I * m.mlp_width + FWD_H * m.hidden)
+        if r.attention_keeps_scores:
+            per_token += m.heads * seq * r.compute_bytes
+        working = per_token * tokens / max(r.sequence_parallel, 1)
+        return {"one layer's working set (forward only)": working, "logits chunk": logits,
+                "final hidden states": hidden_out}
+    if r.gradient_checkpointing:
+        saved = m.layers * GC_H * r.compute_bytes * m.hidden * tokens / max(r.sequence_parallel, 1)
+        recompute = one_layer
+    else:
+        saved, recompute = m.layers * one_layer, 0.0
+    if r.activation_offload:
+        saved = saved / m.layers  # each layer's saved tensors go to host memory; one layer's on the device
+    out = {"saved activations": saved, "logits chunk and its gradient": 2 * logits, "final hidden states": hidden_out}
+    if recompute:
+        out["one layer recomputed"] = recompute
+    return out
+
+
+def plan(m: ModelShape, cluster: Cluster, r: RunShape) -> Plan:
+    """The plan of `r` on `cluster`, with the settings that would make it fit when it does not."""
+    phases, host = _phases(m, cluster, r)
+    out = Plan(m, cluster, r, phases, host, [])
+    out.advice = advise(out)
+    return out
+
+
+def _phases(m: ModelShape, cluster: Cluster, r: RunShape) -> tuple[list[PhasePlan], dict[str, float]]:
+    F = r.shard_group if r.strategy == "fsdp2" else 1
+    bm, bc = r.master_bytes, r.compute_bytes
+    P, Ptr = m.params, r.trainable_params
+    policy = 0.0 if r.offload else bm * P / F
+    optimizer = 0.0 if r.offload else 2 * bm * Ptr / F
+    reference = (0.0 if r.ref_offload else bc * P / F) if r.has_ref else 0.0
+    grads = 0.0 if r.offload else bm * Ptr / F
+    if r.no_sync and r.accumulation > 1 and r.strategy == "fsdp2":
+        grads = bm * Ptr  # unsharded, kept across the micro-batches (on the device even with offload)
+    fsdp = r.strategy == "fsdp2"
+    unit, root = m.unit_params, m.root_params
+    fwd_gather = (root + FWD_GATHER_UNITS * unit) * bc if fsdp else 0.0
+    bwd_gather = ((root + BWD_GATHER_UNITS * unit) * bc + BWD_GRAD_UNITS * unit * 4) if fsdp else 0.0
+
+    states = {"policy parameters": policy, "reference parameters": reference}
+    steady = {**states, "optimizer state (AdamW)": optimizer}
+    phases: list[PhasePlan] = []
+
+    load = dict(states)
+    if not fsdp:
+        load["policy parameters"] = bm * P  # whole on every rank
+    phases.append(PhasePlan("load", load))
+
+    push = dict(steady)
+    if r.engine == "vllm":
+        push["vLLM weights (awake for the push)"] = bc * P / max(r.tensor_parallel, 1)
+        if fsdp:
+            push["one layer's tensors gathered for the push"] = unit * bc
+    phases.append(PhasePlan("push", push))
+
+    rollout = dict(steady)
+    if r.engine == "vllm":
+        rollout["vLLM (weights, KV cache, its activations)"] = r.vllm_fraction * cluster.device_memory_gb * GIB
+    elif r.engine == "hf":
+        if fsdp:
+            rollout["the policy gathered whole for sampling"] = bc * P + GEN_GATHER_UNITS * unit * bc
+        rollout["KV cache"] = (2 * m.layers * m.kv_heads * m.head_dim * bc * r.rollout_rows * r.seq_len)
+    phases.append(PhasePlan("rollout", rollout))
+
+    scoring = dict(steady)
+    scoring["FSDP2 gathered units"] = fwd_gather
+    scoring.update(activations(m, r, r.scoring_tokens, r.scoring_rows, training=False))
+    phases.append(PhasePlan("scoring", scoring))
+
+    # The update's peak is in a micro-batch's forward (its activations saved so far and the layers gathered) or in
+    # its backward (all of them saved, a layer's parameters and gradients unsharded), with the gradients of the
+    # mini-batch's earlier micro-batches held; or in AdamW's step (gradients and its temporaries, no activations).
+    acts = activations(m, r, r.update_tokens, r.update_rows, training=True)
+    update = dict(steady)
+    if r.accumulation > 1 or (r.no_sync and fsdp):
+        update["gradients of the earlier micro-batches"] = grads
+    update.update(acts)
+    update["FSDP2 gathered units and unsharded gradients"] = max(fwd_gather, bwd_gather)
+    if not fsdp and r.strategy == "ddp":
+        update["gradient all-reduce buffers"] = 2 * bm * Ptr  # the flat buffer and the summed copies
+    step = dict(steady)
+    step["gradients"] = grads
+    step["AdamW's step temporaries"] = 0.0 if r.offload else ADAM_TEMP * bm * Ptr / F
+    if sum(step.values()) > sum(update.values()):
+        update = step
+    phases.append(PhasePlan("update", update))
+
+    phases.append(PhasePlan("checkpoint", dict(steady)))
+
+    ranks_per_node = cluster.devices_per_node
+    host = {"working set of each rank": HOST_BUFFER_GB * GIB * ranks_per_node}
+    if r.offload:
+        host["offloaded policy, gradients and AdamW state"] = 4 * bm * P / F * ranks_per_node
+    if r.ref_offload and r.has_ref:
+        host["offloaded reference"] = bc * P / F * ranks_per_node
+    host["checkpoint staging (one rank's shards at a time)"] = (bm * P + 2 * bm * Ptr) / F * ranks_per_node \
+        if fsdp else (bm * P + 2 * bm * Ptr)
+    return phases, host
+
+
+def advise(p: Plan) -> list[str]:
+    """Settings that would make a plan that does not fit fit, cheapest first, each checked by planning it."""
+    if p.fits:
+        return []
+    from dataclasses import replace
+
+    cap = p.cluster.device_memory_gb * GIB
+    tries: list[tuple[str, RunShape]] = []
+    r = p.run
+    if r.no_sync:
+        tries.append(("actor.use_no_sync_for_gradient_accumulation=false", replace(r, no_sync=False)))
+    if not r.gradient_checkpointing:
+        tries.append(("model.gradient_checkpointing=true", replace(r, gradient_checkpointing=True)))
+    if r.has_ref and not r.ref_offload and r.strategy == "fsdp2":
+        tries.append(("actor.ref_offload=true", replace(r, ref_offload=True)))
+    if r.engine == "vllm" and r.vllm_fraction > 0.3:
+        tries.append(("rollout.vllm_gpu_memory_utilization=0.3", replace(r, vllm_fraction=0.3)))
+    if r.update_rows > 1:
+        half = max(1, r.update_rows // 2)
+        tries.append((f"actor.micro_batch_size={half}",
+                      replace(r, update_rows=half, update_tokens=r.update_tokens * half // r.update_rows)))
+    if not r.offload and r.strategy == "fsdp2":
+        tries.append(("actor.offload=true", replace(r, offload=True)))
+    out = []
+    for setting, run in tries:
+        trial = plan_fits(p.model, p.cluster, run)
+        if trial is not None:
+            out.append(f"{setting} (peak {trial / GIB:.1f} GiB of {cap / GIB:.0f})")
+    if not out:
+        out.append("none of the single settings tried fits: more devices (trainer.nnodes), offload with a shorter "
+                   "response length, or a smaller model")
+    return out
+
+
+def plan_fits(m: ModelShape, cluster: Cluster, r: RunShape) -> float | None:
+    """The device peak of `r` when it fits `cluster`, else None."""
+    peak = max(ph.total for ph in _phases(m, cluster, r)[0])
+    return peak if peak <= cluster.device_memory_gb * GIB else None
+
+
+def ceil_div(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def gib(x: float) -> str:
+    return f"{x / GIB:.2f}" if x < 10 * GIB else f"{x / GIB:.1f}"
+
+

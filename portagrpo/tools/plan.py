@@ -1,0 +1,230 @@
+"""`portagrpo plan`: the memory plan of a run before it starts (portagrpo/model/memory_plan.py has the model).
+
+    portagrpo plan --config C [overrides] [--nodes N --devices-per-node D --device-memory-gb M --host-memory-gb H]
+                   [--json F]
+
+The model is read from its config.json alone (a directory without weights is enough); where model.path has none
+on this machine, the shape of a well-known model of the same name shipped with portagrpo (tools/model_shapes/) is
+used, and the plan says so. The cluster comes from the flags, else from the config (trainer.nnodes,
+trainer.devices_per_node or trainer.nproc_per_node, trainer.device_memory_gb, trainer.host_memory_gb).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+from typing import Any
+
+from portagrpo.errors import UserError
+from portagrpo.model.memory_plan import DTYPE_BYTES, GIB, Cluster, ModelShape, Plan, RunShape, plan
+
+SHAPES = Path(__file__).resolve().parent / "model_shapes"
+
+
+def shipped_shape_names() -> list[str]:
+    return sorted(p.stem for p in SHAPES.glob("*.json"))
+
+
+def _config_source(cfg) -> tuple[Any, str]:
+    """(a transformers config, where it came from) of the run's policy."""
+    from transformers import AutoConfig
+
+    path = cfg.model.path
+    if path is None:
+        return None, "the built-in tiny model (model.tiny)"
+    local = Path(path)
+    if (local / "config.json").is_file():
+        return AutoConfig.from_pretrained(str(local), local_files_only=True), f"{local / 'config.json'}"
+    shipped = SHAPES / f"{local.name}.json"
+    if shipped.is_file():
+        data = json.loads(shipped.read_text())
+        data.pop("_comment", None)
+        return AutoConfig.for_model(data.pop("model_type"), **data), \
+            f"the shipped shape of {local.name} ({path} has no config.json here)"
+    raise UserError(f"model.path={path!r} has no config.json on this machine and {local.name!r} is not a shape "
+                    f"portagrpo ships ({', '.join(shipped_shape_names())}); copy the model's config.json (no weights "
+                    f"needed) into {path}, or plan on a machine that has it.")
+
+
+def _empty(config):
+    """The model on the meta device, as training builds it (the vision-language class for a config with a vision
+    tower)."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    if "vision_config" in config.to_dict():
+        from transformers import AutoModelForImageTextToText as auto
+    else:
+        auto = AutoModelForCausalLM
+    with torch.device("meta"):
+        return auto.from_config(config)
+
+
+def _tiny_model(cfg):
+    from portagrpo.model.loading import build_tiny_model, load_tokenizer
+    from portagrpo.model.vision import build_tiny_vl_model
+
+    tokenizer = load_tokenizer(cfg.model.tokenizer_path or cfg.model.path, "model.path")
+    if cfg.model.tiny.vision:
+        return build_tiny_vl_model(cfg.model.tiny, tokenizer, cfg.trainer.seed)
+    return build_tiny_model(cfg.model, tokenizer, cfg.trainer.seed)
+
+
+def model_shape(cfg) -> tuple[ModelShape, Any, str]:
+    """(the shape, the empty model, where its config came from)."""
+    from portagrpo.model.loading import decoder_of
+    from portagrpo.model.vision import is_vision_language, vision_blocks, vision_tower
+
+    config, source = _config_source(cfg)
+    model = _tiny_model(cfg) if config is None else _empty(config)
+    params = sum(p.numel() for p in model.parameters())  # a tied tensor once
+    units = [*vision_blocks(model), *getattr(decoder_of(model), "layers", [])]
+    unit_sizes = [sum(p.numel() for p in u.parameters()) for u in units]
+    vision = sum(p.numel() for p in vision_tower(model).parameters()) if is_vision_language(model) else 0
+    text = model.config.get_text_config()
+    heads = text.num_attention_heads
+    head_dim = getattr(text, "head_dim", None) or text.hidden_size // heads
+    experts = int(getattr(text, "num_experts", 0) or getattr(text, "n_routed_experts", 0) or 0)
+    top_k = int(getattr(text, "num_experts_per_tok", 0) or 0)
+    expert_params = sum(p.numel() for n, p in model.named_parameters() if ".experts." in n or n.endswith(".experts"))
+    if experts:
+        shared = int(getattr(text, "shared_expert_intermediate_size", 0) or 0)
+        mlp = top_k * int(text.moe_intermediate_size) + shared
+        active = params - expert_params + expert_params * top_k // experts
+    else:
+        mlp, active = int(text.intermediate_size), params
+    layers = text.num_hidden_layers
+    shape = ModelShape(
+        name=Path(cfg.model.path).name if cfg.model.path else "tiny", params=params,
+        unit_params=max(unit_sizes, default=0), root_params=params - sum(unit_sizes), vision_params=vision,
+        layers=layers, hidden=text.hidden_size, mlp_width=mlp, heads=heads,
+        kv_heads=getattr(text, "num_key_value_heads", None) or heads, head_dim=head_dim, vocab=text.vocab_size,
+        experts=experts, experts_per_token=top_k, active_params=active)
+    return shape, model, source
+
+
+def _lora_params(model, lora) -> int:
+    """Parameters LoRA adds (and trains): rank x (in + out) for every linear layer its target modules name."""
+    import torch
+
+    total = 0
+    for name, module in model.named_modules():
+        if isinstance(module, torch.nn.Linear) and name.rsplit(".", 1)[-1] in set(lora.target_modules):
+            total += lora.rank * (module.in_features + module.out_features)
+    return total
+
+
+def cluster_of(cfg, args: argparse.Namespace | None = None) -> Cluster:
+    t = cfg.trainer
+    nodes = getattr(args, "nodes", None) or t.nnodes
+    per_node = getattr(args, "devices_per_node", None) or (t.devices_per_node if t.nnodes > 1 else t.nproc_per_node)
+    device_gb = getattr(args, "device_memory_gb", None) or t.device_memory_gb
+    host_gb = getattr(args, "host_memory_gb", None) or t.host_memory_gb
+    if device_gb is None:
+        raise UserError("the plan needs the memory of one device: give --device-memory-gb (e.g. 80 for an H100, 64 "
+                        "for an Ascend 910B), or set trainer.device_memory_gb in the config.")
+    return Cluster(nodes=nodes, devices_per_node=per_node, device_memory_gb=float(device_gb),
+                   host_memory_gb=float(host_gb if host_gb is not None else 1024.0))
+
+
+def run_shape(cfg, cluster: Cluster, shape: ModelShape, model) -> RunShape:
+    from portagrpo.backends import backend_spec
+
+    world = cluster.world
+    device = cfg.trainer.device if cfg.trainer.device not in ("auto", None) else "cuda"
+    spec = backend_spec(device)
+    requested = cfg.trainer.parallel
+    strategy = "none" if world == 1 else (spec.default_parallel if requested == "auto" else requested)
+    group = cfg.trainer.fsdp_size if cfg.trainer.fsdp_size > 0 else world
+    a, d, r = cfg.actor, cfg.data, cfg.rollout
+    lora = cfg.model.lora.rank > 0
+    if lora:
+        trainable = _lora_params(model, cfg.model.lora)
+    else:
+        trainable = shape.params - (shape.vision_params if a.freeze_vision_tower else 0)
+    seq = d.max_prompt_length + d.max_response_length
+    mb = cfg.micro_batch(world)
+    lp_mb = a.logprob_micro_batch_size or mb
+    per_rank = max(a.ppo_mini_batch_size // world, 1)
+    if a.use_dynamic_bsz:
+        update_tokens = a.ppo_max_token_len_per_gpu
+        scoring_tokens = a.log_prob_max_token_len_per_gpu or a.ppo_max_token_len_per_gpu
+        update_rows, scoring_rows = max(update_tokens // seq, 1), max(scoring_tokens // seq, 1)
+    else:
+        update_rows, scoring_rows = mb, lp_mb
+        update_tokens, scoring_tokens = mb * seq, lp_mb * seq
+    attention = spec.default_attention if cfg.model.attn_implementation == "auto" else cfg.model.attn_implementation
+    return RunShape(
+        strategy=strategy, shard_group=group, master_bytes=8 if cfg.model.dtype == "fp64" else 4,
+        compute_bytes=DTYPE_BYTES[cfg.model.dtype], trainable_params=trainable,
+        has_ref=(a.use_kl_loss or cfg.algorithm.use_kl_in_reward) and not lora,
+        offload=a.offload, ref_offload=a.ref_offload, no_sync=a.use_no_sync_for_gradient_accumulation,
+        accumulation=max(per_rank // max(mb, 1), 1), update_tokens=update_tokens, update_rows=update_rows,
+        scoring_tokens=scoring_tokens, scoring_rows=scoring_rows, seq_len=seq,
+        gradient_checkpointing=cfg.model.gradient_checkpointing, activation_offload=False,
+        engine=r.engine, rollout_rows=max(cfg.rollout_batch_size // world, 1),
+        vllm_fraction=r.vllm_gpu_memory_utilization, vllm_sleeps=spec.vllm_sleep_mode,
+        tensor_parallel=r.tensor_model_parallel_size,
+        attention_keeps_scores=attention == "eager" or (attention == "sdpa" and spec.attention_saves_scores))
+
+
+def plan_config(cfg, args: argparse.Namespace | None = None) -> tuple[Plan, str]:
+    """The plan of `cfg` on its cluster (or the one `args` gives), and where the model's shape came from."""
+    cluster = cluster_of(cfg, args)
+    shape, model, source = model_shape(cfg)
+    return plan(shape, cluster, run_shape(cfg, cluster, shape, model)), source
+
+
+def describe(p: Plan, source: str) -> list[str]:
+    """The plan as lines of text: the model, each phase's per-rank peak and what it holds, host memory, the verdict."""
+    m, c, r = p.model, p.cluster, p.run
+    moe = (f", MoE {m.experts} experts (top {m.experts_per_token}): {m.active_params / 1e9:.2f}B active"
+           if m.is_moe else "")
+    lines = [f"memory plan: {m.name}, {m.params / 1e9:.2f}B parameters{moe} (shape from {source})",
+             f"  cluster: {c.nodes} node(s) x {c.devices_per_node} device(s) of {c.device_memory_gb:g} GiB, "
+             f"{c.host_memory_gb:g} GiB host memory per node; {r.strategy}"
+             + (f" (shard groups of {r.shard_group})" if r.strategy == "fsdp2" else "")
+             + f"; rollout engine {r.engine}",
+             "  per device, each phase's peak (GiB):"]
+    for phase in p.phases:
+        held = ", ".join(f"{k} {v / GIB:.2f}" for k, v in phase.items.items() if v > 0)
+        lines.append(f"    {phase.name:<10} {phase.total / GIB:8.2f}   {held}")
+    host = sum(p.host_per_node.values())
+    lines.append(f"  host memory per node: {host / GIB:.1f} GiB ("
+                 + ", ".join(f"{k} {v / GIB:.1f}" for k, v in p.host_per_node.items() if v > 0) + ")")
+    verdict = "fits" if p.fits else "does NOT fit"
+    lines.append(f"  {verdict}: peak {p.peak.total / GIB:.2f} GiB in {p.peak.name} of {c.device_memory_gb:g} GiB per "
+                 f"device; host {host / GIB:.1f} of {c.host_memory_gb:g} GiB per node")
+    for advice in p.advice:
+        lines.append(f"  would fit with: {advice}")
+    return lines
+
+
+def add_parser(sub) -> None:
+    p = sub.add_parser("plan", help="the memory plan of a run: each device's peak per phase, whether it fits")
+    p.add_argument("--config", help="YAML recipe (see configs/)")
+    p.add_argument("--nodes", type=int, help="nodes (default trainer.nnodes)")
+    p.add_argument("--devices-per-node", type=int, help="devices per node (default trainer.devices_per_node, or "
+                   "trainer.nproc_per_node on one node)")
+    p.add_argument("--device-memory-gb", type=float, help="memory of one device in GiB (default "
+                   "trainer.device_memory_gb)")
+    p.add_argument("--host-memory-gb", type=float, help="host memory of one node in GiB (default "
+                   "trainer.host_memory_gb, else 1024)")
+    p.add_argument("--json", help="write the plan as JSON to this file")
+    p.add_argument("overrides", nargs="*", help="key=value overrides with dotted keys")
+
+
+def cmd_plan(args) -> int:
+    from portagrpo.config import load_config
+    from portagrpo.fileio import write_text_atomic
+
+    notices: list[str] = []
+    cfg = load_config(args.config, list(args.overrides), check_files=False, notices=notices)
+    for line in notices:
+        print(f"portagrpo: {line}")
+    p, source = plan_config(cfg, args)
+    for line in describe(p, source):
+        print(line)
+    if args.json:
+        write_text_atomic(Path(args.json), json.dumps({**p.as_json(), "shape_source": source}, indent=1) + "\n")
+    return 0 if p.fits else 1

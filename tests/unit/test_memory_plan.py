@@ -1,0 +1,142 @@
+"""`portagrpo plan` (model/memory_plan.py, tools/plan.py): every GPU and NPU recipe fits its stated cluster, the shipped
+model shapes count what the models have, verl's 32B FSDP command plans to fit on 2 x 8 x 80 GB with its offload keys
+honoured, and the largest dense model one 8 x 80 GB node admits with the 7B recipe's batch shapes is at least 32B
+with offload. The plan's agreement with measured peaks is tests/emulated/test_memory_plan_measured.py."""
+import json
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+
+from portagrpo.cli import main
+from portagrpo.config import load_config
+from portagrpo.errors import UserError
+from portagrpo.model.memory_plan import GIB, Cluster, plan
+from portagrpo.tools.plan import plan_config
+
+ROOT = Path(__file__).resolve().parents[2]
+RECIPES = sorted(p for p in (ROOT / "configs").glob("*.yaml") if p.stem.rsplit("-", 1)[-1] in ("cuda", "rocm", "npu"))
+
+
+@pytest.mark.parametrize("recipe", RECIPES, ids=lambda p: p.name)
+def test_every_recipe_fits_its_stated_cluster(recipe):
+    cfg = load_config(recipe, check_files=False)
+    assert cfg.trainer.device_memory_gb, f"{recipe.name} states no trainer.device_memory_gb"
+    p, source = plan_config(cfg)
+    assert p.fits, (recipe.name, p.peak.name, p.peak.total / GIB)
+    assert "shipped shape" in source or "config.json" in source
+
+
+def test_the_scale_recipes_exist_and_plan_as_described():
+    for name, world, offload in (("qwen2.5-32b-gsm8k-cuda", 16, False), ("qwen2.5-32b-gsm8k-npu", 16, False),
+                                 ("qwen2.5-72b-gsm8k-cuda", 32, True)):
+        cfg = load_config(ROOT / "configs" / f"{name}.yaml", check_files=False)
+        p, _ = plan_config(cfg)
+        assert p.cluster.world == world and p.run.offload == offload and p.run.ref_offload
+        assert p.fits
+
+
+@pytest.mark.parametrize("name,billions,active", [("Qwen2.5-0.5B-Instruct", 0.494, None),
+                                                  ("Qwen2.5-7B-Instruct", 7.62, None),
+                                                  ("Qwen2.5-32B-Instruct", 32.76, None),
+                                                  ("Qwen2.5-72B-Instruct", 72.71, None),
+                                                  ("Qwen2.5-VL-7B-Instruct", 8.29, None),
+                                                  ("Qwen3-30B-A3B", 30.53, 3.35)])
+def test_shipped_shapes_count_the_published_sizes(name, billions, active):
+    cfg = load_config(None, [f"model.path=/nowhere/{name}", "trainer.device_memory_gb=80"], check_files=False)
+    p, source = plan_config(cfg)
+    assert "shipped shape" in source
+    assert p.model.params / 1e9 == pytest.approx(billions, rel=0.01)
+    if active:
+        assert p.model.is_moe and p.model.active_params / 1e9 == pytest.approx(active, rel=0.03)
+    if "VL" in name:
+        assert p.model.vision_params / 1e9 == pytest.approx(0.67, rel=0.02)
+
+
+VERL_32B = [  # verl's 32B FSDP GRPO command line, its keys with paths and sizes as given
+    "algorithm.adv_estimator=grpo", "data.train_files=data/gsm8k/train.parquet",
+    "data.val_files=data/gsm8k/test.parquet", "data.train_batch_size=1024", "data.max_prompt_length=512",
+    "data.max_response_length=1024", "actor_rollout_ref.model.path=/models/Qwen2.5-32B-Instruct",
+    "actor_rollout_ref.actor.optim.lr=1e-6", "actor_rollout_ref.model.use_remove_padding=True",
+    "actor_rollout_ref.actor.ppo_mini_batch_size=256", "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=4",
+    "actor_rollout_ref.actor.use_kl_loss=True", "actor_rollout_ref.actor.kl_loss_coef=0.001",
+    "actor_rollout_ref.actor.kl_loss_type=low_var_kl", "actor_rollout_ref.model.enable_gradient_checkpointing=True",
+    "actor_rollout_ref.actor.fsdp_config.param_offload=False",
+    "actor_rollout_ref.actor.fsdp_config.optimizer_offload=False",
+    "actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu=8",
+    "actor_rollout_ref.rollout.tensor_model_parallel_size=4", "actor_rollout_ref.rollout.name=vllm",
+    "actor_rollout_ref.rollout.gpu_memory_utilization=0.5", "actor_rollout_ref.rollout.n=5",
+    "actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu=8", "actor_rollout_ref.ref.fsdp_config.param_offload=True",
+    "trainer.n_gpus_per_node=8", "trainer.nnodes=2", "trainer.total_epochs=15",
+]
+
+
+def test_verls_32b_command_translates_honours_offload_and_fits_two_nodes():
+    notices: list[str] = []
+    cfg = load_config(None, [*VERL_32B, "trainer.device=cuda"], check_files=False, notices=notices)
+    assert cfg.actor.ref_offload and not cfg.actor.offload
+    assert not any("no effect" in n and "offload" in n for n in notices)
+    cluster = Cluster(nodes=2, devices_per_node=8, device_memory_gb=80, host_memory_gb=2048)
+    cfg = replace(cfg, trainer=replace(cfg.trainer, device_memory_gb=80.0, host_memory_gb=2048.0))
+    p, _ = plan_config(cfg)
+    assert p.cluster == cluster and p.run.strategy == "fsdp2" and p.run.shard_group == 16
+    assert p.fits, (p.peak.name, p.peak.total / GIB)
+    on_one_node = plan(p.model, replace(cluster, nodes=1), replace(p.run, shard_group=8))
+    assert p.peak.total < on_one_node.peak.total  # the states shard over 16 ranks, not 8
+
+
+def test_one_node_admits_32b_with_offload_and_says_what_admits_72b():
+    """The 7B recipe's batch shapes on one 8 x 80 GB node: the largest shipped dense model whose plan fits."""
+    base = load_config(ROOT / "configs" / "qwen2.5-7b-gsm8k-cuda.yaml", check_files=False)
+    fits = {}
+    for name in ("Qwen2.5-7B-Instruct", "Qwen2.5-32B-Instruct", "Qwen2.5-72B-Instruct"):
+        for offload in (False, True):
+            cfg = replace(base, model=replace(base.model, path=f"/models/{name}"),
+                          actor=replace(base.actor, offload=offload, ref_offload=offload))
+            fits[(name, offload)] = plan_config(cfg)[0].fits
+    assert fits[("Qwen2.5-7B-Instruct", False)] and fits[("Qwen2.5-32B-Instruct", True)]
+    assert not fits[("Qwen2.5-32B-Instruct", False)]  # without offload 32B needs two nodes (the 32B recipe)
+    assert not fits[("Qwen2.5-72B-Instruct", True)]  # one node's 8 devices are too few for 72B's activations + vLLM
+    wide = load_config(ROOT / "configs" / "qwen2.5-72b-gsm8k-cuda.yaml", check_files=False)
+    assert plan_config(wide)[0].fits  # four nodes with offload do (docs/memory.md)
+
+
+def test_a_plan_that_does_not_fit_names_the_settings_that_would(tmp_path, capsys):
+    recipe = ROOT / "configs" / "qwen2.5-7b-gsm8k-cuda.yaml"
+    out = tmp_path / "plan.json"
+    rc = main(["plan", "--config", str(recipe), "--json", str(out), "model.gradient_checkpointing=false",
+               "actor.micro_batch_size=32"])
+    text = capsys.readouterr().out
+    assert rc == 1 and "does NOT fit" in text and "would fit with: model.gradient_checkpointing=true" in text
+    data = json.loads(out.read_text())
+    assert data["fits"] is False and data["peak_phase"] == "update"
+    assert set(data["phases"]) == {"load", "push", "rollout", "scoring", "update", "checkpoint"}
+    assert data["phases"]["update"]["peak_gib"] > 80
+
+
+def test_cluster_flags_override_the_config_and_dry_run_shows_the_plan(capsys):
+    recipe = ROOT / "configs" / "qwen2.5-7b-gsm8k-npu.yaml"
+    assert main(["plan", "--config", str(recipe), "--nodes", "2", "--device-memory-gb", "32"]) in (0, 1)
+    assert "2 node(s) x 8 device(s) of 32 GiB" in capsys.readouterr().out
+    assert main(["train", "--config", str(recipe), "--dry-run"]) == 0
+    out = capsys.readouterr().out
+    assert "memory plan: Qwen2.5-7B-Instruct" in out and "fits: peak" in out
+    assert main(["train", "--config", str(recipe), "--dry-run", "actor.micro_batch_size=64",
+                 "model.gradient_checkpointing=false"]) == 2
+    assert "memory plan does not fit trainer.device_memory_gb=64" in capsys.readouterr().err
+
+
+def test_what_the_plan_cannot_know_is_one_sentence(tmp_path):
+    cfg = load_config(None, ["model.path=/nowhere/SomeModel-9B"], check_files=False)
+    with pytest.raises(UserError, match="device-memory-gb"):
+        plan_config(cfg)
+    cfg = load_config(None, ["model.path=/nowhere/SomeModel-9B", "trainer.device_memory_gb=80"], check_files=False)
+    with pytest.raises(UserError, match="no config.json on this machine"):
+        plan_config(cfg)
+    local = tmp_path / "SomeModel-9B"  # a directory with only its config.json is enough
+    local.mkdir()
+    shipped = json.loads((ROOT / "portagrpo" / "tools" / "model_shapes" / "Qwen2.5-0.5B-Instruct.json").read_text())
+    (local / "config.json").write_text(json.dumps({k: v for k, v in shipped.items() if k != "_comment"}))
+    cfg = load_config(None, [f"model.path={local}", "trainer.device_memory_gb=80"], check_files=False)
+    p, source = plan_config(cfg)
+    assert source.endswith("config.json") and p.model.params / 1e9 == pytest.approx(0.494, rel=0.01)
