@@ -215,7 +215,7 @@ def run_portagrpo(spec: dict) -> dict:
         "trainer.device=cpu", f"trainer.total_steps={spec['steps'] + spec['warmup']}", "trainer.save_freq=0",
         "trainer.test_freq=0", "trainer.progress_bar=false", "trainer.tensorboard=false", "trainer.plot=false",
         "trainer.seed=1"])
-    import portagrpo.train.loop as loop
+    import portagrpo.train.trainer as loop
 
     if spec["variant"] == "sync-fp32+reload-push":
         import contextlib
@@ -225,7 +225,7 @@ def run_portagrpo(spec: dict) -> dict:
         # no in-place push: the engine built as vLLM builds it, every push through the layerwise reload
         vllm_engine.CpuGemmWeights.of = staticmethod(lambda get_model: None)
         vllm_engine.CpuGemmWeights.building = staticmethod(lambda plain_max_bytes=None: contextlib.nullcontext())
-    import portagrpo.train.sources.one_step_off as overlapped
+    import portagrpo.train.schedule as overlapped
 
     pushes: list[float] = []
     push = loop.push_weights

@@ -2,9 +2,73 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field, fields, replace
-from typing import Any
+from typing import Any, Callable
 
 import torch
+
+
+@dataclass
+class PromptImages:
+    """The processed images of a rollout's distinct prompts, each kept once, and which prompt every row uses."""
+
+    pixel_values: torch.Tensor  # [N, D]: every prompt's image patches, prompt after prompt
+    grid_thw: torch.Tensor  # [M, 3] long: every image's (t, h, w) patch grid, prompt after prompt
+    patch_spans: list[tuple[int, int]]  # per prompt: its rows of pixel_values
+    image_spans: list[tuple[int, int]]  # per prompt: its rows of grid_thw
+    row_prompt: list[int]  # per row of the batch: the prompt whose images it shows
+
+    def select(self, idx: list[int]) -> "PromptImages":
+        """The rows `idx`: the same pixels (no copy), fewer rows pointing at them."""
+        return replace(self, row_prompt=[self.row_prompt[i] for i in idx])
+
+    def to(self, device) -> "PromptImages":
+        return replace(self, pixel_values=self.pixel_values.to(device), grid_thw=self.grid_thw.to(device))
+
+    def map(self, tensor, rows: list[int] | None = None) -> "PromptImages":
+        """As `RolloutBatch.map`: the rows `rows` (when given: the same pixels), each tensor moved by `tensor` unless
+        it is selecting rows (the pixels are per prompt, not per row)."""
+        if rows is not None:
+            return self.select(rows)
+        return replace(self, pixel_values=tensor(self.pixel_values), grid_thw=tensor(self.grid_thw))
+
+    @classmethod
+    def cat(cls, parts: list["PromptImages | None"], rows: list[int]) -> "PromptImages":
+        """Batches' images one after the other (`rows`: each part's rows): their prompts in order, spans and row
+        pointers moved past the parts before; a part without images gives each of its rows an imageless prompt."""
+        present = [p for p in parts if p is not None]
+        pixels = torch.cat([p.pixel_values for p in present])
+        grids = torch.cat([p.grid_thw for p in present])
+        patch_spans, image_spans, row_prompt = [], [], []
+        n_patches = n_images = 0
+        for part, count in zip(parts, rows):
+            if part is None:
+                part = cls(pixels[:0], grids[:0], [(0, 0)] * count, [(0, 0)] * count, list(range(count)))
+            first = len(patch_spans)
+            patch_spans += [(a + n_patches, b + n_patches) for a, b in part.patch_spans]
+            image_spans += [(a + n_images, b + n_images) for a, b in part.image_spans]
+            row_prompt += [q + first for q in part.row_prompt]
+            n_patches, n_images = n_patches + part.pixel_values.shape[0], n_images + part.grid_thw.shape[0]
+        return cls(pixels, grids, patch_spans, image_spans, row_prompt)
+
+    def distinct(self) -> list[int]:
+        """This batch's prompts, each once, in order of first use."""
+        return list(dict.fromkeys(self.row_prompt))
+
+    def take(self, prompts: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+        patches = [i for p in prompts for i in range(*self.patch_spans[p])]
+        images = [i for p in prompts for i in range(*self.image_spans[p])]
+        device = self.pixel_values.device
+        take = lambda t, i: t.index_select(0, torch.tensor(i, dtype=torch.long).to(device))  # noqa: E731
+        return take(self.pixel_values, patches), take(self.grid_thw, images)
+
+    def per_row(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """(pixel_values, image_grid_thw) with each row's images in row order (what `generate` takes)."""
+        return self.take(self.row_prompt)
+
+    def grids_per_row(self) -> torch.Tensor:
+        """[M_rows, 3]: each row's image grids in row order."""
+        images = [i for p in self.row_prompt for i in range(*self.image_spans[p])]
+        return self.grid_thw.index_select(0, torch.tensor(images, dtype=torch.long).to(self.grid_thw.device))
 
 
 @dataclass
@@ -29,7 +93,7 @@ class RolloutBatch:
     rollout_logp: torch.Tensor | None = None
     # Vision-language rows: their prompts' processed images, kept once per prompt, and which prompt each row
     # shows (model/vision.py: PromptImages; selecting rows copies no pixels). None: text only.
-    images: Any = None
+    images: PromptImages | None = None
     # [B, T] float: 1 on the tokens the model sampled itself. A multi-turn rollout's response also holds tool
     # and template tokens: in the context (response_mask, which attention uses) and scored, never trained.
     # None: every response token is the model's.
@@ -61,24 +125,65 @@ class RolloutBatch:
         """[B, P + T]."""
         return torch.cat([self.prompt_mask, self.response_mask.long()], dim=1)
 
+    def map(self, tensor: Callable[[torch.Tensor], torch.Tensor], rows: list[int] | None = None) -> "RolloutBatch":
+        """The batch with `tensor` applied to each of its tensors (and the images' tensors), or, with `rows`, its rows
+        `rows` (host indices), each tensor passed through `tensor` after the selection: the one walk over its fields
+        that `select`, `to` and the gather share."""
+        out: dict[str, Any] = {}
+        for f in fields(self):
+            value = getattr(self, f.name)
+            if value is None:
+                out[f.name] = None
+            elif torch.is_tensor(value):
+                out[f.name] = tensor(value)
+            elif f.name == "images":
+                out[f.name] = value.map(tensor, rows)
+            elif rows is not None:  # per-sample lists; a gathered global batch carries tensors and lengths only
+                out[f.name] = [value[i] for i in rows] if value else []
+            else:
+                out[f.name] = value
+        return RolloutBatch(**out)
+
     def select(self, idx: torch.Tensor | list[int]) -> "RolloutBatch":
         """The rows `idx` (host indices: a device tensor here would be a host synchronisation)."""
         idx_l = idx.tolist() if torch.is_tensor(idx) else list(idx)
-        on_device = {}
-        out = {}
-        for f in fields(self):
-            value = getattr(self, f.name)
-            if torch.is_tensor(value):
-                if value.device not in on_device:  # one asynchronous copy of the indices per device
-                    on_device[value.device] = torch.tensor(idx_l, dtype=torch.long).to(value.device, non_blocking=True)
-                out[f.name] = value.index_select(0, on_device[value.device])
-            elif value is None:
-                out[f.name] = None
-            elif hasattr(value, "row_prompt"):  # PromptImages: the same pixels, the selected rows
-                out[f.name] = value.select(idx_l)
-            else:  # per-sample lists; a gathered global batch carries tensors and lengths only
-                out[f.name] = [value[i] for i in idx_l] if value else []
-        return RolloutBatch(**out)
+        on_device: dict[torch.device, torch.Tensor] = {}
+
+        def take(value: torch.Tensor) -> torch.Tensor:
+            if value.device not in on_device:  # one asynchronous copy of the indices per device
+                on_device[value.device] = torch.tensor(idx_l, dtype=torch.long).to(value.device, non_blocking=True)
+            return value.index_select(0, on_device[value.device])
+
+        return self.map(take, idx_l)
+
+    @classmethod
+    def cat(cls, parts: list["RolloutBatch"], pad_id: int) -> "RolloutBatch":
+        """Batches one after the other (rounds of a step): tensors concatenated, prompts of different widths
+        left-padded to the widest (`pad_id` under mask 0), lengths and per-sample lists joined, images joined so each
+        row keeps its prompt's pixels. A part without a model mask trains all its response tokens."""
+        width = max(p.prompt_len for p in parts)
+
+        def joined(name: str) -> Any:
+            values = [getattr(p, name) for p in parts]
+            if name == "images":
+                return None if all(v is None for v in values) else PromptImages.cat(values, [p.size for p in parts])
+            if name == "model_mask":  # a part without one trains all its response tokens: its trained mask says so
+                return torch.cat([p.trained_mask for p in parts]) if any(v is not None for v in values) else None
+            if name == "lengths":
+                return [x for p in parts for x in p.host_lengths()]
+            if any(v is None for v in values):
+                return None
+            if not torch.is_tensor(values[0]):  # per-sample lists: kept where every part has them
+                return [x for v in values for x in v] if all(values) else []
+            if name in ("prompt_ids", "prompt_mask"):
+                pad = pad_id if name == "prompt_ids" else 0
+                values = [torch.nn.functional.pad(v, (width - v.shape[1], 0), value=pad) for v in values]
+            if name == "routes":  # [B, P + T, L, k]: unknown (-1) routes on the added prompt columns
+                values = [torch.nn.functional.pad(v, (0, 0, 0, 0, width - p.prompt_len, 0), value=-1)
+                          for v, p in zip(values, parts)]
+            return torch.cat(values)
+
+        return cls(**{f.name: joined(f.name) for f in fields(cls)})
 
     def host_lengths(self) -> list[tuple[int, int]]:
         """(prompt tokens, response tokens) per response: the known ones, else one read from the device."""
@@ -88,8 +193,7 @@ class RolloutBatch:
         return self.lengths
 
     def to(self, device: torch.device) -> "RolloutBatch":
-        return replace(self, **{f.name: getattr(self, f.name).to(device) for f in fields(self)
-                                if torch.is_tensor(getattr(self, f.name))})
+        return self.map(lambda t: t.to(device))
 
     def tensors(self) -> dict[str, Any]:
         return {f.name: getattr(self, f.name) for f in fields(self)}

@@ -250,7 +250,7 @@ class RayRun:
                 pass
         self.workers = []
 
-    # The driver loop's view of the run (`portagrpo.train.driver.Steps`): every worker takes part, rank 0 answers.
+    # The driver loop's view of the run (`portagrpo.train.loop.Steps`): every worker takes part, rank 0 answers.
     def advance(self, validate: bool) -> StepReport:
         report = self._call("step", validate)[0]  # the typed report, as the worker's loop made it
         self.step_done = report.step  # the workers' loop counts steps; the driver only reads its count
@@ -285,7 +285,7 @@ def train_with_ray(cfg: Config, run_dir: Path, resume: str | None = None, addres
     from portagrpo.config import to_yaml
     from portagrpo.fileio import write_text_atomic
     from portagrpo.metrics import MetricsLogger, make_trackers
-    from portagrpo.train.driver import Cadence, drive
+    from portagrpo.train.loop import Cadence, drive
     from portagrpo.train.run_dir import RunDir
 
     run_dir = Path(run_dir)

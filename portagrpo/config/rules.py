@@ -12,7 +12,7 @@ from typing import Any
 from portagrpo.config.bounds import rollout_correction_problems
 from portagrpo.config.schema import Config
 from portagrpo.errors import UnknownNameError
-from portagrpo.paths import model_source_problem, uses_vision
+from portagrpo.paths import model_source_problem
 
 # Float fields where infinity means something (no clipping).
 INFINITY_ALLOWED = {"actor.grad_clip", "algorithm.reward_clip", "algorithm.advantage_clip"}
@@ -113,7 +113,7 @@ def validate(cfg: Config, *, check_files: bool = True) -> list[str]:
     """Cross-field rules. Returns one sentence per problem (empty when valid)."""
     p = (_names_and_sizes(cfg) + _batch_and_loss(cfg) + _run_settings(cfg) + rollout_correction_problems(cfg)
          + rollout_precision_problems(cfg) + rollout_mode_problems(cfg) + multi_turn_problems(cfg)
-         + logger_problems(cfg) + dapo_problems(cfg) + vision_problems(cfg)
+         + logger_problems(cfg) + dapo_problems(cfg)
          + value_problems(cfg))
     if check_files:
         p.extend(missing_files(cfg))
@@ -263,28 +263,6 @@ def dapo_problems(cfg: Config) -> list[str]:
     return p
 
 
-def vision_problems(cfg: Config) -> list[str]:
-    """What a vision-language policy does not do (the run's sampling asks `vision_mode_problem` again:
-    model/vision.py, `check_vision_run`)."""
-    if not uses_vision(cfg.model):
-        return []
-    r = cfg.rollout
-    problem = vision_mode_problem("multi_turn" if r.multi_turn.enable else r.mode, cfg.algorithm.filter_groups.enable)
-    return [problem] if problem else []
-
-
-def vision_mode_problem(mode: str, filtering: bool) -> str | None:
-    """Why a vision-language policy cannot sample this way, in one sentence; None if it can. `mode`: the batch source
-    (sync, one_step_off, or multi_turn when rollout.multi_turn is on); `filtering`: DAPO's group filter."""
-    if mode == "sync" and not filtering:
-        return None
-    what = {"multi_turn": "rollout.multi_turn.enable=true", "sync": "algorithm.filter_groups.enable=true"}.get(
-        mode, f"rollout.mode={mode}")
-    return (f"a vision-language policy samples with rollout.mode=sync only, without multi-turn tools or DAPO's group "
-            f"filter, and this run sets {what}; set rollout.mode=sync, rollout.multi_turn.enable=false and "
-            f"algorithm.filter_groups.enable=false, or train a text-only policy.")
-
-
 def rollout_precision_problems(cfg: Config) -> list[str]:
     r = cfg.rollout
     if r.precision == "fp8":
@@ -302,9 +280,15 @@ def rollout_mode_problems(cfg: Config) -> list[str]:
     r = cfg.rollout
     if r.devices < 0:
         return [f"rollout.devices={r.devices} must be 0 or positive (sampler devices per node, one_step_off)."]
-    if r.mode == "sync":
-        return []
     p = []
+    if r.mode == "one_step_off":  # the sampler process's own limits
+        p += sampler_process_problems(cfg)
+    return p
+
+
+def sampler_process_problems(cfg: Config) -> list[str]:
+    """What each rank's sampler process (rollout.mode=one_step_off) is not built to hold."""
+    r, p = cfg.rollout, []
     if r.engine not in ("hf", "vllm"):
         p.append(f"rollout.mode={r.mode} runs the hf engine in a sampler process of its own (or vLLM's), and "
                  f"portagrpo has not built it for rollout.engine={r.engine} (a limit of portagrpo, not of the "
@@ -314,9 +298,6 @@ def rollout_mode_problems(cfg: Config) -> list[str]:
         p.append(f"rollout.mode={r.mode} with rollout.tensor_model_parallel_size={r.tensor_model_parallel_size} is not "
                  f"built: each rank's sampler process holds a whole vLLM engine of its own (a limit of portagrpo, not "
                  f"of vLLM); use rollout.tensor_model_parallel_size=1, or rollout.mode=sync.")
-    if cfg.algorithm.filter_groups.enable:
-        p.append(f"rollout.mode={r.mode} with algorithm.filter_groups.enable=true is not built (DAPO's extra "
-                 f"sampling rounds would wait on the sampler process); use rollout.mode=sync for DAPO.")
     return p
 
 
@@ -349,9 +330,6 @@ def multi_turn_problems(cfg: Config) -> list[str]:
         p.append(f"{MT}.enable=true needs {MT}.tool_config_path, a YAML file that declares the tools.")
     elif Path(m.tool_config_path).exists():  # a missing one is missing_files' (a dry run lists it)
         p += tool_file_problems(m.tool_config_path)
-    if cfg.rollout.mode != "sync":
-        p.append(f"{MT}.enable=true with rollout.mode={cfg.rollout.mode} is not built (a sampler process of its "
-                 f"own would have to run the tools); use rollout.mode=sync.")
     return p
 
 

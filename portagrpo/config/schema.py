@@ -141,6 +141,9 @@ class RolloutConfig:
     # samples batch k+1 (with the weights before update k) while the trainer updates on batch k.
     mode: Literal["sync", "one_step_off"] = "sync"
     devices: int = 0  # one_step_off on an accelerator: sampler devices per node (one per rank), after the trainers'
+    # How a round's rows are made (rollout/generators/): auto (conversation with multi_turn, vision for a
+    # vision-language policy, else text), or a registered generator's name (text, vision, conversation, echo)
+    generator: str = "auto"
     multi_turn: MultiTurnConfig = field(default_factory=MultiTurnConfig)
 
 

@@ -14,12 +14,13 @@ packing is not used for vision-language rows. On several ranks the images are ga
 from __future__ import annotations
 
 import io
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
 import torch
 
+from portagrpo.batch import PromptImages  # noqa: F401 - re-exported: a batch's images
 from portagrpo.errors import UserError
 from portagrpo.paths import uses_vision
 
@@ -193,44 +194,6 @@ def freeze_vision_tower(model) -> int:
 
 
 # ---- a rollout's images, once per prompt
-@dataclass
-class PromptImages:
-    """The processed images of a rollout's distinct prompts, each kept once, and which prompt every row uses."""
-
-    pixel_values: torch.Tensor  # [N, D]: every prompt's image patches, prompt after prompt
-    grid_thw: torch.Tensor  # [M, 3] long: every image's (t, h, w) patch grid, prompt after prompt
-    patch_spans: list[tuple[int, int]]  # per prompt: its rows of pixel_values
-    image_spans: list[tuple[int, int]]  # per prompt: its rows of grid_thw
-    row_prompt: list[int]  # per row of the batch: the prompt whose images it shows
-
-    def select(self, idx: list[int]) -> "PromptImages":
-        """The rows `idx`: the same pixels (no copy), fewer rows pointing at them."""
-        return replace(self, row_prompt=[self.row_prompt[i] for i in idx])
-
-    def to(self, device) -> "PromptImages":
-        return replace(self, pixel_values=self.pixel_values.to(device), grid_thw=self.grid_thw.to(device))
-
-    def distinct(self) -> list[int]:
-        """This batch's prompts, each once, in order of first use."""
-        return list(dict.fromkeys(self.row_prompt))
-
-    def take(self, prompts: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
-        patches = [i for p in prompts for i in range(*self.patch_spans[p])]
-        images = [i for p in prompts for i in range(*self.image_spans[p])]
-        device = self.pixel_values.device
-        take = lambda t, i: t.index_select(0, torch.tensor(i, dtype=torch.long).to(device))  # noqa: E731
-        return take(self.pixel_values, patches), take(self.grid_thw, images)
-
-    def per_row(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """(pixel_values, image_grid_thw) with each row's images in row order (what `generate` takes)."""
-        return self.take(self.row_prompt)
-
-    def grids_per_row(self) -> torch.Tensor:
-        """[M_rows, 3]: each row's image grids in row order."""
-        images = [i for p in self.row_prompt for i in range(*self.image_spans[p])]
-        return self.grid_thw.index_select(0, torch.tensor(images, dtype=torch.long).to(self.grid_thw.device))
-
-
 def _pil(data: bytes):
     from PIL import Image
 
@@ -238,24 +201,26 @@ def _pil(data: bytes):
         return img.convert("RGB")
 
 
-def vision_prompt_text(tokenizer, record) -> str:
-    """The rendered prompt with each `<image>` placeholder as Qwen2.5-VL's vision span."""
+def vision_prompt_text(tokenizer, record, tools: list[dict] | None = None) -> str:
+    """The rendered prompt (with the tools' schemas of a conversation) with each `<image>` placeholder as
+    Qwen2.5-VL's vision span."""
     from portagrpo.data.images import IMAGE_PLACEHOLDER
     from portagrpo.data.records import render_prompt
 
     if record.token_ids is not None:
         raise VisionError(f"prompt {record.index} has images and was cut by data.truncation, which would cut its "
                           f"image tokens; raise data.max_prompt_length or set data.filter_overlong_prompts=true.")
-    return render_prompt(tokenizer, record.prompt).replace(IMAGE_PLACEHOLDER, IMAGE_IN_PROMPT)
+    return render_prompt(tokenizer, record.prompt, tools).replace(IMAGE_PLACEHOLDER, IMAGE_IN_PROMPT)
 
 
-def vision_prompts(processor, records: list, device) -> tuple[list[list[int]], PromptImages | None]:
+def vision_prompts(processor, records: list, device,
+                   tools: list[dict] | None = None) -> tuple[list[list[int]], PromptImages | None]:
     """Each record's prompt tokens (its image spans expanded to the image's tokens) and the records' images,
     processed once per record. No images at all: (ids, None)."""
     ids, pixels, grids, patch_spans, image_spans = [], [], [], [], []
     n_patches = n_images = 0
     for record in records:
-        text = vision_prompt_text(processor.tokenizer, record)
+        text = vision_prompt_text(processor.tokenizer, record, tools)
         images = [_pil(b) for b in record.images] or None
         out = processor(text=[text], images=images, return_tensors="pt")
         ids.append(out["input_ids"][0].tolist())
@@ -402,17 +367,3 @@ def check_rows(processor, records: list) -> None:
         raise VisionError(f"prompt {with_images.index} has images but the policy is text-only; train a "
                           f"vision-language model (model.tiny.vision=true, or a Qwen2.5-VL model.path with its "
                           f"processor), or use data without images.")
-
-
-# ---- a vision-language rollout
-def check_vision_run(settings, engine) -> None:
-    """What a vision-language run does not do yet, each refused in one sentence. (Several ranks do: each samples
-    its share of the prompts with their images, and the images are gathered with the rows, model/vision_gather.py.)"""
-    if not getattr(engine, "takes_images", False):
-        raise VisionError(f"the rollout engine ({type(engine).__name__}) does not sample with images; use "
-                          f"rollout.engine=hf or vllm for a vision-language policy.")
-    from portagrpo.config.rules import vision_mode_problem  # the config's rule (so --dry-run refuses it too)
-
-    problem = vision_mode_problem(settings.mode, settings.filter_metric is not None)
-    if problem is not None:
-        raise VisionError(problem)

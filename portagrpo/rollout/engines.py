@@ -14,6 +14,7 @@ from portagrpo.rollout.settings import EngineSettings, SamplingParams  # noqa: F
 if TYPE_CHECKING:  # annotations only: the engines are handed these, they import nothing of the trainer
     from portagrpo.backends import Backend
     from portagrpo.backends.dist import Collectives
+    from portagrpo.model.vision import PromptImages
 
 
 def hf_model_of(model):
@@ -150,51 +151,36 @@ class Sampled(NamedTuple):
 
 
 class RolloutEngine(Protocol):
+    """What the rollout pipeline and its generators (rollout/generators/) ask of an engine, all of it declared."""
+
     # True when the engine keeps its own copy of the weights (vLLM): the trainer pushes them after each
     # update; False when it samples with the training model itself (a sharded one is gathered for it).
     holds_weights: ClassVar[bool]
     # True while an engine that holds its own weights was built without real ones (vLLM starts from dummy
     # weights): the trainer pushes the policy before the first rollout.
     needs_weights: bool
+    # True when `generate` samples vision-language rows with their images (`images=`)
+    takes_images: ClassVar[bool]
+    pad_id: int  # what prompts are left-padded and responses right-padded with
+    eos_ids: list[int]  # a response (a conversation's turn) ends at any of these
+    # The engine's context in tokens, prompt and response together (vLLM's max_model_len); None: no fixed limit.
+    max_model_len: int | None
 
     @classmethod
     def from_run(cls, inputs: EngineInputs) -> "RolloutEngine":
         """The engine for this run, its settings read from the config."""
 
-    def generate(
-        self, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, params: SamplingParams
-    ) -> Sampled:
+    def generate(self, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, params: SamplingParams,
+                 images: PromptImages | None = None) -> Sampled:
         """prompt_ids, prompt_mask: [B, P] -> responses, response mask and sampler log-probs, [B, T] with
-        T = max_tokens."""
+        T = max_tokens. `images`: each row's images (an engine that `takes_images`)."""
 
     def update_weights(self, named_tensors) -> None:
         """The policy's (name, tensor) pairs after an update; called only on an engine that `holds_weights`."""
 
-    # The engine's context in tokens, prompt and response together (vLLM's max_model_len); None: no fixed limit.
-    max_model_len: int | None
-
     def turns(self) -> ContextManager:
         """Around a conversation's turns (multi-turn): an engine that sleeps between generates stays awake, with
         one load of the weights, for all of them; nothing to hold for the others."""
-
-
-class AheadSampler(Protocol):
-    """A sampler of its own that draws the next batch while the trainer updates (rollout.mode=one_step_off:
-    `rollout/process.py: SamplerProcess`, a process holding a copy of the policy)."""
-
-    holds_weights: ClassVar[bool]
-    pad_id: int
-
-    def submit(self, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, params: SamplingParams, seed: int) -> None:
-        """Request a batch, drawn with the sampler's current weights and `seed`."""
-
-    def result(self) -> Sampled:
-        """The requested batch (waits for it)."""
-
-    def update_weights(self, named_tensors) -> int:
-        """The policy after an update, for the next request."""
-
-    def close(self) -> None: ...
 
 
 ROLLOUT_ENGINES: Registry[type] = Registry("rollout engine")
@@ -357,6 +343,7 @@ class FixedRollout:
 
     holds_weights = False
     needs_weights = False
+    takes_images = False
     max_model_len = None
 
     def turns(self) -> ContextManager:
@@ -370,10 +357,11 @@ class FixedRollout:
         eos = tokenizer.eos_token_id
         self.eos_id = eos if isinstance(eos, int) else list(eos)[0]
         self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else self.eos_id
+        self.eos_ids = stop_token_ids(tokenizer)
         self.vocab = len(tokenizer)
         self.n = n
 
-    def generate(self, prompt_ids, prompt_mask, params: SamplingParams) -> Sampled:
+    def generate(self, prompt_ids, prompt_mask, params: SamplingParams, images=None) -> Sampled:
         import zlib
 
         rows, masks = [], []

@@ -2,12 +2,14 @@
 
 The process holds its own copy of the policy: with rollout.engine=hf a `SamplerCopy` (rollout.precision fp32,
 bf16 or int8), with rollout.engine=vllm a vLLM engine (`VLLMRollout`, in model.dtype) built from the run's initial
-model. It answers two messages, in the order they were sent: new weights (loaded, then requantized or prepared
-for vLLM's kernels) and a generation request (prompts, sampling settings and the request's seed, which the
-process seeds its generators with, so a request's tokens depend only on the weights, the prompts and that seed;
-vLLM samples from those generators too). The trainer sends the weights after each update and the next request
-right after taking a batch, so the process samples batch k+1 while the trainer updates on batch k. One thread
-per process unless trainer.num_threads says.
+model, and the run's generator (rollout/generators/: text, vision or conversation rows; a conversation's tool sandbox
+starts here, where its turns are sampled). It answers two messages, in the order they were sent: new weights (loaded,
+then requantized or prepared for vLLM's kernels) and a round to generate (this rank's prompts as the trainer's
+pipeline prepared them, sampling settings, the prompt width and the request's seed, which the process seeds its
+random streams with, so a round's rows depend only on the weights, the prompts and that seed; vLLM samples from those
+streams too). The answer is the generator's: the round's rows, decoded, with its counts. The trainer sends the weights
+after each update and the next request right after taking a batch, so the process samples batch k+1 while the trainer
+updates on batch k. One thread per process unless trainer.num_threads says.
 
 What travels, and how, so that nothing outlives the processes (a kill -9 of the run leaves nothing in
 /dev/shm or /tmp) and a push costs one host copy in the sampler's precision:
@@ -28,14 +30,34 @@ import signal
 import tempfile
 import traceback
 from dataclasses import dataclass
-from typing import Any, Iterable, Iterator
+from typing import Any, ClassVar, Iterable, Iterator, Protocol
 
 import torch
 
 from portagrpo.errors import UserError
 from portagrpo.procs import sigint_ignored
-from portagrpo.rollout.engines import Sampled, SamplingParams, hf_weight_names
+from portagrpo.rollout.engines import SamplingParams, hf_weight_names
+from portagrpo.rollout.generators import Generated, GeneratorInputs, RoundPrompts, make_generator
+from portagrpo.rollout.settings import MultiTurnSettings
 from portagrpo.rollout.vllm_parts import seed_streams
+
+
+class AheadSampler(Protocol):
+    """A sampler of its own that generates the next round while the trainer updates (rollout.mode=one_step_off:
+    `SamplerProcess`, a process holding a copy of the policy and the run's generator)."""
+
+    holds_weights: ClassVar[bool]
+
+    def submit(self, prompts: RoundPrompts, n: int, params: SamplingParams, width: int, seed: int) -> None:
+        """Request a round, generated with the sampler's current weights and `seed`."""
+
+    def result(self) -> Generated:
+        """The requested round (waits for it)."""
+
+    def update_weights(self, named_tensors) -> int:
+        """The policy after an update, for the next request."""
+
+    def close(self) -> None: ...
 
 
 @dataclass(frozen=True)
@@ -52,6 +74,10 @@ class SamplerSpec:
     backend: str = "cpu"  # imported in the process first (a vendor's torch plugin registers its device)
     engine: str = "hf"  # hf: a SamplerCopy in `precision`; vllm: a VLLMRollout built with the keywords `vllm`
     vllm: dict | None = None
+    generator: str = "text"  # the run's generator (rollout/generators/), built in the process
+    multi_turn: MultiTurnSettings | None = None  # a conversation's tools
+    rank: int = 0
+    local_world_size: int = 1
 
     @property
     def weights_dtype(self) -> torch.dtype:
@@ -76,6 +102,7 @@ def vllm_engine_kwargs(settings, backend, policy, eos_ids: list[int], model_path
         fp8_allowed,
         installed_vllm,
     )
+    from portagrpo.rollout.vllm_images import VisionSpec
 
     if installed_vllm() is None:
         _import_vllm()  # not installed: the import fails, with the install hint
@@ -88,7 +115,8 @@ def vllm_engine_kwargs(settings, backend, policy, eos_ids: list[int], model_path
     return dict(model_path=model_path, dtype=settings.vllm_dtype, seed=settings.seed + 7919 * rank,
                 gpu_memory_utilization=settings.vllm_gpu_memory_utilization, bucket_mb=settings.vllm_weight_bucket_mb,
                 max_model_len=settings.max_model_len, tied_embeddings=tied, eos_ids=list(eos_ids), plugin=plugin,
-                fp8=fp8_allowed(settings.precision, backend, policy), sleep_mode=False, env=dict(backend.spec.vllm_env))
+                fp8=fp8_allowed(settings.precision, backend, policy), sleep_mode=False, env=dict(backend.spec.vllm_env),
+                vision=VisionSpec.of(policy, model_path, settings.precision))
 
 
 def _send(conn, message: tuple) -> None:
@@ -231,8 +259,17 @@ def _build_vllm(spec: SamplerSpec, backend):
     return engine
 
 
+def _build_generator(spec: SamplerSpec):
+    """The run's generator in this process: the prompts come prepared (no processor needed), the turns are this
+    process's own (no lockstep with other ranks)."""
+    return make_generator(spec.generator, GeneratorInputs(spec.tokenizer, None, spec.multi_turn, rank=spec.rank,
+                                                          local_world_size=spec.local_world_size,
+                                                          log=lambda message: None))
+
+
 def serve(spec: SamplerSpec, conn, weights_fd: int, parent_pid: int) -> None:
-    """The process's loop: ("weights", (layout, size)) | ("generate", (ids, mask, params, seed)) | ("stop", None)."""
+    """The process's loop: ("weights", (layout, size)) | ("generate", (prompts, n, params, width, seed)) |
+    ("stop", None)."""
     import multiprocessing
 
     from portagrpo.procs import exit_with_parent, set_parent_death_signal
@@ -247,11 +284,19 @@ def serve(spec: SamplerSpec, conn, weights_fd: int, parent_pid: int) -> None:
     torch.set_num_threads(spec.threads)
     try:
         engine, device = _build_sampler(spec)
+        generator = _build_generator(spec)
         _send(conn, ("ready", device))
     except BaseException:  # noqa: BLE001 - reported to the trainer, which stops with it
         _send(conn, ("error", traceback.format_exc()))
         return
-    staged = StagedWeights(weights_fd)
+    try:
+        _answer(spec, conn, engine, generator, StagedWeights(weights_fd))
+    finally:
+        generator.close()
+
+
+def _answer(spec: SamplerSpec, conn, engine, generator, staged: StagedWeights) -> None:
+    """Weights and rounds, in the order they come, until the trainer stops the process or goes."""
     while True:
         try:
             kind, payload = _recv(conn)
@@ -263,10 +308,10 @@ def serve(spec: SamplerSpec, conn, weights_fd: int, parent_pid: int) -> None:
             if kind == "weights":
                 _send(conn, ("loaded", engine.update_weights(staged.tensors(*payload))))
             else:
-                ids, mask, params, seed = payload
+                prompts, n, params, width, seed = payload
                 seed_streams(seed)  # torch's generators (the hf engine's), and Python's and NumPy's (vLLM's too)
-                sampled = engine.generate(ids.to(spec.device), mask.to(spec.device), params)
-                _send(conn, ("sampled", Sampled(*(None if t is None else t.cpu() for t in sampled))))
+                made = generator.generate(engine, prompts.to(spec.device), n, params, width, spec.device)
+                _send(conn, ("sampled", made.to("cpu")))
         except BaseException:  # noqa: BLE001
             _send(conn, ("error", traceback.format_exc()))
             return
@@ -278,7 +323,7 @@ class SamplerProcess:
     holds_weights = True
     POLL_S = 1.0
 
-    def __init__(self, spec: SamplerSpec, pad_id: int) -> None:
+    def __init__(self, spec: SamplerSpec) -> None:
         import multiprocessing
 
         ctx = multiprocessing.get_context("spawn")  # a fresh interpreter: no forked torch threads or process groups
@@ -286,7 +331,6 @@ class SamplerProcess:
         self.staging = Staging()
         self.dtype = spec.weights_dtype  # what the process's copy holds: pushes come in it
         self.tied = spec.tied_embeddings
-        self.pad_id = pad_id
         self.process = ctx.Process(target=serve, args=(spec, child_conn, _InheritedFd(self.staging.fd), os.getpid()),
                                    daemon=True, name="portagrpo-sampler")
         with sigint_ignored():
@@ -294,7 +338,7 @@ class SamplerProcess:
         child_conn.close()
         self.waiting = False
         self.pushed = self.loaded = 0
-        self._sampled: Sampled | None = None
+        self._sampled: Generated | None = None
         try:
             self.device = self._until("ready")  # where the process samples, as it reports it
         except BaseException:
@@ -338,13 +382,13 @@ class SamplerProcess:
         self.pushed += 1
         return len(layout)
 
-    def submit(self, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, params: SamplingParams, seed: int) -> None:
+    def submit(self, prompts: RoundPrompts, n: int, params: SamplingParams, width: int, seed: int) -> None:
         if self.waiting:
             raise RuntimeError("one request at a time: take the pending result first")
-        _send(self.conn, ("generate", (prompt_ids.cpu(), prompt_mask.cpu(), params, int(seed))))
+        _send(self.conn, ("generate", (prompts.to("cpu"), n, params, int(width), int(seed))))
         self.waiting = True
 
-    def result(self) -> Sampled:
+    def result(self) -> Generated:
         if self._sampled is None:
             self._until("sampled")
         sampled, self._sampled = self._sampled, None

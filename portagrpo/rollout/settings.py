@@ -38,7 +38,6 @@ class EngineSettings:
     tiny_hidden_size: int  # model.tiny.hidden_size and num_heads, named when their head size does not suit vLLM
     tiny_num_heads: int
     precision: str  # rollout.precision: auto | fp32 | bf16 | int8 | fp8
-    one_step_off: bool  # rollout.mode=one_step_off: the copy samples in a sampler process
     tensor_parallel_size: int  # rollout.tensor_model_parallel_size (vLLM)
     vllm_gpu_memory_utilization: float
     vllm_weight_bucket_mb: int
@@ -58,14 +57,14 @@ class EngineSettings:
                    max_prompt_length=cfg.data.max_prompt_length, model_path=m.path, model_dtype=m.dtype,
                    attn_implementation=m.attn_implementation, lora=m.lora.rank > 0,
                    tiny_hidden_size=m.tiny.hidden_size, tiny_num_heads=m.tiny.num_heads, precision=r.precision,
-                   one_step_off=r.mode == "one_step_off", tensor_parallel_size=r.tensor_model_parallel_size,
+                   tensor_parallel_size=r.tensor_model_parallel_size,
                    vllm_gpu_memory_utilization=r.vllm_gpu_memory_utilization,
                    vllm_weight_bucket_mb=r.vllm_weight_bucket_mb, vllm_max_model_len=r.vllm_max_model_len,
                    correction_uses=uses)
 
     @property
     def copy_precision(self) -> str:
-        """The precision a sampler copy runs in: rollout.precision, or with `auto` (one_step_off) the model's
+        """The precision a sampler copy runs in: rollout.precision, or with `auto` (a sampler process's) the model's
         compute precision (bf16 under model.dtype=bf16, else fp32)."""
         if self.precision != "auto":
             return self.precision
@@ -79,3 +78,36 @@ class EngineSettings:
     def max_model_len(self) -> int:
         """vLLM's context: rollout.vllm_max_model_len, else a prompt and a response at their limits."""
         return self.vllm_max_model_len or self.max_prompt_length + self.sampling.max_tokens
+
+
+@dataclass(frozen=True)
+class MultiTurnSettings:
+    """rollout.multi_turn: what the conversation generator (rollout/generators/conversation.py) samples with."""
+
+    max_assistant_turns: int
+    tool_config_path: str
+    max_tool_response_length: int  # tokens
+    format: str
+    tool_timeout_s: float
+    tool_memory_mb: int
+    tool_workers: int
+    sandbox: str  # rollout.multi_turn.sandbox: auto, namespaces or process (agent/isolation.py)
+
+    @classmethod
+    def from_config(cls, cfg: Config) -> "MultiTurnSettings | None":
+        m = cfg.rollout.multi_turn
+        if not m.enable:
+            return None
+        return cls(m.max_assistant_turns, str(m.tool_config_path), m.max_tool_response_length, m.format,
+                   m.tool_timeout_s, m.tool_memory_mb, m.tool_workers, m.sandbox)
+
+
+def generator_name(cfg: Config) -> str:
+    """rollout.generator, with `auto` resolved: a conversation with rollout.multi_turn on, vision rows for a
+    vision-language policy, else text."""
+    from portagrpo.paths import uses_vision
+
+    chosen = cfg.rollout.generator
+    if chosen != "auto":
+        return chosen
+    return "conversation" if cfg.rollout.multi_turn.enable else "vision" if uses_vision(cfg.model) else "text"

@@ -130,7 +130,7 @@ def _sample_and_score(engine, tokenizer, processor, records: list, k: int, param
 
     from portagrpo.rewards.functions import score_responses
     from portagrpo.rollout.engines import rollout_groups
-    from portagrpo.train.sampling import vision_rollout
+    from portagrpo.rollout.generators.vision import vision_rollout
 
     correct, scores, examples = [], [], []
     bar = tqdm(total=len(records), desc=f"eval ({name})", disable=not progress)

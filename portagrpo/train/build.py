@@ -31,7 +31,7 @@ from portagrpo.fileio import atomic_path
 from portagrpo.kernels import logprob_impl
 from portagrpo.model.activations import HostActivations, checkpoint_kwargs
 from portagrpo.model.loading import apply_lora, build_tiny_model, check_tiny_matches, load_model, load_tokenizer
-from portagrpo.model.moe import RouteTally, fit_experts_to_dtype, refuse_r3_engine
+from portagrpo.model.moe import RouteTally, refuse_r3_engine
 from portagrpo.model.moe import configure as configure_routing
 from portagrpo.model.parallel import ParallelStrategy, make_strategy, sequence_parallel_group
 from portagrpo.model.scorer import AdaptersOff, ResponseScorer
@@ -47,8 +47,9 @@ from portagrpo.model.vision import (
 from portagrpo.model.vision_attention import set_vision_attention
 from portagrpo.rewards.functions import RewardResolver
 from portagrpo.rewards.pool import RewardPool
-from portagrpo.rollout.engines import ROLLOUT_ENGINES, AheadSampler, EngineInputs, RolloutEngine
-from portagrpo.rollout.settings import EngineSettings
+from portagrpo.rollout.engines import ROLLOUT_ENGINES, EngineInputs, RolloutEngine
+from portagrpo.rollout.process import AheadSampler
+from portagrpo.rollout.settings import EngineSettings, MultiTurnSettings, generator_name
 from portagrpo.tolerances import DTYPES
 from portagrpo.train.memory import PhaseMemory
 
@@ -118,7 +119,7 @@ class Parts:
     shaping: Shaping
     objective: Objective
     total_steps: int
-    sampler: AheadSampler | None = None  # rollout.mode=one_step_off: the sampler process (rollout/process.py)
+    sampler: AheadSampler | None = None  # a schedule that samples apart (one_step_off): rollout/process.py
 
     def close(self) -> None:
         if self.data.reward_pool is not None:
@@ -127,8 +128,9 @@ class Parts:
             self.sampler.close()
 
 
-def make_runtime(cfg: Config) -> Runtime:
-    """The backend, the process group (one process: none) and this rank's device, checked against the config."""
+def make_runtime(cfg: Config, processes: int = 1) -> Runtime:
+    """The backend, the process group (one process: none) and this rank's device, checked against the config.
+    `processes`: per rank, with a sampler process of its own (the schedule's `apart`) 2."""
     backend = get_backend(cfg.trainer.device)
     comm = init_collectives(backend, cfg.trainer.dist_timeout_s)
     try:
@@ -140,7 +142,7 @@ def make_runtime(cfg: Config) -> Runtime:
             raise ConfigError(
                 [f"model.dtype={cfg.model.dtype} is not supported on --device {backend.name}; use fp32."]
             )
-        set_threads(cfg.trainer.num_threads, comm, backend, processes=2 if cfg.rollout.mode != "sync" else 1)
+        set_threads(cfg.trainer.num_threads, comm, backend, processes=processes)
         backend.set_deterministic(cfg.trainer.deterministic)
         backend.seed(cfg.trainer.seed)
         return Runtime(backend, comm, backend.device(comm.env.local_rank), dtype)
@@ -150,7 +152,7 @@ def make_runtime(cfg: Config) -> Runtime:
 
 
 def set_threads(threads: int | None, comm: Collectives, backend: Backend, processes: int = 1) -> None:
-    """`processes`: per rank, with its sampler process (rollout.mode=one_step_off) 2."""
+    """`processes`: per rank, with its sampler process 2."""
     if threads is None and comm.world_size * processes > 1 and backend.device_type == "cpu":
         # Processes sharing the cores must not each start a thread per core (many-fold slowdown).
         threads = max(1, (os.cpu_count() or 1) // (comm.env.local_world_size * processes))
@@ -158,8 +160,9 @@ def set_threads(threads: int | None, comm: Collectives, backend: Backend, proces
         torch.set_num_threads(threads)
 
 
-def build(cfg: Config, runtime: Runtime, run_dir: Path, log: Callable[[str], None]) -> Parts:
-    """Every part of a run, in the order each needs the one before."""
+def build(cfg: Config, runtime: Runtime, run_dir: Path, log: Callable[[str], None], apart: bool = False) -> Parts:
+    """Every part of a run, in the order each needs the one before. `apart`: the run's schedule samples in a sampler
+    process of its own (train/schedule.py), which is built here; the trainer's engine then only validates."""
     strategy = make_strategy(runtime.backend.parallel_strategy(cfg.trainer.parallel), runtime.comm,
                              cfg.trainer.fsdp_size, runtime.backend.spec.pinned_offload)
     data = build_data(cfg, log)
@@ -167,8 +170,9 @@ def build(cfg: Config, runtime: Runtime, run_dir: Path, log: Callable[[str], Non
         models = build_models(cfg, runtime, strategy, data.tokenizer, run_dir, log)
         total = total_steps(cfg, data.loader)
         optim = build_optimization(cfg, models, total)
-        engine = build_engine(cfg, runtime, models, data.tokenizer, run_dir, log if runtime.comm.is_main else None)
-        sampler = build_sampler_process(cfg, runtime, models, data.tokenizer, run_dir)
+        engine = build_engine(cfg, runtime, models, data.tokenizer, run_dir, log if runtime.comm.is_main else None,
+                              apart=apart)
+        sampler = build_sampler_process(cfg, runtime, models, data.tokenizer, run_dir) if apart else None
     except BaseException:
         if data.reward_pool is not None:
             data.reward_pool.close()
@@ -261,7 +265,8 @@ def build_models(cfg: Config, runtime: Runtime, strategy, tokenizer, run_dir: Pa
                            compute_dtype=runtime.dtype, offload=cfg.actor.offload)
     if sharded:  # offloaded shards live in host memory
         materialize(scorer, runtime.device, policy_path, shards_on=_host_if(cfg.actor.offload))
-    configure_routing(scorer, cfg.actor.router_replay, runtime.routes)  # a MoE policy's router replay
+    configure_routing(scorer, cfg.actor.router_replay, runtime.routes, runtime.backend.spec.moe_experts,
+                      runtime.backend.moe_topk())  # a MoE policy's router replay and its backend's expert ops
     ref = ref_scorer = None
     if (cfg.actor.use_kl_loss or cfg.algorithm.use_kl_in_reward) and is_lora:
         ref_scorer = AdaptersOff(scorer)  # the reference is the base model under the adapter
@@ -270,7 +275,7 @@ def build_models(cfg: Config, runtime: Runtime, strategy, tokenizer, run_dir: Pa
         ref, ref_sharded = _language_model(cfg, runtime, strategy, ref_path, attn, runtime.dtype, False, log,
                                            "model.ref_path" if cfg.model.ref_path else "model.path")
         ref.eval().requires_grad_(False)
-        fit_experts_to_dtype(ref)  # a MoE reference in fp64 runs its experts eagerly (model/moe.py)
+        configure_routing(ref, None, None, runtime.backend.spec.moe_experts, runtime.backend.moe_topk())
         _tower_attention(ref, cfg, runtime)
         ref_scorer = strategy.wrap(ResponseScorer(ref, kernel, **packing), trainable=False,
                                    compute_dtype=runtime.dtype, offload=cfg.actor.ref_offload)
@@ -347,18 +352,18 @@ def build_optimization(cfg: Config, models: Models, total: int) -> Optimization:
 
 
 def build_engine(cfg: Config, runtime: Runtime, models: Models, tokenizer, run_dir: Path,
-                 log: Callable[[str], None] | None = None):
-    name = runtime.backend.rollout_engine(cfg.rollout.engine)
-    if cfg.rollout.mode != "sync":  # vLLM samples in the sampler process; this engine, the training model's, validates
-        name = "hf"
+                 log: Callable[[str], None] | None = None, apart: bool = False):
+    """The trainer's engine. `apart`: a sampler process samples the steps (with vLLM or a copy of its own), and this
+    engine, the training model's, validates."""
+    name = "hf" if apart else runtime.backend.rollout_engine(cfg.rollout.engine)
     if cfg.rollout.tensor_model_parallel_size > 1 and name != "vllm" and log is not None:
         log(f"note: rollout.tensor_model_parallel_size={cfg.rollout.tensor_model_parallel_size} has no effect with "
             f"rollout.engine={name}, which samples on every rank with the training model")
     engine = ROLLOUT_ENGINES.get(name, field="rollout.engine")
     refuse_r3_engine(cfg.actor.router_replay, name)
-    if name == "hf" and cfg.rollout.precision != "auto" and cfg.rollout.mode == "sync":
-        # the hf engine on a copy in that precision (with one_step_off the copy lives in the sampler
-        # process, and this engine, on the training model, only validates)
+    if name == "hf" and cfg.rollout.precision != "auto" and not apart:
+        # the hf engine on a copy in that precision (with a sampler process the copy lives there, and this engine,
+        # on the training model, only validates)
         from portagrpo.rollout.sampler_copy import SamplerCopy
 
         engine = SamplerCopy
@@ -370,10 +375,8 @@ def build_engine(cfg: Config, runtime: Runtime, models: Models, tokenizer, run_d
 
 
 def build_sampler_process(cfg: Config, runtime: Runtime, models: Models, tokenizer, run_dir: Path):
-    """rollout.mode=one_step_off: this rank's sampler process, holding a copy of the initial policy (the hf engine)
-    or a vLLM engine built from it (rollout.engine=vllm)."""
-    if cfg.rollout.mode == "sync":
-        return None
+    """This rank's sampler process (a schedule that samples apart), holding a copy of the initial policy (the hf
+    engine) or a vLLM engine built from it (rollout.engine=vllm), and the run's generator."""
     from portagrpo.paths import resolve_model_path
     from portagrpo.rollout.engines import stop_token_ids
     from portagrpo.rollout.process import SamplerProcess, SamplerSpec, vllm_engine_kwargs
@@ -384,20 +387,22 @@ def build_sampler_process(cfg: Config, runtime: Runtime, models: Models, tokeniz
     device = backend.sampler_process_device(env.local_rank, env.local_world_size, cfg.rollout.devices)
     settings = EngineSettings.from_config(cfg)
     eos = stop_token_ids(tokenizer, models.policy)
-    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else eos[0]
     init_model = Path(run_dir) / "init_model"
+    generation = dict(generator=generator_name(cfg), multi_turn=MultiTurnSettings.from_config(cfg),
+                      rank=runtime.comm.rank, local_world_size=env.local_world_size)
     if backend.rollout_engine(cfg.rollout.engine) == "vllm":
         path = str(resolve_model_path(settings.model_path) if settings.model_path else init_model)
         vllm = vllm_engine_kwargs(settings, backend, models.policy, eos, path, runtime.comm.rank)
         spec = SamplerSpec(path, "eager", tokenizer, settings.copy_precision, vllm["tied_embeddings"], threads, device,
-                           backend.name, engine="vllm", vllm=vllm)
-        return SamplerProcess(spec, pad_id)
+                           backend.name, engine="vllm", vllm=vllm, **generation)
+        return SamplerProcess(spec)
     precision = settings.copy_precision
     if precision == "int8" and not backend.supports_dynamic_quantization():
         raise int8_refusal(backend.name)
     source = CopySource.of(settings, backend, models.policy, init_model)
-    spec = SamplerSpec(str(source.path), source.attn, tokenizer, precision, source.tied, threads, device, backend.name)
-    return SamplerProcess(spec, pad_id)
+    spec = SamplerSpec(str(source.path), source.attn, tokenizer, precision, source.tied, threads, device, backend.name,
+                       **generation)
+    return SamplerProcess(spec)
 
 
 def push_weights(engine, models: Models) -> None:

@@ -1,5 +1,5 @@
-"""One step's experience: a batch source's scored global batch (`ScoredRollout`, train/sources/) with its rollout
-correction and advantages, as a typed Experience; and the settings every source samples with."""
+"""One step's experience: the rollout pipeline's scored global batch (`ScoredRollout`, train/pipeline.py) with its
+rollout correction and advantages, as a typed Experience; and the settings the pipeline samples with."""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -36,12 +36,12 @@ class Experience:
     t_scored: float  # perf_counter when the rewards were in (log-probs and advantages follow)
     gen_rounds: int = 1  # sampling rounds this step took (DAPO's dynamic sampling may need more than one)
     staleness: int | None = None  # rollout.mode=one_step_off: updates between the sampler's weights and the trainer's
-    rollout_metrics: dict[str, float] | None = None  # the source's own metrics, logged flat (tool/calls, ...)
+    rollout_metrics: dict[str, float] | None = None  # the generator's own metrics, logged flat (tool/calls, ...)
 
 
 @dataclass
 class ScoredRollout:
-    """What a batch source hands the step: the global batch, sampled, rewarded and scored (identical on every
+    """What the rollout pipeline hands the step: the global batch, sampled, rewarded and scored (identical on every
     rank, in rank order), before its rollout correction and advantages."""
 
     rollout: RolloutBatch
@@ -55,7 +55,7 @@ class ScoredRollout:
     t_scored: float  # perf_counter when the rewards were in
     gen_rounds: int = 1  # sampling rounds it took (DAPO's filtered sampling may need more than one)
     staleness: int | None = None  # updates between the sampler's weights and the trainer's (one_step_off)
-    rollout_metrics: dict[str, float] | None = None  # a source's own metrics (multi-turn: tool/calls, turns_mean)
+    rollout_metrics: dict[str, float] | None = None  # the generator's own metrics (conversation: tool/calls, ...)
 
 
 @dataclass
@@ -95,44 +95,23 @@ def correction_from(cfg: Config) -> RolloutCorrection:
 
 
 def dapo_settings(cfg: Config) -> dict[str, Any]:
+    """DAPO's overlong penalty and group filter. A filter that drops groups may take several rounds, whose prompts
+    are then padded to at least data.max_prompt_length (so rounds of text prompts share one width)."""
     ob, fg = cfg.reward.overlong_buffer, cfg.algorithm.filter_groups
     return {"overlong": (cfg.data.max_response_length, ob.len, ob.penalty_factor) if ob.enable else None,
-            "filter_metric": fg.metric if fg.enable else None, "max_rounds": fg.max_num_gen_batches,
-            "prompt_length": cfg.data.max_prompt_length}
+            "group_filter": fg.metric if fg.enable else "all", "max_rounds": fg.max_num_gen_batches,
+            "min_prompt_width": cfg.data.max_prompt_length if fg.enable else 0}
 
 
-def is_on_policy(cfg: Config) -> bool:
+def is_on_policy(cfg: Config, stale: bool) -> bool:
     """One update on the whole batch: the policy that sampled is the one being updated, so the
     old log-probs are the update's own (detached) and their separate pass is skipped, as in
     verl. A KL-in-reward and a rollout correction need old log-probs before the update, so they keep
-    the pass; in bypass mode the sampler's log-probs are the old ones, so no pass runs either way."""
+    the pass; in bypass mode the sampler's log-probs are the old ones, so no pass runs either way.
+    `stale`: the schedule samples with an older policy than the one it updates (train/schedule.py)."""
     a, rc = cfg.actor, cfg.algorithm.rollout_correction
-    if cfg.rollout.mode != "sync":  # the batch was sampled by an older policy than the one it updates
-        return False
-    return (a.ppo_epochs == 1 and a.ppo_mini_batch_size == cfg.rollout_batch_size
+    return (not stale and a.ppo_epochs == 1 and a.ppo_mini_batch_size == cfg.rollout_batch_size
             and not cfg.algorithm.use_kl_in_reward and not (rc.rollout_is or rc.rollout_rs))
-
-
-@dataclass(frozen=True)
-class MultiTurnSettings:
-    """rollout.multi_turn: what the multi-turn source (train/sources/multi_turn.py) samples with."""
-
-    max_assistant_turns: int
-    tool_config_path: str
-    max_tool_response_length: int  # tokens
-    format: str
-    tool_timeout_s: float
-    tool_memory_mb: int
-    tool_workers: int
-    sandbox: str  # rollout.multi_turn.sandbox: auto, namespaces or process (agent/isolation.py)
-
-
-def multi_turn_settings(cfg: Config) -> MultiTurnSettings | None:
-    m = cfg.rollout.multi_turn
-    if not m.enable:
-        return None
-    return MultiTurnSettings(m.max_assistant_turns, str(m.tool_config_path), m.max_tool_response_length, m.format,
-                             m.tool_timeout_s, m.tool_memory_mb, m.tool_workers, m.sandbox)
 
 
 @dataclass(frozen=True)
@@ -150,14 +129,13 @@ class ExperienceSettings:
     on_policy: bool
     correction: RolloutCorrection
     overlong: tuple[int, int, float] | None = None  # DAPO: (max response length, buffer, penalty factor)
-    filter_metric: str | None = None  # DAPO dynamic sampling: keep groups whose metric has a spread
+    group_filter: str = "all"  # the groups a round keeps (train/filters.py): all, or DAPO's acc or score
     max_rounds: int = 0  # sampling rounds per step at most (0: no limit)
-    prompt_length: int = 0  # data.max_prompt_length: one prompt width for every round
-    mode: str = "sync"  # rollout.mode: which batch source samples (train/sources/); multi_turn when that is on
-    multi_turn: MultiTurnSettings | None = None  # rollout.multi_turn.enable
+    min_prompt_width: int = 0  # every round's prompts padded to at least this width
 
     @classmethod
-    def from_config(cls, cfg: Config, world_size: int) -> "ExperienceSettings":
+    def from_config(cls, cfg: Config, world_size: int, stale: bool = False) -> "ExperienceSettings":
+        """`stale`: the run's schedule samples with an older policy than the one it updates (one_step_off)."""
         r = cfg.rollout
 
         def sampling(temperature: float) -> SamplingParams:
@@ -165,15 +143,14 @@ class ExperienceSettings:
                                   r.repetition_penalty)
 
         a = cfg.actor
-        sp = a.ulysses_sequence_parallel_size  # a group of sp ranks scores each micro-batch: its budget is sp ranks'
-        budget = (a.log_prob_max_token_len_per_gpu or a.ppo_max_token_len_per_gpu) * sp if a.use_dynamic_bsz else None
-        return cls(seed=cfg.trainer.seed, n=r.n, micro_batch_size=cfg.logprob_micro_batch(world_size // sp),
+        # under sequence parallelism each rank still plans its own share (a group scores its ranks' micro-batches as one)
+        budget = (a.log_prob_max_token_len_per_gpu or a.ppo_max_token_len_per_gpu) if a.use_dynamic_bsz else None
+        return cls(seed=cfg.trainer.seed, n=r.n, micro_batch_size=cfg.logprob_micro_batch(world_size),
                    token_budget=budget,
                    temperature=r.temperature, sampling=sampling(r.temperature),
                    val_sampling=sampling(r.val_temperature), val_n=r.val_n, val_batch_size=cfg.data.train_batch_size,
-                   max_error_frac=cfg.reward.max_error_frac, on_policy=is_on_policy(cfg),
-                   correction=correction_from(cfg), mode="multi_turn" if r.multi_turn.enable else r.mode,
-                   multi_turn=multi_turn_settings(cfg), **dapo_settings(cfg))
+                   max_error_frac=cfg.reward.max_error_frac, on_policy=is_on_policy(cfg, stale),
+                   correction=correction_from(cfg), **dapo_settings(cfg))
 
     @property
     def scoring_pass(self) -> bool:
@@ -182,7 +159,7 @@ class ExperienceSettings:
 
 
 class ExperienceMaker:
-    """Turns a batch source's scored global batch into the step's Experience: rollout correction and advantages,
+    """Turns the pipeline's scored global batch into the step's Experience: rollout correction and advantages,
     everything it computes returned, nothing kept."""
 
     def __init__(self, settings: ExperienceSettings, shaping: Shaping) -> None:

@@ -3,6 +3,7 @@ resume, with the RNG streams."""
 from __future__ import annotations
 
 import random
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
 
@@ -23,7 +24,15 @@ from portagrpo.checkpoint import (
 from portagrpo.data.records import PromptLoader
 from portagrpo.fileio import WriteError
 from portagrpo.train.build import Models, Optimization, Runtime
-from portagrpo.train.sources import BatchSource, SourceState
+from portagrpo.train.schedule import ScheduleState
+
+
+@dataclass(frozen=True)
+class Resumed:
+    """What a resume found: the step the checkpoint holds and the schedule's batch in flight, if any."""
+
+    step: int
+    inflight: ScheduleState | None
 
 
 class Checkpointer:
@@ -34,19 +43,18 @@ class Checkpointer:
                  tokenizer: Any, *, keep: int, lora_rank: int, log: Callable[[str], None]) -> None:
         self.run_dir, self.runtime, self.models, self.optim = Path(run_dir), runtime, models, optim
         self.loader, self.tokenizer, self.keep, self.lora_rank, self.log = loader, tokenizer, keep, lora_rank, log
-        self.source: BatchSource | None = None  # the run's batch source, whose state (a batch in flight) is saved
-        self.inflight: SourceState | None = None  # what the last resume found in flight
 
-    def save(self, step: int) -> Path | None:
-        """The checkpoint of `step` (a collective: every rank calls it); its path on rank 0."""
+    def save(self, step: int, inflight: ScheduleState | None) -> Path | None:
+        """The checkpoint of `step` (a collective: every rank calls it), with the schedule's batch in flight
+        (`Schedule.state()`); its path on rank 0."""
         m, comm = self.models, self.runtime.comm
         if m.strategy.shards_checkpoints and not m.is_lora:  # a LoRA adapter is small: gathered, as one process saves
             return self._saving(step, lambda: save_sharded_checkpoint(
                 self.run_dir, step, comm=comm, model=m.policy, tokenizer=self.tokenizer,
-                shards=m.strategy.sharded_state(m.scorer, self.optim.optimizer), **self._run_state(step)))
+                shards=m.strategy.sharded_state(m.scorer, self.optim.optimizer), **self._run_state(inflight)))
         model_state = m.strategy.model_state(m.scorer)
         optimizer_state = m.strategy.optimizer_state(m.scorer, self.optim.optimizer)
-        run_state = self._run_state(step)  # a collective (the batch in flight)
+        run_state = self._run_state(inflight)
         path = None
         if comm.is_main:
             path = self._saving(step, lambda: save_checkpoint(
@@ -55,12 +63,11 @@ class Checkpointer:
         comm.barrier()
         return path
 
-    def _run_state(self, step: int) -> dict[str, Any]:
-        """Everything but the model and optimizer state (a collective: the source gathers its batch in flight)."""
-        state = self.source.state() if self.source is not None else None
+    def _run_state(self, inflight: ScheduleState | None) -> dict[str, Any]:
+        """Everything but the model and optimizer state."""
         return {"scheduler": self.optim.scheduler, "keep": self.keep, "rng": rng_state(self.runtime.backend),
                 "state": {"loader": self.loader.state_dict(), "world_size": self.runtime.comm.world_size},
-                "inflight": None if state is None else state.to_saved()}
+                "inflight": None if inflight is None else inflight.to_saved()}
 
     def _saving(self, step: int, write: Callable[[], Path | None]) -> Path | None:
         try:
@@ -74,8 +81,9 @@ class Checkpointer:
             self.log(f"saved checkpoint {path}")
         return path
 
-    def resume(self, target: str | Path) -> int:
-        """Load `target` (a checkpoint, or a run directory: its latest whole one); the step it holds."""
+    def resume(self, target: str | Path) -> Resumed:
+        """Load `target` (a checkpoint, or a run directory: its latest whole one); the step it holds and the batch
+        that was in flight."""
         ckpt = self._choose(Path(target))
         m = self.models
         check_checkpoint_fits(ckpt, m.policy.config, self.lora_rank)
@@ -90,10 +98,8 @@ class Checkpointer:
         self.optim.scheduler.load_state_dict(parts.scheduler)
         self.loader.load_state_dict(parts.loader)
         set_rng_state(self.runtime.backend, parts.rng)
-        self.inflight = SourceState.from_saved(parts.inflight)
-        step = parts.step
-        self.log(f"resumed from {ckpt} at step {step}")
-        return step
+        self.log(f"resumed from {ckpt} at step {parts.step}")
+        return Resumed(parts.step, ScheduleState.from_saved(parts.inflight))
 
     def _choose(self, target: Path) -> Path:
         """The checkpoint to load, verified on rank 0 alone (hashing reads every byte) and named to the other ranks,

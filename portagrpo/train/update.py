@@ -14,7 +14,7 @@ from portagrpo.batch import RolloutBatch, TrainBatch, balanced_shares, micro_bat
 from portagrpo.config import Config
 from portagrpo.model.scorer import eval_mode, response_stats
 from portagrpo.train.build import Models, Optimization, Runtime
-from portagrpo.train.experience import ExperienceSettings, seed_for
+from portagrpo.train.experience import seed_for
 
 
 @dataclass(frozen=True)
@@ -36,7 +36,8 @@ class UpdateSettings:
     defer_grad_sync: bool = False
 
     @classmethod
-    def from_config(cls, cfg: Config, world_size: int) -> "UpdateSettings":
+    def from_config(cls, cfg: Config, world_size: int, measure_in_update: bool) -> "UpdateSettings":
+        """`measure_in_update`: no scoring pass runs before the update (`ExperienceSettings.scoring_pass` is false)."""
         a = cfg.actor
         sp = a.ulysses_sequence_parallel_size  # a group of sp ranks runs each micro-batch: its budget is sp ranks'
         return cls(seed=cfg.trainer.seed, ppo_epochs=a.ppo_epochs, mini_batch_size=a.ppo_mini_batch_size,
@@ -45,7 +46,7 @@ class UpdateSettings:
                    temperature=cfg.rollout.temperature,
                    entropy_coeff=a.entropy_coeff,
                    full_vocab_kl=a.use_kl_loss and a.kl_loss_type.rstrip("+") == "full",
-                   measure_in_update=not ExperienceSettings.from_config(cfg, world_size).scoring_pass,
+                   measure_in_update=measure_in_update,
                    defer_grad_sync=a.use_no_sync_for_gradient_accumulation)
 
 
@@ -191,7 +192,7 @@ class Updater:
         full_kl = s.full_vocab_kl
         on_policy = micro.old_logp is None
         stats = response_stats(self.scorer, rb, temperature=s.temperature, compute_entropy=s.entropy_coeff != 0
-                               or s.measure_in_update, vocab=full_kl, autocast=self.runtime.autocast)
+                               or s.measure_in_update, vocab=full_kl, autocast=self.runtime.autocast, shared_rows=True)
         logp = stats.logp  # fp32 (fp64 for an fp64 model): kernels never return bf16
         old = logp.detach() if on_policy else micro.old_logp  # on-policy: the policy that sampled is this one
         loss, m = total_loss(logp, old, micro.advantages, mask, self.objective, num_tokens=num_tokens,
@@ -206,7 +207,8 @@ class Updater:
     def _ref_vocab(self, batch: RolloutBatch) -> torch.Tensor:
         with eval_mode(self.ref_scorer):
             return response_stats(self.ref_scorer, batch, temperature=self.settings.temperature,
-                                  compute_entropy=False, vocab=True, autocast=self.runtime.autocast).logp_vocab
+                                  compute_entropy=False, vocab=True, autocast=self.runtime.autocast,
+                                  shared_rows=True).logp_vocab
 
     def _clip_and_step(self, step: int) -> float:
         # The one host read of an optimizer step: whether the norm is finite decides the step.

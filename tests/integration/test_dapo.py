@@ -60,7 +60,7 @@ def test_unlimited_dynamic_sampling_says_it_is_still_sampling(tmp_path, capsys):
     silence: every NOTICE_EVERY rounds a line with the rounds so far, the groups kept and dropped and the key
     that bounds it. The reward here is constant for the first 25 rounds (16 responses each), then spreads,
     so the run ends by itself."""
-    from portagrpo.train.sources.filtered import NOTICE_EVERY
+    from portagrpo.train.pipeline import NOTICE_EVERY
 
     reward = tmp_path / "flat_then_spread.py"
     reward.write_text("calls = 0\n\ndef score(data_source, solution_str, ground_truth, extra_info=None):\n"
@@ -95,8 +95,8 @@ def test_overlong_shaping_lowers_long_responses_scores(tmp_path):
     t = Trainer(load_config(None, [*FAST, "reward.overlong_buffer.enable=true", "reward.overlong_buffer.len=4",
                                    "reward.overlong_buffer.penalty_factor=2.0"]), run_dir=tmp_path,
                 log=lambda m: None).setup()
-    rb = t.sampling.rollout(t.parts.data.loader.next_batch(), 4, t.experience.settings.sampling, uid_base=0)
-    shaped = t.sampling.shaped_scores(rb, [1.0] * rb.size)
+    rb = t.pipeline.rollout(t.parts.data.loader.next_batch(), 4, t.experience.settings.sampling, uid_base=0)
+    shaped = t.pipeline.shaped_scores(rb, [1.0] * rb.size)
     lengths = torch.tensor([r for _, r in rb.host_lengths()], dtype=torch.float32)
     expected = 1.0 + torch.clamp(-(lengths - 4) / 4 * 2.0, max=0.0)
     assert torch.allclose(shaped, expected)

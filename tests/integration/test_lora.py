@@ -46,9 +46,9 @@ def test_reference_logprobs_are_the_base_models(tmp_path):
 
     t = _trainer(tmp_path)
     t.step()  # adapters are now non-zero
-    batch = t.experience.prepare(t.sampling.sample_and_score(2, t.parts.data.loader.next_batch())).batch
-    ref_logp, _ = t.sampling.logprobs(t.models.ref_scorer, batch.rollout, entropy=False)
-    pol_logp, _ = t.sampling.logprobs(t.models.scorer, batch.rollout, entropy=False)
+    batch = t.experience.prepare(t.pipeline.sample_and_score(2, t.parts.data.loader.next_batch())).batch
+    ref_logp, _ = t.pipeline.logprobs.logprobs(t.models.ref_scorer, batch.rollout, entropy=False)
+    pol_logp, _ = t.pipeline.logprobs.logprobs(t.models.scorer, batch.rollout, entropy=False)
     base = AutoModelForCausalLM.from_pretrained(tmp_path / "init_model", local_files_only=True)
     with torch.no_grad():
         direct = response_stats(ResponseScorer(base, token_logprobs_reference), batch.rollout, temperature=1.0,
@@ -71,8 +71,8 @@ def test_checkpoint_holds_the_adapter_and_merged_export_reproduces_logprobs(tmp_
     assert not any("lora" in n for n, _ in merged.named_parameters())
     t = _trainer(tmp_path / "resumed", "trainer.total_steps=3")
     t.checkpoints.resume(run)
-    batch = t.experience.prepare(t.sampling.sample_and_score(4, t.parts.data.loader.next_batch())).batch
-    adapted, _ = t.sampling.logprobs(t.models.scorer, batch.rollout, entropy=False)
+    batch = t.experience.prepare(t.pipeline.sample_and_score(4, t.parts.data.loader.next_batch())).batch
+    adapted, _ = t.pipeline.logprobs.logprobs(t.models.scorer, batch.rollout, entropy=False)
     with torch.no_grad():
         exported = response_stats(ResponseScorer(merged, token_logprobs_reference), batch.rollout, temperature=1.0,
                                   compute_entropy=False).logp

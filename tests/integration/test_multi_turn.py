@@ -214,25 +214,23 @@ def test_sampler_logprobs_of_model_tokens_equal_the_trainers_over_the_conversati
     """The model's tokens are kept as sampled and the tool turns are the same ids in the trainer's context: the hf
     engine's log-probs turn by turn equal the trainer's scoring of the whole conversation, on model tokens."""
     from portagrpo.agent.hermes import ToolTurns
-    from portagrpo.agent.toolbox import ToolCounts
     from portagrpo.config import load_config
     from portagrpo.data.records import PromptRecord
+    from portagrpo.rollout.generators.conversation import Conversations
     from portagrpo.tolerances import assert_close
     from portagrpo.train import Trainer
-    from portagrpo.train.sources.multi_turn import MultiTurnRollout
 
     cfg = load_config(None, [*FAST, _tools(tmp_path), "rollout.temperature=1.5", "data.max_response_length=160"])
     t = Trainer(cfg, run_dir=tmp_path / "run", log=lambda m: None).setup()
     try:
-        s = t.sampling
-        loop = MultiTurnRollout(s.engine, s.tokenizer, EveryTurnCallsATool(), ToolTurns(s.tokenizer, 8), 4)
+        s = t.pipeline
+        loop, engine = Conversations(s.tokenizer, EveryTurnCallsATool(), ToolTurns(s.tokenizer, 8), 4), s.engine
         records = [PromptRecord(i, f"{i}+{i}=", str(2 * i), "x") for i in range(4)]
         s.runtime.backend.seed(11)
-        rb = loop.rollout(records, 2, s.settings.sampling, s.runtime.device, uid_base=0, prompt_width=None,
-                          counts=ToolCounts())
+        rb = loop.rollout(engine, records, 2, s.settings.sampling, s.runtime.device).rollout
         turns = rb.model_mask.diff(dim=1, prepend=torch.zeros_like(rb.model_mask[:, :1])).clamp(min=0).sum(1)
         assert turns.max() >= 2  # conversations of several turns were sampled
-        scored, _ = s.logprobs(t.models.scorer, rb, entropy=False)
+        scored, _ = s.logprobs.logprobs(t.models.scorer, rb, entropy=False)
         own = rb.model_mask.bool()
         assert_close(rb.rollout_logp[own], scored[own].float(), torch.float32, "logprob", "sampler vs trainer")
         assert torch.all(rb.rollout_logp[~own] == 0)

@@ -13,7 +13,6 @@ from portagrpo.cli import main
 from portagrpo.metrics import read_metrics
 from portagrpo.rollout.engines import ROLLOUT_ENGINES, Sampled
 from portagrpo.train.record import StepRecord
-from portagrpo.train.sources.filtered import concat_rollouts
 
 FAST = ["trainer.progress_bar=false", "data.train_batch_size=2", "rollout.n=4", "actor.ppo_mini_batch_size=8",
         "data.train_size=64", "trainer.test_freq=0", "trainer.save_freq=0", "data.max_response_length=128",
@@ -93,12 +92,12 @@ def _batch(prompts: list[list[int]], responses: list[list[int]], own: list[list[
                         model_mask=None if own is None else torch.tensor(own))
 
 
-def test_concat_rollouts_left_pads_prompts_and_keeps_the_model_mask():
+def test_rollout_batch_cat_left_pads_prompts_and_keeps_the_model_mask():
     """Rounds whose prompts have different widths are left-padded to the widest (pad id, mask 0); the model-token
     mask goes along (a part without one trains its whole response), and selecting rows keeps it."""
     first = _batch([[1, 2], [3]], [[5, 6, 7], [5]], [[1.0, 0.0, 1.0, 0.0], [1.0, 0.0, 0.0, 0.0]])
     second = _batch([[1, 2, 3, 4]], [[8, 8]], None)
-    both = concat_rollouts([first, second], pad_id=0)
+    both = RolloutBatch.cat([first, second], pad_id=0)
     assert both.prompt_ids.tolist() == [[0, 0, 1, 2], [0, 0, 9, 3], [1, 2, 3, 4]]
     assert both.prompt_mask.tolist() == [[0, 0, 1, 1], [0, 0, 0, 1], [1, 1, 1, 1]]
     assert both.model_mask.tolist() == [[1, 0, 1, 0], [1, 0, 0, 0], [1, 1, 0, 0]]
@@ -108,7 +107,7 @@ def test_concat_rollouts_left_pads_prompts_and_keeps_the_model_mask():
     picked = both.select([2, 0])
     assert picked.model_mask.tolist() == [[1, 1, 0, 0], [1, 0, 1, 0]]
     assert picked.input_ids[1].tolist() == [0, 0, 1, 2, 5, 6, 7, 9]
-    assert concat_rollouts([second, second], pad_id=0).model_mask is None  # single-turn rounds: none
+    assert RolloutBatch.cat([second, second], pad_id=0).model_mask is None  # single-turn rounds: none
 
 
 def _expected_rows(tok, tool_ids: list[int]) -> dict[str, tuple[list[int], list[float]]]:
@@ -132,9 +131,9 @@ def test_the_steps_batch_keeps_groups_with_spread_and_trains_model_tokens_only(t
     cfg = load_config(None, [*FAST, _tools(tmp_path), _reward(tmp_path), "rollout.engine=fixed"])
     t = Trainer(cfg, run_dir=tmp_path / "run", log=lambda m: None).setup()
     try:
-        tok = t.sampling.tokenizer
+        tok = t.pipeline.tokenizer
         expected = _expected_rows(tok, ToolTurns(tok, cfg.rollout.multi_turn.max_tool_response_length).ids(["42"]))
-        scored = t.source.next(1)
+        scored = t.schedule.next(1)
         assert scored.gen_rounds > 1  # groups were dropped and the rounds' batches concatenated
         rb = scored.rollout
         assert rb.size == 8

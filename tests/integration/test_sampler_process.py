@@ -8,17 +8,30 @@ import subprocess
 import sys
 import time
 from pathlib import Path
-from types import SimpleNamespace
 
 import pytest
 import torch
 
+from portagrpo.data.records import PromptRecord
 from portagrpo.rollout.engines import SamplingParams
+from portagrpo.rollout.generators import RoundPrompts
 from portagrpo.rollout.process import SamplerProcess, SamplerSpec
 from portagrpo.rollout.sampler_copy import SamplerCopy
 
 ROOT = Path(__file__).resolve().parents[2]
-TOKENIZER = SimpleNamespace(eos_token_id=0, pad_token_id=0)  # what the sampler reads of a tokenizer
+
+
+class Tokenizer:
+    """What the sampler process reads of a tokenizer: its special ids, and decoding (the text generator's)."""
+
+    eos_token_id = 0
+    pad_token_id = 0
+
+    def decode(self, ids, skip_special_tokens=True) -> str:
+        return " ".join(map(str, ids))
+
+
+TOKENIZER = Tokenizer()
 GREEDY = SamplingParams(max_tokens=6, temperature=0.0)
 
 
@@ -53,15 +66,21 @@ def _prompts():
     return ids, torch.ones_like(ids)
 
 
+def _round():
+    """`_prompts` as a round for the process's text generator: two records, one sample each, 5 tokens wide."""
+    records = [PromptRecord(i, "", "", "x") for i in range(2)]
+    return RoundPrompts(records, _prompts()[0].tolist(), None, 0), 1, GREEDY, 5
+
+
 def test_a_push_is_one_host_copy_in_the_samplers_precision(tmp_path, one_thread):
     bench, (init, pushed) = _models(tmp_path, 2)
     bf16_bytes = sum(p.numel() * 2 for p in pushed.parameters())
-    sampler = SamplerProcess(SamplerSpec(str(tmp_path / "init"), "sdpa", TOKENIZER, "bf16", False, 1), pad_id=0)
+    sampler = SamplerProcess(SamplerSpec(str(tmp_path / "init"), "sdpa", TOKENIZER, "bf16", False, 1))
     try:
         with bench.HostTraffic() as traffic:
             sampler.update_weights(pushed.named_parameters())
-            sampler.submit(*_prompts(), GREEDY, seed=0)
-            remote = sampler.result()  # taken after the weights, which the process loads first
+            sampler.submit(*_round(), seed=0)
+            remote = sampler.result().rollout  # taken after the weights, which the process loads first
     finally:
         sampler.close()
     # once, in bf16: no clone of the fp32 weights, nothing moved into /dev/shm (before: 2x fp32 on the CPU)
@@ -74,14 +93,14 @@ def test_a_push_is_one_host_copy_in_the_samplers_precision(tmp_path, one_thread)
 def test_every_push_arrives_in_order(tmp_path, one_thread):
     """Pushes reuse the staging buffer: the second waits until the process has loaded the first."""
     _, (init, first, second) = _models(tmp_path, 3)
-    sampler = SamplerProcess(SamplerSpec(str(tmp_path / "init"), "sdpa", TOKENIZER, "fp32", False, 1), pad_id=0)
+    sampler = SamplerProcess(SamplerSpec(str(tmp_path / "init"), "sdpa", TOKENIZER, "fp32", False, 1))
     try:
         sampler.update_weights(first.named_parameters())
-        sampler.submit(*_prompts(), GREEDY, seed=0)  # sampled with `first`
+        sampler.submit(*_round(), seed=0)  # sampled with `first`
         sampler.update_weights(second.named_parameters())  # queued behind the request
-        with_first = sampler.result()
-        sampler.submit(*_prompts(), GREEDY, seed=0)
-        with_second = sampler.result()
+        with_first = sampler.result().rollout
+        sampler.submit(*_round(), seed=0)
+        with_second = sampler.result().rollout
     finally:
         sampler.close()
     for remote, model in ((with_first, first), (with_second, second)):

@@ -109,14 +109,14 @@ def _trainer(tmp_path, qwen_dir, *overrides):
 def test_scoring_runs_without_dropout(tmp_path, qwen_dir, lora):
     extra = ["model.lora.rank=4", "model.lora.dropout=0.5"] if lora else []
     t = _trainer(tmp_path, qwen_dir, "actor.ppo_mini_batch_size=4", "actor.micro_batch_size=4", *extra)
-    batch = t.experience.prepare(t.sampling.sample_and_score(1, t.parts.data.loader.next_batch())).batch
+    batch = t.experience.prepare(t.pipeline.sample_and_score(1, t.parts.data.loader.next_batch())).batch
     t.models.scorer.train()  # as during the update
-    a, _ = t.sampling.logprobs(t.models.scorer, batch.rollout, entropy=False)
-    b, _ = t.sampling.logprobs(t.models.scorer, batch.rollout, entropy=False)
+    a, _ = t.pipeline.logprobs.logprobs(t.models.scorer, batch.rollout, entropy=False)
+    b, _ = t.pipeline.logprobs.logprobs(t.models.scorer, batch.rollout, entropy=False)
     assert torch.equal(a, b) and t.models.scorer.training  # deterministic, and the mode is restored
     if t.models.ref_scorer is not None:
-        r1, _ = t.sampling.logprobs(t.models.ref_scorer, batch.rollout, entropy=False)
-        r2, _ = t.sampling.logprobs(t.models.ref_scorer, batch.rollout, entropy=False)
+        r1, _ = t.pipeline.logprobs.logprobs(t.models.ref_scorer, batch.rollout, entropy=False)
+        r2, _ = t.pipeline.logprobs.logprobs(t.models.ref_scorer, batch.rollout, entropy=False)
         assert torch.equal(r1, r2)
 
 
@@ -125,8 +125,9 @@ def test_on_policy_step_skips_the_old_logprob_pass(tmp_path, qwen_dir, monkeypat
                  "actor.use_kl_loss=false")
     assert t.experience.settings.on_policy
     calls = []
-    real = t.sampling.logprobs
-    monkeypatch.setattr(t.sampling, "logprobs", lambda scorer, *a, **k: calls.append(scorer) or real(scorer, *a, **k))
+    real = t.pipeline.logprobs.logprobs
+    monkeypatch.setattr(t.pipeline.logprobs, "logprobs",
+                        lambda scorer, *a, **k: calls.append(scorer) or real(scorer, *a, **k))
     m = t.step().metrics
     assert t.models.scorer not in calls  # no separate scoring pass of the policy
     assert m["ppo_kl"] == 0.0 and m["ratio_mean"] == 1.0 and m["clipfrac"] == 0.0
@@ -185,7 +186,7 @@ def test_sampler_logprobs_equal_the_trainers_in_fp32(tmp_path, qwen_dir):
 
     t = _trainer(tmp_path, qwen_dir, "actor.ppo_mini_batch_size=4", "actor.micro_batch_size=4",
                  "rollout.temperature=0.8", "rollout.top_p=1.0", "rollout.top_k=-1")
-    exp = t.experience.prepare(t.sampling.sample_and_score(1, t.parts.data.loader.next_batch()))
+    exp = t.experience.prepare(t.pipeline.sample_and_score(1, t.parts.data.loader.next_batch()))
     rb, mask = exp.batch.rollout, exp.batch.rollout.response_mask.bool()
     assert rb.rollout_logp is not None and exp.batch.old_logp is not None
     gap = (rb.rollout_logp - exp.batch.old_logp)[mask].abs().max()
@@ -211,7 +212,7 @@ def test_under_truncation_the_sampler_logprob_is_over_the_kept_tokens(tmp_path, 
     r = t.cfg.rollout
     warp = (TopKLogitsWarper(r.top_k) if r.top_k > 0 else TopPLogitsWarper(r.top_p) if r.top_p < 1
             else MinPLogitsWarper(r.min_p))
-    exp = t.experience.prepare(t.sampling.sample_and_score(1, t.parts.data.loader.next_batch()))
+    exp = t.experience.prepare(t.pipeline.sample_and_score(1, t.parts.data.loader.next_batch()))
     rb = exp.batch.rollout
     from portagrpo.model.loading import position_ids_from_mask
 
@@ -253,8 +254,9 @@ def test_bypass_mode_uses_the_samplers_logprobs_as_the_old_ones(tmp_path, qwen_d
     t = _trainer(tmp_path, qwen_dir, "actor.ppo_mini_batch_size=4", "actor.micro_batch_size=4",
                  "algorithm.rollout_correction.bypass_mode=true", "rollout.top_k=4")
     calls = []
-    real = t.sampling.logprobs
-    monkeypatch.setattr(t.sampling, "logprobs", lambda scorer, *a, **k: calls.append(scorer) or real(scorer, *a, **k))
+    real = t.pipeline.logprobs.logprobs
+    monkeypatch.setattr(t.pipeline.logprobs, "logprobs",
+                        lambda scorer, *a, **k: calls.append(scorer) or real(scorer, *a, **k))
     out = t.step()
     assert t.models.scorer not in calls  # no scoring pass before the update
     assert torch.equal(out.experience.batch.old_logp, out.experience.batch.rollout.rollout_logp)

@@ -83,7 +83,7 @@ def test_verl_run_keys_map(tmp_path):
     assert cfg.actor.use_dynamic_bsz and cfg.actor.ppo_max_token_len_per_gpu == 4096
     off = load_config(None, ["actor_rollout_ref.model.lora_rank=8", "actor_rollout_ref.actor.lora.enable=False"])
     assert off.model.lora.rank == 0
-    from portagrpo.train.driver import Cadence
+    from portagrpo.train.loop import Cadence
 
     assert Cadence(3, 1, 0, val_before_train=True).validate_first(0)
     assert not Cadence(3, 1, 0, val_before_train=False).validate_first(0)

@@ -14,7 +14,7 @@ from portagrpo.config import load_config  # noqa: E402
 from portagrpo.data.records import PromptRecord  # noqa: E402
 from portagrpo.kernels import token_logprobs_reference  # noqa: E402
 from portagrpo.model import vision  # noqa: E402
-from portagrpo.train.sampling import vision_rollout  # noqa: E402
+from portagrpo.rollout.generators.vision import vision_rollout  # noqa: E402
 
 FAST = ["trainer.progress_bar=false", "model.tiny.vision=true", "model.tiny.num_heads=2", "data.task=colours",
         "data.train_size=32", "data.val_size=4", "data.train_batch_size=4", "rollout.n=4",
@@ -216,14 +216,15 @@ def test_checkpoints_carry_the_processor_and_a_resumed_run_continues_exactly(tmp
 
 
 def test_verls_freeze_vision_tower_key_and_no_rank_refusal():
-    from types import SimpleNamespace
-
     from portagrpo.rollout.engines import HFRollout
+    from portagrpo.rollout.generators.vision import check_takes_images
 
     cfg = load_config(None, ["actor_rollout_ref.actor.freeze_vision_tower=true"])
     assert cfg.actor.freeze_vision_tower is True
-    # several ranks train a vision-language policy (tests/distributed/test_vision_data_parallel.py)
-    vision.check_vision_run(SimpleNamespace(mode="sync", filter_metric=None), HFRollout)
+    # several ranks train a vision-language policy (tests/distributed/test_vision_data_parallel.py), one step off,
+    # with DAPO's filter and with tools too (tests/integration/test_rollout_matrix.py)
+    check_takes_images(HFRollout)
+    load_config(None, ["model.tiny.vision=true", "rollout.mode=one_step_off", "algorithm.filter_groups.enable=true"])
 
 
 def test_the_trainer_gives_the_tower_the_backends_vision_attention(tmp_path, monkeypatch):

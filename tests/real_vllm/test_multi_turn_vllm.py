@@ -39,26 +39,24 @@ class EveryTurnCallsATool:
 
 def test_vllm_logprobs_of_model_tokens_equal_the_trainers_over_the_conversation(tmp_path, qwen2_dir):
     from portagrpo.agent.hermes import ToolTurns
-    from portagrpo.agent.toolbox import ToolCounts
     from portagrpo.config import load_config
     from portagrpo.data.records import PromptRecord
     from portagrpo.tolerances import assert_close
     from portagrpo.train import Trainer
-    from portagrpo.train.sources.multi_turn import MultiTurnRollout
+    from portagrpo.rollout.generators.conversation import Conversations
 
     cfg = load_config(None, ["rollout.engine=vllm", f"model.path={qwen2_dir}", "rollout.temperature=1.5",
                              *SMALL, "data.max_response_length=160", _tools(tmp_path)])
     t = Trainer(cfg, run_dir=tmp_path / "run", log=lambda m: None).setup()
     try:
-        s = t.sampling
-        loop = MultiTurnRollout(s.engine, s.tokenizer, EveryTurnCallsATool(), ToolTurns(s.tokenizer, 8), 4)
+        s = t.pipeline
+        loop, engine = Conversations(s.tokenizer, EveryTurnCallsATool(), ToolTurns(s.tokenizer, 8), 4), s.engine
         records = [PromptRecord(i, f"{i}+{i}=", str(2 * i), "x") for i in range(4)]
         s.runtime.backend.seed(11)
-        rb = loop.rollout(records, 2, s.settings.sampling, s.runtime.device, uid_base=0, prompt_width=None,
-                          counts=ToolCounts())
+        rb = loop.rollout(engine, records, 2, s.settings.sampling, s.runtime.device).rollout
         turns = rb.model_mask.diff(dim=1, prepend=torch.zeros_like(rb.model_mask[:, :1])).clamp(min=0).sum(1)
         assert turns.max() >= 2, turns
-        scored, _ = s.logprobs(t.models.scorer, rb, entropy=False)
+        scored, _ = s.logprobs.logprobs(t.models.scorer, rb, entropy=False)
         own = rb.model_mask.bool()
         assert_close(rb.rollout_logp[own], scored[own].float(), torch.float32, "logprob", "vLLM vs trainer")
         assert torch.all(rb.rollout_logp[~own] == 0)
@@ -71,18 +69,17 @@ def test_a_steps_turns_share_its_one_push_on_real_vllm(tmp_path, qwen2_dir):
     its weights between turns before too; this measures it on the real engine: pushes (the engine's update_weights)
     and prefix-cache resets while a rollout of several turns runs, after the step's push."""
     from portagrpo.agent.hermes import ToolTurns
-    from portagrpo.agent.toolbox import ToolCounts
     from portagrpo.config import load_config
     from portagrpo.data.records import PromptRecord
     from portagrpo.train import Trainer
     from portagrpo.train.build import push_weights
-    from portagrpo.train.sources.multi_turn import MultiTurnRollout
+    from portagrpo.rollout.generators.conversation import Conversations
 
     cfg = load_config(None, ["rollout.engine=vllm", f"model.path={qwen2_dir}", "rollout.temperature=1.5", *SMALL,
                              "data.max_response_length=160", _tools(tmp_path)])
     t = Trainer(cfg, run_dir=tmp_path / "run", log=lambda m: None).setup()
     try:
-        s, engine = t.sampling, t.sampling.engine
+        s, engine = t.pipeline, t.pipeline.engine
         calls = {"push": 0, "generate": 0, "reset_prefix_cache": 0}
         for name, owner in (("push", engine), ("generate", engine.llm), ("reset_prefix_cache", engine.llm)):
             method = getattr(owner, "update_weights" if name == "push" else name)
@@ -93,11 +90,10 @@ def test_a_steps_turns_share_its_one_push_on_real_vllm(tmp_path, qwen2_dir):
 
             setattr(owner, "update_weights" if name == "push" else name, counted)
         push_weights(engine, t.models)  # the step's push
-        loop = MultiTurnRollout(engine, s.tokenizer, EveryTurnCallsATool(), ToolTurns(s.tokenizer, 4), 4)
+        loop, engine = Conversations(s.tokenizer, EveryTurnCallsATool(), ToolTurns(s.tokenizer, 4), 4), engine
         records = [PromptRecord(i, f"{i}+{i}=", str(2 * i), "x") for i in range(4)]
         s.runtime.backend.seed(11)
-        loop.rollout(records, 2, s.settings.sampling, s.runtime.device, uid_base=0, prompt_width=None,
-                     counts=ToolCounts())
+        loop.rollout(engine, records, 2, s.settings.sampling, s.runtime.device)
         print(f"real vLLM (CPU build), {calls['generate']} turns: pushes in the step {calls['push']}, prefix-cache "
               f"resets {calls['reset_prefix_cache']}")
         assert calls["generate"] >= 2 and calls["push"] == 1 and calls["reset_prefix_cache"] == 1

@@ -54,7 +54,7 @@ def _ask(t, records, seed: int):
 def _gap(t, records, seed: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
     """(sampler's, trainer's) log-probs of the sampled response tokens."""
     rb = _ask(t, records, seed)
-    ours, _ = t.sampling.logprobs(t.models.scorer, rb, entropy=False)
+    ours, _ = t.pipeline.logprobs.logprobs(t.models.scorer, rb, entropy=False)
     mask = rb.response_mask.bool()
     assert rb.rollout_logp is not None and mask.any()
     return rb.rollout_logp[mask], ours[mask].float()

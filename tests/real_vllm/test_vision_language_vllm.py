@@ -119,8 +119,8 @@ def test_a_tiny_qwen2_5_vl_samples_on_vllm_from_the_pushed_weights(tmp_path):
         records = t.parts.data.loader.next_batch()
 
         def gap() -> tuple[torch.Tensor, torch.Tensor]:
-            rb = t.sampling.rollout(records, 2, SamplingParams(4, 1.0), uid_base=0)
-            ours, _ = t.sampling.logprobs(t.models.scorer, rb, entropy=False)
+            rb = t.pipeline.rollout(records, 2, SamplingParams(4, 1.0), uid_base=0)
+            ours, _ = t.pipeline.logprobs.logprobs(t.models.scorer, rb, entropy=False)
             mask = rb.response_mask.bool()
             return rb.rollout_logp[mask], ours[mask].float()
 

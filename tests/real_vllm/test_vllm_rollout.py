@@ -85,9 +85,9 @@ def _gaps(t, records, truncated: SamplingParams) -> dict[str, tuple[torch.Tensor
     """(sampler, trainer) log-probs of the tokens of two fresh rollouts, on response tokens: one at the run's
     temperature against the trainer's own scoring (what `rollout_corr/*` compares), one with top-k and top-p
     against the trainer's logits truncated the same way."""
-    plain = t.sampling.rollout(records, 4, SamplingParams(8, TEMPERATURE), uid_base=0)
-    scored, _ = t.sampling.logprobs(t.models.scorer, plain, entropy=False)
-    cut = t.sampling.rollout(records, 4, truncated, uid_base=0)
+    plain = t.pipeline.rollout(records, 4, SamplingParams(8, TEMPERATURE), uid_base=0)
+    scored, _ = t.pipeline.logprobs.logprobs(t.models.scorer, plain, entropy=False)
+    cut = t.pipeline.rollout(records, 4, truncated, uid_base=0)
     out = {}
     for name, rb, ref in (("temperature", plain, scored), ("top-k/top-p", cut, _trainer_logp(t.models.policy, cut,
                                                                                                truncated))):

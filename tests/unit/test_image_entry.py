@@ -139,12 +139,7 @@ def test_eval_refuses_it_in_one_sentence_and_says_what_it_shrinks(tmp_path, caps
 @pytest.mark.parametrize("overrides, expected", [
     (["data.max_image_pixels=0"], "data.max_image_pixels=0 must be at least 1"),
     (["data.max_image_pixels=-5"], "data.max_image_pixels=-5 must be at least 1"),
-    ([*TINY, "data.task=colours", "rollout.mode=one_step_off"], "this run sets rollout.mode=one_step_off"),
-    ([*TINY, "data.task=colours", "rollout.multi_turn.enable=true",
-      "rollout.multi_turn.tool_config_path=configs/tools/calculator.yaml"],
-     "this run sets rollout.multi_turn.enable=true"),
-    ([*TINY, "data.task=colours", "algorithm.filter_groups.enable=true"],
-     "this run sets algorithm.filter_groups.enable=true"),
+    # images compose with one_step_off, tools and DAPO's filter (tests/integration/test_rollout_matrix.py)
 ])
 def test_dry_run_refuses_what_the_run_refuses_in_the_same_sentence(tmp_path, capsys, monkeypatch, overrides,
                                                                      expected):

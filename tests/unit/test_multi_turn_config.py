@@ -1,7 +1,8 @@
-"""rollout.multi_turn: the config section, its rules, verl's keys, and the settings the source reads."""
+"""rollout.multi_turn: the config section, its rules, verl's keys, and the settings the generator reads."""
 import pytest
 
 from portagrpo.config import ConfigError, load_config
+from portagrpo.rollout.settings import MultiTurnSettings, generator_name
 from portagrpo.train.experience import ExperienceSettings
 
 AR = "actor_rollout_ref.rollout.multi_turn."
@@ -17,18 +18,17 @@ def _problems(overrides, check_files=False):
 def test_defaults_are_off_and_single_turn_settings_are_unchanged():
     cfg = load_config(None, [])
     assert not cfg.rollout.multi_turn.enable
-    s = ExperienceSettings.from_config(cfg, 1)
-    assert s.mode == "sync" and s.multi_turn is None
+    assert generator_name(cfg) == "text" and MultiTurnSettings.from_config(cfg) is None
 
 
-def test_enabled_settings_reach_the_source(tmp_path):
+def test_enabled_settings_reach_the_generator(tmp_path):
     tools = tmp_path / "tools.yaml"
     tools.write_text(CALCULATOR)
     cfg = load_config(None, ["rollout.multi_turn.enable=true", f"rollout.multi_turn.tool_config_path={tools}",
                              "rollout.multi_turn.max_assistant_turns=3"])
-    s = ExperienceSettings.from_config(cfg, 1)
-    assert s.mode == "multi_turn"
-    assert s.multi_turn.max_assistant_turns == 3 and s.multi_turn.tool_config_path == str(tools)
+    s = MultiTurnSettings.from_config(cfg)
+    assert generator_name(cfg) == "conversation"
+    assert s.max_assistant_turns == 3 and s.tool_config_path == str(tools)
 
 
 @pytest.mark.parametrize("override, words", [
@@ -41,18 +41,15 @@ def test_bad_values_are_one_sentence_each(override, words):
     assert words in _problems([override])
 
 
-def test_enable_needs_a_tool_file_and_refuses_one_step_off(tmp_path):
+def test_enable_needs_a_tool_file_and_composes_with_one_step_off_and_dapo(tmp_path):
     text = _problems(["rollout.multi_turn.enable=true"])
     assert "needs rollout.multi_turn.tool_config_path" in text
-    text = _problems(["rollout.multi_turn.enable=true", "rollout.multi_turn.tool_config_path=x.yaml",
-                      "rollout.mode=one_step_off"])
-    assert "rollout.mode=one_step_off is not built" in text and "use rollout.mode=sync" in text
     tools = tmp_path / "tools.yaml"
     tools.write_text(CALCULATOR)
     cfg = load_config(None, ["rollout.multi_turn.enable=true", f"rollout.multi_turn.tool_config_path={tools}",
-                             "algorithm.filter_groups.enable=true"])  # DAPO's rounds, sampled as conversations
-    s = ExperienceSettings.from_config(cfg, 1)
-    assert s.mode == "multi_turn" and s.filter_metric == "acc"
+                             "algorithm.filter_groups.enable=true", "rollout.mode=one_step_off"])
+    s = ExperienceSettings.from_config(cfg, 1, stale=True)  # DAPO's rounds, sampled as conversations, one step off
+    assert generator_name(cfg) == "conversation" and s.group_filter == "acc" and not s.on_policy
     text = _problems(["rollout.multi_turn.enable=true", f"rollout.multi_turn.tool_config_path={tmp_path}/none.yaml"],
                      check_files=True)
     assert "none.yaml' does not exist" in text

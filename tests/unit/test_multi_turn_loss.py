@@ -8,7 +8,7 @@ import torch
 
 from portagrpo.agent.hermes import ToolTurns
 from portagrpo.agent.sandbox import Limits
-from portagrpo.agent.toolbox import Toolbox, ToolCounts
+from portagrpo.agent.toolbox import Toolbox
 from portagrpo.algo.losses import loss_normalizers
 from portagrpo.algo.objective import Objective, Shaping, shape_and_advantage, total_loss
 from portagrpo.batch import RolloutBatch
@@ -16,8 +16,8 @@ from portagrpo.config import load_config
 from portagrpo.data.records import PromptRecord
 from portagrpo.model.loading import build_char_tokenizer
 from portagrpo.rollout.engines import Sampled, SamplingParams
+from portagrpo.rollout.generators.conversation import Conversations, tool_counts
 from portagrpo.train.experience import ExperienceMaker, ExperienceSettings
-from portagrpo.train.sources.multi_turn import MultiTurnRollout
 
 TOK = build_char_tokenizer()
 CALC = '<tool_call>{"name": "calculator", "arguments": {"expression": "%s"}}</tool_call>'
@@ -65,11 +65,9 @@ def toolbox(tmp_path_factory):
 def _rollout(toolbox, scripts, max_tokens=200, max_turns=4):
     engine = ScriptedEngine(scripts)
     records = [PromptRecord(i, p, "0", "x") for i, p in enumerate(scripts)]
-    loop = MultiTurnRollout(engine, TOK, toolbox, ToolTurns(TOK, 32), max_turns)
-    counts = ToolCounts()
-    rb = loop.rollout(records, 1, SamplingParams(max_tokens), torch.device("cpu"), uid_base=0, prompt_width=None,
-                      counts=counts)
-    return rb, counts, engine
+    loop = Conversations(TOK, toolbox, ToolTurns(TOK, 32), max_turns)
+    made = loop.rollout(engine, records, 1, SamplingParams(max_tokens), torch.device("cpu"))
+    return made.rollout, tool_counts(made.counts), engine
 
 
 def test_turns_alternate_and_only_model_tokens_are_marked(toolbox):
@@ -169,11 +167,11 @@ def test_chat_prompts_list_the_tools(toolbox):
     tok = build_char_tokenizer()
     tok.chat_template = ("{% if tools %}s:{% for t in tools %}{{ t['function']['name'] }};{% endfor %}\n{% endif %}"
                          + tok.chat_template)
-    loop = MultiTurnRollout(ScriptedEngine({}), tok, toolbox, ToolTurns(tok, 32), 2)
+    loop = Conversations(tok, toolbox, ToolTurns(tok, 32), 2)
     chat = PromptRecord(0, [{"role": "user", "content": "2+2?"}], "4", "x")
-    [ids] = loop.prompt_ids([chat])
+    [ids] = loop.prompts([chat], 0, "cpu").ids
     assert tok.decode(ids) == "s:calculator;u:2+2?\na:"  # the template environment trims the block newline
-    [plain] = loop.prompt_ids([PromptRecord(1, "2+2?", "4", "x")])
+    [plain] = loop.prompts([PromptRecord(1, "2+2?", "4", "x")], 0, "cpu").ids
     assert tok.decode(plain) == "2+2?"
 
 
@@ -229,10 +227,10 @@ def test_ranks_generate_each_turn_together():
     def rank(r):
         try:
             engine = LockstepEngine(scripts[r], engine_barrier)
-            loop = MultiTurnRollout(engine, TOK, InProcessTools(), ToolTurns(TOK, 32), 4, comm=PairComm(r, shared))
+            loop = Conversations(TOK, InProcessTools(), ToolTurns(TOK, 32), 4, lockstep=PairComm(r, shared))
             records = [PromptRecord(r, p, "0", "x") for p in scripts[r]]
-            out[r] = (loop.rollout(records, 1, SamplingParams(200), torch.device("cpu"), uid_base=0,
-                                   prompt_width=None, counts=ToolCounts()), engine.calls)
+            out[r] = (loop.rollout(engine, records, 1, SamplingParams(200), torch.device("cpu")).rollout,
+                      engine.calls)
         except Exception as err:  # noqa: BLE001 - reported below
             errors.append(err)
             engine_barrier.abort()

@@ -11,12 +11,11 @@ import pytest
 import torch
 
 from portagrpo.agent.hermes import ToolTurns
-from portagrpo.agent.toolbox import ToolCounts
 from portagrpo.data.records import PromptRecord, filter_long_prompts, tokenize_prompts, truncate_long_prompts
 from portagrpo.errors import UserError
 from portagrpo.model.loading import build_char_tokenizer
 from portagrpo.rollout.engines import SamplingParams
-from portagrpo.train.sources.multi_turn import MultiTurnRollout
+from portagrpo.rollout.generators.conversation import Conversations
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "standins"))
 import fake_vllm  # noqa: E402
@@ -80,10 +79,9 @@ def test_the_turns_of_a_step_share_its_one_push_and_one_wake(standin):
     engine = _engine(tok)
     (llm,) = standin.instances
     engine.update_weights(iter(WEIGHTS))  # the step's push, after the update
-    loop = MultiTurnRollout(engine, tok, EveryTurnCallsATool(), ToolTurns(tok, 4), 4)
+    loop = Conversations(tok, EveryTurnCallsATool(), ToolTurns(tok, 4), 4)
     start = len(llm.log)
-    rb = loop.rollout(RECORDS, 2, SamplingParams(40, 1.0), torch.device("cpu"), uid_base=0, prompt_width=None,
-                      counts=ToolCounts())
+    rb = loop.rollout(engine, RECORDS, 2, SamplingParams(40, 1.0), torch.device("cpu")).rollout
     events = [e[0] for e in llm.log[start:]]
     turns = events.count("generate")
     assert turns == 4 and rb.model_mask.sum() > 0  # every turn called the tool: max_assistant_turns turns
@@ -93,8 +91,7 @@ def test_the_turns_of_a_step_share_its_one_push_and_one_wake(standin):
     assert events.count("wake") == 1 and events.count("sleep") == 1 and "sleep-ignored" not in events
     assert engine.needs_weights  # asleep again at level 2 until the next push
     # a rollout outside a step's push (validation) loads the policy once for all its turns
-    loop.rollout(RECORDS, 2, SamplingParams(40, 1.0), torch.device("cpu"), uid_base=0, prompt_width=None,
-                 counts=ToolCounts())
+    loop.rollout(engine, RECORDS, 2, SamplingParams(40, 1.0), torch.device("cpu"))
     assert _pushes(llm) == 2
 
 
@@ -106,9 +103,9 @@ def test_a_prompt_is_measured_with_the_tools_schemas_it_is_sent_with(standin):
     tok = _tokenizer()
     schemas = [SCHEMA]
     plain, sent = tokenize_prompts(tok, RECORDS), tokenize_prompts(tok, RECORDS, schemas)
-    loop = MultiTurnRollout(_engine(tok, max_model_len=len(plain[0]) + 40), tok, EveryTurnCallsATool(),
-                            ToolTurns(tok, 4), 4)
-    assert loop.prompt_ids(RECORDS) == sent and len(sent[0]) > len(plain[0])
+    small = _engine(tok, max_model_len=len(plain[0]) + 40)
+    loop = Conversations(tok, EveryTurnCallsATool(), ToolTurns(tok, 4), 4)
+    assert loop.prompts(RECORDS, 0, "cpu").ids == sent and len(sent[0]) > len(plain[0])
     limit = max(map(len, plain))
     assert filter_long_prompts(tok, RECORDS, limit) == (RECORDS, 0)
     assert filter_long_prompts(tok, RECORDS, limit, schemas) == ([], 2)
@@ -117,13 +114,10 @@ def test_a_prompt_is_measured_with_the_tools_schemas_it_is_sent_with(standin):
 
     with pytest.raises(UserError, match=f"has {len(sent[0])} tokens.*rollout.vllm_max_model_len to at least "
                                         f"{len(sent[0]) + 40}") as err:
-        loop.rollout(RECORDS, 2, SamplingParams(40, 1.0), torch.device("cpu"), uid_base=0, prompt_width=None,
-                     counts=ToolCounts())
+        loop.rollout(small, RECORDS, 2, SamplingParams(40, 1.0), torch.device("cpu"))
     assert "\n" not in str(err.value)
-    fits = MultiTurnRollout(_engine(tok, max_model_len=len(sent[0]) + 40), tok, EveryTurnCallsATool(),
-                            ToolTurns(tok, 4), 4)
-    fits.rollout(RECORDS, 2, SamplingParams(40, 1.0), torch.device("cpu"), uid_base=0, prompt_width=None,
-                 counts=ToolCounts())
+    loop.rollout(_engine(tok, max_model_len=len(sent[0]) + 40), RECORDS, 2, SamplingParams(40, 1.0),
+                 torch.device("cpu"))
 
 
 @pytest.mark.parametrize("filtered", [True, False])

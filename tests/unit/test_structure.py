@@ -77,7 +77,7 @@ def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
 def test_no_import_circle_in_the_package():
     mods = modules()
     graph = {name: imports_of(name, path, set(mods)) for name, path in mods.items()}
-    assert "portagrpo.train.build" in graph["portagrpo.train.loop"]  # the graph sees the package's own imports
+    assert "portagrpo.train.build" in graph["portagrpo.train.trainer"]  # the graph sees the package's own imports
     assert cycles(graph) == []
 
 
@@ -100,8 +100,9 @@ def test_no_class_over_300_lines_and_no_function_over_60():
 def test_experience_maker_and_updater_read_no_config():
     """Every input of `ExperienceMaker.make` and `Updater.update` comes through their constructors'
     and their own signatures: outside the settings' `from_config`, neither module touches a Config."""
-    for rel in ("portagrpo/train/experience.py", "portagrpo/train/update.py", "portagrpo/train/sampling.py",
-                *(f"portagrpo/train/sources/{p.name}" for p in (ROOT / "portagrpo/train/sources").glob("*.py"))):
+    for rel in ("portagrpo/train/experience.py", "portagrpo/train/update.py", "portagrpo/train/pipeline.py",
+                "portagrpo/train/logprobs.py", "portagrpo/train/filters.py", "portagrpo/train/schedule.py",
+                *(str(p.relative_to(ROOT)) for p in (ROOT / "portagrpo/rollout/generators").glob("*.py"))):
         tree = ast.parse((ROOT / rel).read_text())
         for cls in [n for n in tree.body if isinstance(n, ast.ClassDef)]:
             for fn in [n for n in cls.body if isinstance(n, ast.FunctionDef) and n.name != "from_config"]:
@@ -110,41 +111,115 @@ def test_experience_maker_and_updater_read_no_config():
                 assert "cfg" not in names | attrs, f"{rel}: {cls.name}.{fn.name} reads the config"
 
 
-def test_the_loop_has_no_rollout_mode_branch():
-    """The loop asks its one batch source for the next batch; how the batch was sampled (sync, one_step_off,
-    DAPO's filtered rounds) is the source's business, never an `if` in the loop."""
-    tree = ast.parse((ROOT / "portagrpo/train/loop.py").read_text())
-    modes = {"mode", "filter_metric", "ahead", "sampler", "pending_prompts", "inflight"}
+SCHEDULE = "portagrpo/train/schedule.py"
+MODES = ("sync", "one_step_off")
+
+
+def mode_branches(tree: ast.AST) -> list[int]:
+    """Lines that branch on rollout.mode: a comparison with a mode's name, or a test that reads `<...>.rollout.mode`."""
+    found = []
     for node in ast.walk(tree):
-        if isinstance(node, (ast.If, ast.IfExp)):
-            names = {n.attr for n in ast.walk(node.test) if isinstance(n, ast.Attribute)}
-            names |= {n.id for n in ast.walk(node.test) if isinstance(n, ast.Name)}
-            assert not names & modes, f"loop.py line {node.lineno} branches on {sorted(names & modes)}"
-    text = (ROOT / "portagrpo/train/loop.py").read_text()
-    for source_module in ("sources.filtered", "sources.one_step_off", "sources.sync"):
-        assert source_module not in text, f"the loop names a source ({source_module}) instead of asking make_source"
+        if isinstance(node, ast.Compare):
+            values = [node.left, *node.comparators]
+            if any(isinstance(v, ast.Constant) and v.value in MODES for v in values):
+                found.append(node.lineno)
+        if isinstance(node, (ast.If, ast.IfExp, ast.While)):
+            if any(isinstance(n, ast.Attribute) and n.attr == "mode" and isinstance(n.value, ast.Attribute)
+                   and n.value.attr == "rollout" for n in ast.walk(node.test)):
+                found.append(node.lineno)
+    return sorted(set(found))
 
 
-def test_no_module_reads_another_objects_private_members():
-    """Phases talk through their public methods: `obj._member` appears only as `self._member` (or `cls.`)."""
+def test_no_module_outside_the_schedule_branches_on_rollout_mode():
+    """`rollout.mode` names when sampling runs (train/schedule.py), and nothing else asks: other modules ask the
+    schedule what it declares (`apart`, `stale`). The config's own validation (config/) says each mode's limits."""
     found = []
     for name, path in modules().items():
-        if not name.startswith("portagrpo.train"):
+        rel = str(path.relative_to(ROOT))
+        if rel == SCHEDULE or rel.startswith("portagrpo/config/"):
             continue
+        text = path.read_text()
+        found += [f"{rel}:{line}" for line in mode_branches(ast.parse(text))]
+        if '!= "sync"' in text or "!= 'sync'" in text:
+            found.append(f"{rel}: != \"sync\"")
+    assert found == []
+    assert mode_branches(ast.parse((ROOT / SCHEDULE).read_text())) == []  # the schedule is a registry, not an if
+    code = "if cfg.rollout.mode:\n    pass\nx = 1 if r.mode == 'sync' else 2\nif hooks.mode == 'R3':\n    pass\n"
+    assert mode_branches(ast.parse(code)) == [1, 3]
+
+
+# Modules of the rollout pipeline and the loop, where state travels in arguments and return values. build.py is not
+# among them: it configures the models it makes (`policy.config.use_cache`).
+RUN_TIME = ("portagrpo/batch.py", "portagrpo/rollout/process.py", "portagrpo/rollout/generators",
+            *(f"portagrpo/train/{m}.py" for m in ("trainer", "loop", "pipeline", "schedule", "filters", "logprobs",
+                                                  "experience", "update", "report", "record", "state")))
+
+
+def rebindings(tree: ast.AST) -> list[str]:
+    """Assignments to an attribute of an object other than `self` (or `cls`)."""
+    found = []
+    for node in ast.walk(tree):
+        targets = node.targets if isinstance(node, ast.Assign) else (
+            [node.target] if isinstance(node, (ast.AugAssign, ast.AnnAssign)) else [])
+        for target in targets:
+            for sub in ast.walk(target):
+                if (isinstance(sub, ast.Attribute) and isinstance(sub.ctx, ast.Store)
+                        and not (isinstance(sub.value, ast.Name) and sub.value.id in ("self", "cls"))):
+                    found.append(f"line {node.lineno}: {ast.unparse(sub)}")
+    return found
+
+
+def test_no_attribute_is_rebound_on_another_object_at_run_time():
+    """An object's state changes through its own methods: no module of the pipeline or the loop sets an attribute
+    of another object (as the multi-turn source once rebound `sampling.rollout`, and the trainer wired
+    `Checkpointer.source` after construction)."""
+    found = []
+    for rel in RUN_TIME:
+        paths = sorted((ROOT / rel).glob("*.py")) if (ROOT / rel).is_dir() else [ROOT / rel]
+        found += [f"{p.relative_to(ROOT)} {where}" for p in paths for where in rebindings(ast.parse(p.read_text()))]
+    assert found == []
+    assert rebindings(ast.parse("self.a = 1\nother.b = 2\nx.c.d += 1\n")) == ["line 2: other.b", "line 3: x.c.d"]
+
+
+def protocol_members() -> set[str]:
+    """Every name a Protocol of the package declares (methods and annotated fields)."""
+    members = set()
+    for path in modules().values():
         for node in ast.walk(ast.parse(path.read_text())):
-            if (isinstance(node, ast.Attribute) and node.attr.startswith("_") and not node.attr.startswith("__")
-                    and not (isinstance(node.value, ast.Name) and node.value.id in ("self", "cls"))):
-                found.append(f"{name}:{node.lineno} .{node.attr}")
+            if isinstance(node, ast.ClassDef) and any(ast.unparse(b).startswith("Protocol") for b in node.bases):
+                members |= {i.name for i in node.body if isinstance(i, ast.FunctionDef)}
+                members |= {i.target.id for i in node.body if isinstance(i, ast.AnnAssign)}
+    return members
+
+
+def test_no_getattr_probe_of_a_protocol_member():
+    """What a Protocol declares is asked for, never probed: no `getattr(x, "pad_id", ...)` / `hasattr(x, "eos_ids")`
+    of a name any Protocol declares (RolloutEngine's pad_id, eos_ids, takes_images, ...)."""
+    members = protocol_members()
+    assert {"pad_id", "eos_ids", "takes_images", "generate", "prompts", "apart"} <= members
+    found = []
+    for name, path in modules().items():
+        for node in ast.walk(ast.parse(path.read_text())):
+            probe = (isinstance(node, ast.Call) and isinstance(node.func, ast.Name)
+                     and node.func.id in ("getattr", "hasattr") and len(node.args) >= 2)
+            if probe and isinstance(node.args[1], ast.Constant) and node.args[1].value in members:
+                found.append(f"{name}:{node.lineno} {ast.unparse(node)}")
     assert found == []
 
 
-def test_a_batch_source_is_one_module_that_registers_itself():
-    """Every module in train/sources/ registers one source, found by make_source without being named elsewhere."""
-    from portagrpo.train.sources import SOURCES, _discover
+def test_a_generator_is_one_module_that_registers_itself():
+    """Every module in rollout/generators/ registers one generator, found by make_generator without being named
+    elsewhere; the group filters and the schedules are registries too."""
+    from portagrpo.rollout.generators import GENERATORS, _discover
+    from portagrpo.train.filters import FILTERS
+    from portagrpo.train.schedule import SCHEDULES
 
     _discover()
-    files = sorted(p.stem for p in (ROOT / "portagrpo/train/sources").glob("*.py") if p.stem != "__init__")
-    assert sorted(SOURCES.names()) == files
+    files = sorted(p.stem for p in (ROOT / "portagrpo/rollout/generators").glob("*.py") if p.stem != "__init__")
+    assert sorted(GENERATORS.names()) == files == ["conversation", "echo", "text", "vision"]
+    assert sorted(FILTERS.names()) == ["acc", "all", "score"] and sorted(SCHEDULES.names()) == list(sorted(MODES))
+    trainer = (ROOT / "portagrpo/train/trainer.py").read_text()
+    assert not any(f"generators.{f}" in trainer for f in files), "the trainer names a generator module"
 
 
 HOST_READS = {"item", "tolist", "cpu", "numpy"}
@@ -194,8 +269,10 @@ def test_the_device_layer_sits_below_the_model():
 
 
 PLUG_POINTS = {"portagrpo/train/build.py": ("Models", "Parts", "Runtime", "Optimization"),
-               "portagrpo/rollout/engines.py": ("EngineInputs", "RolloutEngine", "AheadSampler"),
-               "portagrpo/train/sources/__init__.py": ("SourceInputs", "BatchSource"),
+               "portagrpo/rollout/engines.py": ("EngineInputs", "RolloutEngine"),
+               "portagrpo/rollout/process.py": ("AheadSampler",),
+               "portagrpo/rollout/generators/__init__.py": ("GeneratorInputs", "Generator", "RoundPrompts"),
+               "portagrpo/train/schedule.py": ("ScheduleInputs", "Schedule"),
                "portagrpo/model/parallel.py": ("ParallelStrategy",)}
 
 
@@ -207,10 +284,11 @@ def test_no_plug_point_is_typed_any():
         classes = {n.name: n for n in tree.body if isinstance(n, ast.ClassDef)}
         for name in names:
             for field in [n for n in classes[name].body if isinstance(n, ast.AnnAssign)]:
-                if field.target.id != "tokenizer":
+                if field.target.id not in ("tokenizer", "processor"):  # transformers' own types
                     assert "Any" != ast.unparse(field.annotation), f"{rel}: {name}.{field.target.id} is typed Any"
-    loop = (ROOT / "portagrpo/train/loop.py").read_text()
-    assert "getattr(" not in loop
+    for rel in ("portagrpo/train/loop.py", "portagrpo/train/trainer.py", "portagrpo/train/pipeline.py",
+                "portagrpo/train/schedule.py"):
+        assert "getattr(" not in (ROOT / rel).read_text(), rel
 
 
 def test_rewards_do_not_import_data():

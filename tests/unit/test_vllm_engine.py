@@ -138,7 +138,7 @@ def test_a_groups_samples_are_one_batched_request(tmp_path, fake_vllm):
     vLLM samples in one batch (a seeded request goes through its V1 sampler's request-by-request loop)."""
     t = _trainer(tmp_path)
     (llm,) = fake_vllm.instances
-    rb = t.sampling.rollout(t.parts.data.loader.next_batch(), 4, SamplingParams(8, 0.8), uid_base=0)
+    rb = t.pipeline.rollout(t.parts.data.loader.next_batch(), 4, SamplingParams(8, 0.8), uid_base=0)
     gen = next(e for e in llm.log if e[0] == "generate")
     assert gen[1] == 4 and gen[2]["n"] == 4 and gen[3] == [None] * 4  # 4 prompts x 4 samples
     assert llm.per_request_draws == 0
@@ -197,7 +197,7 @@ def test_sampler_logprobs_are_the_processed_ones_vllm_drew_with(tmp_path, fake_v
     t = _trainer(tmp_path)
     llm = fake_vllm.instances[-1]
     assert llm.kwargs["logprobs_mode"] == "processed_logprobs"
-    rb = t.sampling.rollout(t.parts.data.loader.next_batch(), 4, SamplingParams(8, 0.8), uid_base=0)
+    rb = t.pipeline.rollout(t.parts.data.loader.next_batch(), 4, SamplingParams(8, 0.8), uid_base=0)
     mask = rb.response_mask.bool()
     assert torch.allclose(rb.rollout_logp[mask], torch.full_like(rb.rollout_logp[mask], -math.log(11)))
     assert torch.all(rb.rollout_logp[~mask] == 0)

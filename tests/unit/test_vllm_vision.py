@@ -83,7 +83,7 @@ def test_a_vision_language_policy_samples_on_vllm_with_its_images_and_pushes_its
     (llm,) = cpu_vllm.instances
     assert engine.takes_images and llm.vision is not None and llm.kwargs["limit_mm_per_prompt"] == {"video": 0}
     records = t.parts.data.loader.next_batch()
-    rb = t.sampling.rollout(records, 4, PARAMS, uid_base=0)
+    rb = t.pipeline.rollout(records, 4, PARAMS, uid_base=0)
     assert rb.responses.shape == (16, 6) and rb.response_mask.any(dim=1).all()
 
     # one request per group (n=4 samples), its prompt with one pad per image, its one image
@@ -107,7 +107,7 @@ def test_a_vision_language_policy_samples_on_vllm_with_its_images_and_pushes_its
 
     def tokens(seed: int) -> list:
         engine.reseed(seed)
-        out = t.sampling.rollout(records, 4, PARAMS, uid_base=0)
+        out = t.pipeline.rollout(records, 4, PARAMS, uid_base=0)
         return out.responses.tolist()
 
     before = tokens(11)
@@ -144,12 +144,12 @@ def test_what_vllm_would_do_to_an_expanded_prompt_and_to_other_image_settings_is
     processor.image_processor.size = {"shortest_edge": 112 * 112, "longest_edge": 112 * 112}  # 16 tokens an image
     kept, llm.vision.processor = llm.vision.processor, processor
     with pytest.raises(UserError, match="image settings") as err:
-        t.sampling.rollout(records, 4, PARAMS, uid_base=0)
+        t.pipeline.rollout(records, 4, PARAMS, uid_base=0)
     assert "\n" not in str(err.value)
     llm.vision.processor = kept
     t.parts.engine.max_model_len = 8
     with pytest.raises(UserError, match="rollout.vllm_max_model_len"):
-        t.sampling.rollout(records, 4, PARAMS, uid_base=0)
+        t.pipeline.rollout(records, 4, PARAMS, uid_base=0)
 
 
 def test_a_vision_language_policy_is_checked_by_its_language_models_heads(tmp_path, cpu_vllm):

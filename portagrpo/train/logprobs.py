@@ -1,0 +1,69 @@
+"""The log-prob passes of the rollout pipeline's last stage: the policy's old log-probs (when a scoring pass runs)
+and the reference model's, over each rank's share of the step's kept batch, in one micro-batch plan."""
+from __future__ import annotations
+
+import torch
+
+from portagrpo.batch import RolloutBatch, micro_batches
+from portagrpo.model.scorer import eval_mode, response_stats
+from portagrpo.train.build import Models, Runtime
+from portagrpo.train.experience import ExperienceSettings
+
+
+class LogProbs:
+    def __init__(self, settings: ExperienceSettings, runtime: Runtime, models: Models) -> None:
+        self.settings, self.runtime = settings, runtime
+        self.scorer, self.ref_scorer = models.scorer, models.ref_scorer
+
+    def old_and_ref(self, rb: RolloutBatch) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:
+        """The old log-probs (when a scoring pass runs), the reference log-probs (with a reference model), and
+        the entropy of the scoring pass, over `rb` (both passes in one micro-batch plan)."""
+        if not self.settings.scoring_pass and self.ref_scorer is None:
+            return None, None, None
+        plan = self.micro_plan(rb)
+        old, entropy = (self.logprobs(self.scorer, rb, entropy=True, plan=plan) if self.settings.scoring_pass
+                        else (None, None))
+        ref = self.logprobs(self.ref_scorer, rb, entropy=False, plan=plan)[0] if self.ref_scorer is not None else None
+        return old, ref, entropy
+
+    def micro_plan(self, batch: RolloutBatch) -> list[torch.Tensor]:
+        """This rank's scoring micro-batches of `batch`. With a token budget on several ranks, as many as the most
+        any rank plans (verl all-reduces the count too), so sharded forwards stay in lockstep."""
+        s, comm = self.settings, self.runtime.comm
+        plan = micro_batches(batch, s.micro_batch_size, s.token_budget)
+        if s.token_budget is None or comm.world_size == 1:
+            return plan
+        # host read: one per step's scoring, with a token budget on several ranks
+        count = int(comm.all_reduce_max(torch.tensor(len(plan), device=self.runtime.device)))
+        return micro_batches(batch, s.micro_batch_size, s.token_budget, count)
+
+    @torch.no_grad()
+    def logprobs(self, scorer, batch: RolloutBatch, *, entropy: bool,
+                 plan: list[torch.Tensor] | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Log-probs [B, T] (and entropy) of `scorer`'s model over the batch, in micro-batches (`plan`, else
+        `micro_plan`'s)."""
+        s = self.settings
+        logps, ents, order = [], [], []
+        # scoring is deterministic: no dropout (LoRA's or the model's), as in verl
+        with eval_mode(scorer), self.runtime.phase("logprobs"):
+            for rows in self.micro_plan(batch) if plan is None else plan:
+                part = batch.select(rows)
+                stats = response_stats(scorer, part, temperature=s.temperature, compute_entropy=entropy,
+                                       autocast=self.runtime.autocast)
+                logps.append(stats.logp)
+                order += rows.tolist()
+                if entropy:
+                    ents.append(stats.entropy)
+        logp, ent = torch.cat(logps), (torch.cat(ents) if entropy else None)
+        if order != sorted(order):  # token-budget groups are not in row order
+            back = _inverse(order, batch.responses.device)
+            logp, ent = logp.index_select(0, back), (None if ent is None else ent.index_select(0, back))
+        return logp, ent
+
+
+def _inverse(order: list[int], device) -> torch.Tensor:
+    """Positions that put rows gathered in `order` back in row order (host indices, copied without waiting)."""
+    back = [0] * len(order)
+    for position, row in enumerate(order):
+        back[row] = position
+    return torch.tensor(back, dtype=torch.long).to(device, non_blocking=True)
