@@ -52,6 +52,10 @@ class BackendSpec:
     # KV cache of the `hf` rollout engine: "static" lets transformers compile the decode step (one graph
     # per shape, no Python per token); "dynamic" decodes eagerly. Not yet measured on hardware.
     decode_cache: str = "dynamic"
+    # How transformers runs a mixture-of-experts layer's packed experts (its experts_implementation): "grouped_mm"
+    # (torch._grouped_mm, one call for every expert) where the device runs it, else "eager" (a loop over the experts
+    # a batch routes to). An fp64 model always runs eagerly (grouped_mm takes no fp64).
+    moe_experts: str = "grouped_mm"
     # The vLLM platform plugin this vendor's vLLM runs through ("vllm-ascend" on Ascend), whose settings
     # the vLLM engine applies before building the engine (see rollout/vllm.py: PLUGIN_SETTINGS).
     vllm_plugin: str | None = None
@@ -147,6 +151,8 @@ class Backend(Protocol):
     def attention_implementation(self, requested: str, dtype: torch.dtype) -> str: ...
 
     def varlen_attention(self, attention: str) -> Callable | None: ...
+
+    def moe_topk(self) -> Callable | None: ...
 
     def vision_attention_implementation(self, requested: str, dtype: torch.dtype) -> str: ...
 
@@ -346,6 +352,12 @@ class BaseBackend:
         return {}
 
     def set_rng_state(self, state: dict[str, Any]) -> None:
+        return None
+
+    def moe_topk(self) -> Callable | None:
+        """The vendor op that picks a softmax router's top-k experts, as `f(logits [N, E], k) -> [N, k]` expert ids
+        (the weights are then taken from the live softmax, differentiably: model/moe.py); None: transformers' own
+        softmax and top-k."""
         return None
 
     def varlen_attention(self, attention: str) -> Callable | None:

@@ -41,6 +41,8 @@ SPEC = BackendSpec(
     install_hint=("install the CANN toolkit and the torch_npu release matching your torch "
                   "(`pip install torch-npu==<torch version>`), then `" + SET_ENV_HINT + "`"),
     pinned_offload=True,
+    # torch._grouped_mm is not an Ascend op: the experts run as transformers' per-expert loop
+    moe_experts="eager",
 )
 
 
@@ -129,6 +131,17 @@ COMPRESSED_MASK_SIZE = 2048
 _COMPRESSED: dict[torch.device, torch.Tensor] = {}
 
 
+def npu_moe_topk(logits: torch.Tensor, k: int) -> torch.Tensor:
+    """[N, E] router logits -> [N, k] expert ids (int64), by `torch_npu.npu_moe_gating_top_k_softmax(x, finished, k)`
+    -> (top-k softmax values, expert_idx int32, row_idx): its x is fp16, bf16 or fp32, so fp64 logits (the parity
+    reference) go in as fp32."""
+    import torch_npu
+
+    x = logits if logits.dtype in (torch.float16, torch.bfloat16, torch.float32) else logits.float()
+    _, expert_idx, _ = torch_npu.npu_moe_gating_top_k_softmax(x.detach(), None, k=k)
+    return expert_idx.long()
+
+
 def causal_compressed_mask(device: torch.device) -> torch.Tensor:
     """The 2048x2048 upper-triangular mask (True = masked) sparse modes 2-4 take, one per device."""
     if device not in _COMPRESSED:
@@ -194,6 +207,13 @@ class NPUBackend(AcceleratorBackend):
     def varlen_attention(self, attention: str):
         """Packed rows through npu_fusion_attention's TND layout when the decoder runs npu_fusion."""
         return npu_varlen_causal if attention == NPU_ATTENTION else None
+
+    def moe_topk(self):
+        """A softmax router's experts through torch_npu's `npu_moe_gating_top_k_softmax` (softmax over the experts,
+        then top-k; documented for inference only, so it picks the experts and the weights come from the live
+        softmax). DeepSeek-V3's grouped sigmoid router (`npu_moe_gating_top_k`) is not one transformers' Qwen MoE
+        has."""
+        return npu_moe_topk
 
     def vision_attention_implementation(self, requested: str, dtype: torch.dtype) -> str:
         choice = super().vision_attention_implementation(requested, dtype)

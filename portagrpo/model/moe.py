@@ -185,6 +185,7 @@ class _Hooks:
         self.layers, self.plan = layers, None
         self.mode: str | None = None
         self.tally: RouteTally | None = None
+        self.select = None  # the backend's vendor top-k (`Backend.moe_topk`), else transformers' own
         self.handles = [layer.gate.register_forward_hook(self._hook(layer)) for layer in layers]
 
     def remove(self) -> None:
@@ -194,14 +195,18 @@ class _Hooks:
     def _hook(self, layer: MoeLayer):
         def hook(module, args, output):
             plan = self.plan
-            if plan is None:
+            vendor = self.select is not None and layer.layout == "router"
+            if plan is None and not vendor:
                 return None
             logits = output[0] if layer.layout == "router" else output
             live = output[2] if layer.layout == "router" else live_topk(logits, layer.top_k)
-            if plan.record:
+            if vendor:  # the backend's op picks the experts; their weights come from the live softmax
+                live = self.select(logits, layer.top_k)
+                output = (logits, replayed_weights(logits, live, layer.norm_topk_prob), live)
+            if plan is not None and plan.record:
                 plan.recorded[layer.index] = live.detach().to(ROUTE_DTYPE)
-            if plan.replay is None or (not plan.apply and plan.tally is None):
-                return None
+            if plan is None or plan.replay is None or (not plan.apply and plan.tally is None):
+                return output if vendor else None
             given = plan.flat(plan.replay[:, :, layer.index], logits.shape[0]).long()
             known = given[:, 0] >= 0
             chosen = torch.where(known[:, None], given, live)
@@ -209,7 +214,7 @@ class _Hooks:
                 rows = known & plan.flat(plan.valid[..., None], logits.shape[0])[:, 0]
                 plan.tally.add((same_experts(live, chosen) & rows).sum(), rows.sum())
             if not plan.apply:
-                return None
+                return output if vendor else None
             if layer.layout == "router":
                 return logits, replayed_weights(logits, chosen, layer.norm_topk_prob), chosen
             # transformers 4.x: the block takes top-k of softmax(logits) itself; logits masked to the chosen experts
@@ -361,27 +366,30 @@ def check_routes(routes: torch.Tensor, model, field_name: str = "routes") -> Non
                         f"made them.")
 
 
-def fit_experts_to_dtype(model) -> None:
-    """transformers 5 runs packed experts with `torch._grouped_mm` by default, which takes fp32/bf16/fp16 only: an
-    fp64 model (the parity reference, model.dtype=fp64) runs them with its eager per-expert loop instead."""
+def fit_experts_to_dtype(model, choice: str = "grouped_mm") -> None:
+    """How transformers 5 runs the packed experts: the backend's `choice` (BackendSpec.moe_experts), except that an
+    fp64 model (the parity reference, model.dtype=fp64) runs them eagerly (`torch._grouped_mm` takes fp32, bf16 and
+    fp16 only). transformers 4.x has one module per expert and no choice to make."""
     lm = base_lm(model)
     config = getattr(lm, "config", None)
-    if config is None or not moe_layers(lm) or getattr(config, "_experts_implementation", None) in (None, "eager"):
+    if config is None or not moe_layers(lm) or not hasattr(config, "_experts_implementation"):
         return
-    if any(p.dtype == torch.float64 for p in lm.parameters()):
-        config._experts_implementation = "eager"
+    fp64 = any(p.dtype == torch.float64 for p in lm.parameters())
+    config._experts_implementation = "eager" if fp64 else choice
 
 
-def configure(policy, mode: str | None, tally: RouteTally) -> None:
-    """The run's router replay for the policy (`actor.router_replay`), and where its forwards count the routes
-    they agree on with the batch's (`moe/route_agreement`). A dense policy with mode null: nothing to do."""
-    problem = refuse_replay_problem(policy, mode)
+def configure(model, mode: str | None, tally: RouteTally | None, experts: str = "grouped_mm", select=None) -> None:
+    """A MoE model as the run and its backend want it: the router replay (`actor.router_replay`, the policy's), where
+    its forwards count the routes they agree on with the batch's (`moe/route_agreement`), how its experts run
+    (`experts`: BackendSpec.moe_experts) and which op picks its experts (`select`: Backend.moe_topk, None:
+    transformers' own). A dense model with mode null: nothing to do."""
+    problem = refuse_replay_problem(model, mode)
     if problem:
         raise UserError(problem)
-    fit_experts_to_dtype(policy)
-    hooks = _hooks_of(policy)
+    fit_experts_to_dtype(model, experts)
+    hooks = _hooks_of(model) if moe_layers(model) else None
     if hooks is not None:
-        hooks.mode, hooks.tally = mode, tally
+        hooks.mode, hooks.tally, hooks.select = mode, tally, select
 
 
 def scoring(scorer, batch, trimmed, n_valid: int) -> contextlib.AbstractContextManager:

@@ -23,7 +23,7 @@ from portagrpo.errors import UserError
 from portagrpo.kernels import logprob_impl
 from portagrpo.model.scorer import ResponseScorer
 from portagrpo.tolerances import DTYPES, relative_error, tolerance
-from portagrpo.tools import parity_stages
+from portagrpo.tools import parity_moe, parity_stages
 
 DATA_DIR = Path(__file__).resolve().parent / "parity_data"
 SCENARIO_FILE = "scenario.safetensors"
@@ -44,7 +44,7 @@ def _tolerance(stage: str, dtype: torch.dtype) -> float:
     """The stage's bound: its quantity's tolerance in `dtype`, or 0 for a stage that holds exactly."""
     if stage in parity_stages.EXACT:
         return 0.0
-    return tolerance(dtype, parity_stages.QUANTITY.get(stage) or _quantity(stage))
+    return tolerance(dtype, parity_stages.QUANTITY.get(stage) or parity_moe.QUANTITY.get(stage) or _quantity(stage))
 
 
 def _quantity(stage: str) -> str:
@@ -134,6 +134,8 @@ class Setting:
     dtype: str  # fp64 | fp32 | bf16
     kernel: str
     autocast: Callable[[], Any]
+    moe_experts: str = "grouped_mm"  # the backend's answers for a mixture-of-experts model (tools/parity_moe.py)
+    moe_topk: Callable | None = None
 
     @property
     def master(self) -> torch.dtype:
@@ -245,6 +247,7 @@ def regenerate(data_dir: Path = DATA_DIR) -> dict[str, torch.Tensor]:
     golden = compute_stages(load_fixture(SCENARIO_FILE, data_dir), reference_setting())
     save_file({k: v.contiguous() for k, v in golden.items()}, str(data_dir / GOLDEN_FILE),
               metadata={"what": "float64 CPU reference outputs of portagrpo.tools.parity.compute_stages"})
+    parity_moe.regenerate(data_dir, 1234, reference_setting(), OBJECTIVE, TEMPERATURE)
     return golden
 
 
@@ -275,16 +278,23 @@ def run_parity(device: str, dtype: str, kernel: str) -> tuple[str, list[ParityRo
     backend = get_backend(device)
     chosen = backend.kernel_implementation(kernel)
     tdtype = DTYPES[dtype]
-    setting = Setting(backend.device(0), dtype, chosen, lambda: backend.autocast(tdtype))
+    setting = Setting(backend.device(0), dtype, chosen, lambda: backend.autocast(tdtype), backend.spec.moe_experts,
+                      backend.moe_topk())
     backend.set_deterministic(False)
     no_vision = parity_stages.vlm_unavailable()
     got = compute_stages(load_fixture(SCENARIO_FILE), setting, vision=no_vision is None)
-    golden = load_fixture(GOLDEN_FILE)
+    golden = load_fixture(GOLDEN_FILE) | load_fixture(parity_moe.GOLDEN_FILE)  # the MoE stage: tools/parity_moe.py
+    no_moe = parity_moe.moe_unavailable()
+    if no_moe is None:
+        got.update({k: v.detach().double().cpu() for k, v in parity_moe.moe_stages(
+            load_fixture(parity_moe.SCENARIO_FILE), setting, OBJECTIVE, TEMPERATURE).items()})
     rows = []
     for stage in golden:
         bound = _tolerance(stage, tdtype)
         if no_vision is not None and stage in parity_stages.VLM:
             rows.append(ParityRow(stage, math.nan, bound, skipped=no_vision))
+        elif no_moe is not None and stage in parity_moe.STAGES:
+            rows.append(ParityRow(stage, math.nan, bound, skipped=no_moe))
         else:
             rows.append(ParityRow(stage, relative_error(got[stage], golden[stage]), bound))
     return chosen, rows
@@ -297,7 +307,8 @@ def format_table(backend: str, dtype: str, kernel: str, rows: list[ParityRow]) -
         result = "skipped" if r.skipped else "pass" if r.passed else "FAIL"
         lines.append(f"{r.stage:34} {'-' if r.skipped else f'{r.error:.3e}':>11} {r.tolerance:10.1e}  {result}")
     failed, skipped = sum(not r.passed for r in rows), sum(r.skipped is not None for r in rows)
-    lines += [f"vlm/*: {why}" for why in dict.fromkeys(r.skipped for r in rows if r.skipped)]
+    why = {r.skipped: r.stage.split("/")[0] for r in rows if r.skipped}
+    lines += [f"{stage}/*: {reason}" for reason, stage in why.items()]
     tail = f", {skipped} skipped" if skipped else ""
     lines.append(f"{len(rows) - failed - skipped} passed, {failed} failed{tail}")
     return "\n".join(lines)

@@ -13,7 +13,7 @@ from portagrpo.backends.base import BackendUnavailable
 from portagrpo.batch import RolloutBatch
 from portagrpo.model.vision import PromptImages
 from portagrpo.tolerances import relative_error
-from portagrpo.tools import parity, parity_stages
+from portagrpo.tools import parity, parity_moe, parity_stages
 
 DEVICES = [pytest.param(d, marks=getattr(pytest.mark, d)) for d in ("cpu", "cuda", "rocm", "npu")]
 
@@ -45,8 +45,10 @@ def test_backend_matches_golden(device, dtype):
         chosen, rows = parity.run_parity(device, dtype, kernel)
         failed = [r for r in rows if not r.passed]
         assert not failed, parity.format_table(device, dtype, chosen, rows)
-        # skipped only where the stack's transformers cannot run the vision-language stage
-        assert {r.stage for r in rows if r.skipped} == (parity_stages.VLM if parity_stages.vlm_unavailable() else set())
+        # skipped only where the stack's transformers cannot run the vision-language or the MoE stage
+        skipped = (parity_stages.VLM if parity_stages.vlm_unavailable() else set()) | (
+            parity_moe.STAGES if parity_moe.moe_unavailable() else set())
+        assert {r.stage for r in rows if r.skipped} == skipped
 
 
 def test_fp64_on_cpu_is_the_golden():
@@ -63,7 +65,9 @@ def _needs_vision():
 def test_regenerating_gives_the_stored_numbers(tmp_path):
     _needs_vision()
     parity.regenerate(tmp_path)
-    for name in (parity.SCENARIO_FILE, parity.GOLDEN_FILE):
+    names = [parity.SCENARIO_FILE, parity.GOLDEN_FILE] + [parity_moe.SCENARIO_FILE, parity_moe.GOLDEN_FILE] * (
+        parity_moe.moe_unavailable() is None)
+    for name in names:
         stored, fresh = parity.load_fixture(name), parity.load_fixture(name, tmp_path)
         assert stored.keys() == fresh.keys(), name
         for key in stored:
@@ -163,12 +167,13 @@ def test_a_transformers_without_the_vision_path_skips_that_stage_in_one_sentence
     # lazy module object on a first submodule import, so patching its attribute does not last)
     monkeypatch.setattr(vision, "transformers_version", lambda: "5.5.3")
     _, rows = parity.run_parity("cpu", "fp32", "reference")
-    skipped = {r.stage: r.skipped for r in rows if r.skipped}
+    skipped = {r.stage: r.skipped for r in rows if r.skipped and r.stage not in parity_moe.STAGES}
     assert set(skipped) == parity_stages.VLM and all(r.passed for r in rows)
     assert "transformers 5.5.3" in next(iter(skipped.values())) and "5.5.4" in next(iter(skipped.values()))
     out = tmp_path / "report.json"
     assert main(["parity", "--device", "cpu", "--kernels", "reference", "--json", str(out)]) == 0
-    assert "4 skipped" in capsys.readouterr().out
+    moe_skipped = len(parity_moe.STAGES) if parity_moe.moe_unavailable() else 0  # transformers 4.x: the MoE stage
+    assert f"{4 + moe_skipped} skipped" in capsys.readouterr().out
     stages = {s["stage"]: s for s in json.loads(out.read_text())["stages"]}
     assert stages["vlm/logprob"]["error"] is None and "5.5.4" in stages["vlm/logprob"]["skipped"]
     assert "skipped" not in stages["multi_turn/grad"] and stages["multi_turn/grad"]["passed"]
@@ -185,5 +190,9 @@ def test_cli_json_report(tmp_path):
     out = tmp_path / "report.json"
     assert main(["parity", "--device", "cpu", "--dtype", "fp32", "--kernels", "reference", "--json", str(out)]) == 0
     report = json.loads(out.read_text())
-    stages = len(parity.load_fixture(parity.GOLDEN_FILE))
+    stages = len(parity.load_fixture(parity.GOLDEN_FILE)) + len(parity_moe.STAGES)
     assert report["passed"] and report["device"] == "cpu" and len(report["stages"]) == stages
+
+
+def test_moe_golden_covers_its_stages():
+    assert set(parity.load_fixture(parity_moe.GOLDEN_FILE)) == parity_moe.STAGES

@@ -34,6 +34,9 @@ SPEC = BackendSpec(
     collective_dtypes=(torch.float32, torch.bfloat16, torch.float16, torch.int64, torch.int32, torch.uint8,
                        torch.int8, torch.bool),
     attention_saves_scores=True,  # torch's math SDPA on a PrivateUse1 device: the scores are kept for backward
+    # transformers' grouped_mm experts count tokens per expert with an integer histc off the CPU, which the emulated
+    # device's CPU fallback has no kernel for: the experts run as transformers' per-expert loop
+    moe_experts="eager",
 )
 
 

@@ -34,11 +34,13 @@ from . import hccl as _hccl  # noqa: E402
 from .attention import npu_fusion_attention as _fusion_attention  # noqa: E402
 from .attention import on_npu_only  # noqa: E402
 from .module import NpuModule, sim_device_count  # noqa: E402
+from .moe import npu_moe_gating_top_k_softmax as _moe_gating_top_k_softmax  # noqa: E402
 
 SIMULATED = True  # what portagrpo's docs and reports may read to say "simulation", never "hardware"
 __version__ = "0.0.0+simulated"
 
 npu_fusion_attention = on_npu_only(_fusion_attention)
+npu_moe_gating_top_k_softmax = on_npu_only(_moe_gating_top_k_softmax)
 npu = NpuModule()
 _device.install("npu", module=npu, count=sim_device_count())
 _collectives.register("hccl", "npu", payload=lambda t: t._inner, refuse=_hccl.refuse)

@@ -284,10 +284,9 @@ def on_npu_only(op):
     @functools.wraps(op)
     def checked(*args, **kwargs):
         given = signature.bind(*args, **kwargs).arguments
-        for name in ("query", "key", "value", "pse", "padding_mask", "atten_mask"):  # the op's tensor inputs
-            t = given.get(name)
+        for name, t in given.items():  # the op's tensor inputs
             if torch.is_tensor(t) and t.device.type != "npu":
-                raise RuntimeError(f"npu_fusion_attention: only npu tensor is supported, {name} is on {t.device}")
+                raise RuntimeError(f"{op.__name__}: only npu tensor is supported, {name} is on {t.device}")
         return op(*args, **kwargs)
 
     return checked

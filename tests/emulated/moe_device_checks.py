@@ -1,0 +1,48 @@
+"""Run in a subprocess by tests/emulated/test_moe_devices.py on the simulated Ascend (--device npu) or the emulated
+device (--device emu): the MoE parity stage with the backend's expert ops, counting the vendor top-k's calls, then a
+2-step R3 run whose sampler and trainer log-probs agree. Prints one JSON line."""
+import json
+import sys
+import tempfile
+
+import torch
+
+from portagrpo.backends import get_backend
+from portagrpo.tools import parity, parity_moe
+from portagrpo.tolerances import relative_error
+
+
+def main() -> None:
+    device = sys.argv[1]
+    backend = get_backend(device)
+    calls = [0]
+    select = backend.moe_topk()
+    if select is not None:
+        def counted(logits, k):
+            calls[0] += 1
+            assert logits.device.type == backend.spec.device_type
+            return select(logits, k)
+        backend.moe_topk = lambda: counted
+    errors = {}
+    for dtype, tdtype in (("fp32", torch.float32),):
+        setting = parity.Setting(backend.device(0), dtype, "chunked", lambda: backend.autocast(tdtype),
+                                 backend.spec.moe_experts, backend.moe_topk())
+        got = parity_moe.moe_stages(parity.load_fixture(parity_moe.SCENARIO_FILE), setting, parity.OBJECTIVE,
+                                    parity.TEMPERATURE)
+        golden = parity.load_fixture(parity_moe.GOLDEN_FILE)
+        errors.update({f"{dtype}:{k}": relative_error(v.detach().double().cpu(), golden[k]) for k, v in got.items()})
+    from portagrpo.cli import main as cli
+
+    with tempfile.TemporaryDirectory() as run:
+        rc = cli(["train", "--device", device, "--output-dir", run, "trainer.progress_bar=false", "trainer.plot=false",
+                  "trainer.tensorboard=false", "data.train_batch_size=2", "rollout.n=2", "data.train_size=8",
+                  "actor.ppo_mini_batch_size=4", "trainer.total_steps=2", "trainer.test_freq=0", "trainer.save_freq=0",
+                  "data.max_response_length=8", "model.tiny.moe=qwen3_moe", "actor.router_replay=R3"])
+        rows = [json.loads(line) for line in open(f"{run}/metrics.jsonl")]
+    print(json.dumps({"calls": calls[0], "experts": backend.spec.moe_experts, "errors": errors, "rc": rc,
+                      "kl": [r["rollout_corr/kl"] for r in rows],
+                      "agreement": [r["moe/route_agreement"] for r in rows]}))
+
+
+if __name__ == "__main__":
+    main()
