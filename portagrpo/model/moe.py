@@ -131,6 +131,9 @@ class RouteTally:
 
     agree: dict[bool, torch.Tensor] = field(default_factory=dict)  # by torch.is_grad_enabled()
     total: dict[bool, torch.Tensor] = field(default_factory=dict)
+    # R2: this step's scoring pass recorded the old policy's routes into the batch (an on-policy step has no scoring
+    # pass, and its update, the old policy itself, routes live)
+    old_routes: bool = False
 
     def add(self, agree: torch.Tensor, total: torch.Tensor) -> None:
         kind = torch.is_grad_enabled()
@@ -140,6 +143,7 @@ class RouteTally:
     def take(self, comm=None) -> float | None:
         """The share of agreeing decisions since the last take, summed over ranks: the scoring passes' where any ran,
         else the update's (a fully on-policy step has no scoring pass); None if nothing was compared."""
+        self.old_routes = False
         kind = False if False in self.total else True
         if kind not in self.total:
             return None
@@ -393,21 +397,54 @@ def configure(model, mode: str | None, tally: RouteTally | None, experts: str = 
 
 
 def scoring(scorer, batch, trimmed, n_valid: int) -> contextlib.AbstractContextManager:
-    """Around a scorer's forward over `trimmed` (`batch` with its all-padding columns dropped): the batch's routes
-    replayed where the run replays them (R3: every forward of the policy; R2: the update's, with gradients), else
-    only compared with the live routes for the tally. A reference scorer (LoRA's adapters-off view included), a
-    dense model, or a batch without routes: nothing."""
+    """Around a scorer's forward over `trimmed` (`batch` with its all-padding columns dropped), for the policy's MoE
+    routers: R3 replays the batch's routes (the sampler's) in every forward; R2 records the old policy's routes in
+    the scoring pass (no gradient) into `batch.routes` and replays them in the update; otherwise the batch's routes
+    are only compared with the live ones (the tally). A reference scorer (LoRA's adapters-off view included), a
+    dense model, or nothing to replay, record or compare: nothing."""
     hooks = None if hasattr(scorer, "scorer") else _hooks_of(scorer)
-    if hooks is not None and hooks.mode == "R3" and batch.routes is None:
+    if hooks is None:
+        return contextlib.nullcontext()
+    grad = torch.is_grad_enabled()
+    if hooks.mode == "R3" and batch.routes is None:
         raise UserError("actor.router_replay=R3 replays the sampler's experts, and this step's batch came without "
                         "them (multi-turn and DAPO rounds do not carry routes yet); set actor.router_replay=null.")
-    if hooks is None or batch.routes is None or (hooks.mode is None and hooks.tally is None):
+    record = hooks.mode == "R2" and not grad
+    if batch.routes is None and not record or (hooks.mode is None and hooks.tally is None):
         return contextlib.nullcontext()
     p0 = batch.prompt_len - trimmed.prompt_len
-    given = batch.routes[:, p0:p0 + trimmed.prompt_len + trimmed.responses.shape[1]]
-    apply = hooks.mode == "R3" or (hooks.mode == "R2" and torch.is_grad_enabled())
-    return routing(scorer, valid=trimmed.attention_mask.bool(), n_valid=n_valid, replay=given, tally=hooks.tally,
-                   apply=apply)
+    width = trimmed.prompt_len + trimmed.responses.shape[1]
+    given = None if batch.routes is None else batch.routes[:, p0:p0 + width]
+    replay_old = hooks.mode == "R2" and grad and hooks.tally is not None and hooks.tally.old_routes
+    apply = hooks.mode == "R3" or replay_old
+    return _scoring(scorer, batch, trimmed, n_valid, given, apply, record, hooks.tally, (p0, p0 + width))
+
+
+@contextlib.contextmanager
+def _scoring(scorer, batch, trimmed, n_valid, given, apply, record, tally, columns):
+    valid = trimmed.attention_mask.bool()
+    with routing(scorer, valid=valid, n_valid=n_valid, replay=given, tally=tally, apply=apply, record=record) as plan:
+        yield plan
+    if record and plan is not None and plan.recorded:
+        full = batch.prompt_len + batch.responses.shape[1]
+        batch.routes = widen(grid_of(plan, tuple(valid.shape)), columns[0], full - columns[1])
+        if tally is not None:
+            tally.old_routes = True
+
+
+def in_row_order(scorer, parts: list, order: list[int], device) -> torch.Tensor | None:
+    """R2: the old policy's routes the scoring pass recorded into each micro-batch (`parts`, rows `order`), as one
+    grid in row order; None where the scorer's run records none."""
+    hooks = None if hasattr(scorer, "scorer") else _hooks_of(scorer)
+    if hooks is None or hooks.mode != "R2" or any(p.routes is None for p in parts):
+        return None
+    routes = torch.cat([p.routes for p in parts])
+    if order == sorted(order):
+        return routes
+    back = [0] * len(order)
+    for position, row in enumerate(order):
+        back[row] = position
+    return routes.index_select(0, torch.tensor(back, dtype=torch.long).to(device, non_blocking=True))
 
 
 def route_metrics(tally: RouteTally, comm) -> dict[str, float] | None:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 
 from portagrpo.batch import RolloutBatch, micro_batches
+from portagrpo.model import moe
 from portagrpo.model.scorer import eval_mode, response_stats
 from portagrpo.train.build import Models, Runtime
 from portagrpo.train.experience import ExperienceSettings
@@ -43,7 +44,7 @@ class LogProbs:
         """Log-probs [B, T] (and entropy) of `scorer`'s model over the batch, in micro-batches (`plan`, else
         `micro_plan`'s)."""
         s = self.settings
-        logps, ents, order = [], [], []
+        logps, ents, order, parts = [], [], [], []
         # scoring is deterministic: no dropout (LoRA's or the model's), as in verl
         with eval_mode(scorer), self.runtime.phase("logprobs"):
             for rows in self.micro_plan(batch) if plan is None else plan:
@@ -52,9 +53,13 @@ class LogProbs:
                                        autocast=self.runtime.autocast)
                 logps.append(stats.logp)
                 order += rows.tolist()
+                parts.append(part)
                 if entropy:
                     ents.append(stats.entropy)
         logp, ent = torch.cat(logps), (torch.cat(ents) if entropy else None)
+        old_routes = moe.in_row_order(scorer, parts, order, batch.responses.device)
+        if old_routes is not None:  # actor.router_replay=R2: the update replays the old policy's routes
+            batch.routes = old_routes
         if order != sorted(order):  # token-budget groups are not in row order
             back = _inverse(order, batch.responses.device)
             logp, ent = logp.index_select(0, back), (None if ent is None else ent.index_select(0, back))

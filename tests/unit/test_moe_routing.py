@@ -158,3 +158,48 @@ def test_lora_on_moe_attention_trains_only_adapters():
     trainable = [n for n, p in model.named_parameters() if p.requires_grad]
     assert trainable and all("lora_" in n for n in trainable)
     assert moe.moe_layers(model)  # the routers are still found under peft's wrapper
+
+
+def _batch(model, rows: int = 4, width: int = 6, t: int = 5):
+    from portagrpo.batch import RolloutBatch
+
+    g = torch.Generator().manual_seed(11)
+    prompt_mask = torch.ones(rows, width, dtype=torch.long)
+    prompt_mask[0, :2] = 0
+    response_mask = torch.ones(rows, t)
+    response_mask[1, 3:] = 0
+    return RolloutBatch(prompt_ids=torch.randint(4, 60, (rows, width), generator=g) * prompt_mask,
+                        prompt_mask=prompt_mask, responses=torch.randint(4, 60, (rows, t), generator=g),
+                        response_mask=response_mask, uid=torch.arange(rows), prompt_index=torch.arange(rows),
+                        response_text=[], ground_truth=[], data_source=[], extra_info=[])
+
+
+def test_r2_records_the_old_policys_routes_and_the_update_replays_them():
+    """R2: the scoring pass (no gradient) writes the old policy's routes into the batch; after an update moved the
+    routers, the update's forward (with gradient) routes with those, not with the moved routers' own choices."""
+    from portagrpo.kernels import logprob_impl
+    from portagrpo.model.scorer import ResponseScorer, response_stats
+
+    model = tiny("qwen3_moe", dtype=torch.float64)
+    tally = moe.RouteTally()
+    moe.configure(model, "R2", tally, "eager")
+    scorer = ResponseScorer(model, logprob_impl("reference"))
+    batch = _batch(model)
+    with torch.no_grad():
+        old = response_stats(scorer, batch, temperature=1.0, compute_entropy=False).logp
+    assert batch.routes is not None and batch.routes.shape == (4, 11, 2, 2) and tally.old_routes
+    assert (batch.routes[0, 2:] >= 0).all()  # every real token routed (padding: whatever the forward did)
+    with torch.no_grad():
+        for layer in moe.moe_layers(model):
+            layer.gate.weight.add_(torch.randn(layer.gate.weight.shape, generator=torch.Generator().manual_seed(3),
+                                               dtype=torch.float64) * 2.0)
+    replayed = response_stats(scorer, batch, temperature=1.0, compute_entropy=False).logp
+    with torch.no_grad():
+        moe.configure(model, None, None, "eager")
+        live = response_stats(scorer, batch, temperature=1.0, compute_entropy=False).logp
+        moe.configure(model, "R3", moe.RouteTally(), "eager")  # the recorded routes, replayed as R3 replays
+        forced = response_stats(scorer, batch, temperature=1.0, compute_entropy=False).logp
+    assert torch.equal(replayed.detach(), forced)
+    assert (live - replayed.detach()).abs().max() > 1e-4 and (old - replayed.detach()).abs().max() > 1e-4
+    tally.take()
+    assert not tally.old_routes  # an on-policy step after this one (no scoring pass) routes its update live
