@@ -485,3 +485,21 @@ def per_expert_names(named: Iterable[tuple[str, torch.Tensor]]) -> Iterator[tupl
                 yield f"{prefix}{e}.down_proj.weight", tensor[e]
         else:
             yield name, tensor
+
+
+def packed_experts(state: dict[str, torch.Tensor], model) -> dict[str, torch.Tensor]:
+    """A state dict in a hub checkpoint's per-expert layout (what transformers 5's `save_pretrained` writes, and
+    `per_expert_names` sends) with each layer's experts packed again as `model` holds them (`experts.gate_up_proj`
+    [E, 2I, H], `experts.down_proj` [E, H, I]); unchanged for a model without packed experts or a packed state."""
+    wanted = {n: tuple(p.shape) for n, p in model.state_dict().items() if n.endswith(PACKED_EXPERTS) and p.dim() == 3}
+    if not wanted or all(n in state for n in wanted):
+        return state
+    out = dict(state)
+    for name, shape in wanted.items():
+        prefix = name[:name.rindex(".") + 1]  # "<layer>.mlp.experts."
+        parts = ("gate_proj", "up_proj") if name.endswith("gate_up_proj") else ("down_proj",)
+        keys = [[f"{prefix}{e}.{part}.weight" for part in parts] for e in range(shape[0])]
+        if not all(k in out for row in keys for k in row):
+            continue  # left missing: the caller's check names it
+        out[name] = torch.stack([torch.cat([out.pop(k) for k in row]) for row in keys])
+    return out

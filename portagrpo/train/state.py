@@ -149,7 +149,10 @@ class Checkpointer:
             )
 
     def _load_full(self, ckpt: Path, state: dict[str, torch.Tensor]) -> None:
+        from portagrpo.model.moe import packed_experts
+
         policy = self.models.policy
+        state = packed_experts(state, policy)  # a MoE checkpoint's per-expert tensors, packed as the policy holds them
         expected = set(policy.state_dict())  # parameter names (sharded or not)
         tied = {"lm_head.weight"} if getattr(policy.config, "tie_word_embeddings", False) else set()
         missing = sorted(expected - set(state) - tied)
