@@ -104,8 +104,12 @@ VERL_ONLY_KEYS = {
 }
 
 
+# verl's router replay for MoE policies (disabled | R2 | R3) -> actor.router_replay (null | R2 | R3)
+ROUTER_REPLAY = AR + "actor.router_replay.mode"
+
+
 def is_verl_key(key: str) -> bool:
-    return key in DIRECT or key in VERL_ONLY_KEYS or key.startswith(VERL_ONLY_PREFIXES)
+    return key in DIRECT or key in VERL_ONLY_KEYS or key.startswith(VERL_ONLY_PREFIXES) or key == ROUTER_REPLAY
 
 
 # Placement and speed settings of verl's workers: what they change is where and how fast, never the numbers.
@@ -148,6 +152,10 @@ def translate(pairs: list[tuple[str, Any]]) -> tuple[list[tuple[str, Any]], list
             notices.append(f"verl key {key}=-1 -> portagrpo {key}=0 (never)")
         elif not is_verl_key(key) or (key in DIRECT and DIRECT[key] == key):
             out.append((key, value))
+        elif key == ROUTER_REPLAY:
+            mode = None if str(value).strip().lower() in ("disabled", "none", "null") else value
+            out.append(("actor.router_replay", mode))
+            notices.append(f"verl key {key}={value} -> portagrpo actor.router_replay={mode or 'null'}")
         elif key in DIRECT:
             out.append((DIRECT[key], value))
             notices.append(f"verl key {key} -> portagrpo {DIRECT[key]}")

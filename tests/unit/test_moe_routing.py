@@ -203,3 +203,14 @@ def test_r2_records_the_old_policys_routes_and_the_update_replays_them():
     assert (live - replayed.detach()).abs().max() > 1e-4 and (old - replayed.detach()).abs().max() > 1e-4
     tally.take()
     assert not tally.old_routes  # an on-policy step after this one (no scoring pass) routes its update live
+
+
+def test_verls_router_replay_key_maps_to_actor_router_replay():
+    from portagrpo.config import load_config
+
+    key = "actor_rollout_ref.actor.router_replay.mode"
+    assert load_config(None, [f"{key}=R3"]).actor.router_replay == "R3"
+    assert load_config(None, [f"{key}=R2"]).actor.router_replay == "R2"
+    assert load_config(None, [f"{key}=disabled"]).actor.router_replay is None
+    with pytest.raises(UserError, match="actor.router_replay"):
+        load_config(None, ["actor.router_replay=R4"])
