@@ -214,3 +214,18 @@ def test_verls_router_replay_key_maps_to_actor_router_replay():
     assert load_config(None, [f"{key}=disabled"]).actor.router_replay is None
     with pytest.raises(UserError, match="actor.router_replay"):
         load_config(None, ["actor.router_replay=R4"])
+
+
+@pytest.mark.parametrize("device", ["cuda", "rocm", "npu"])
+def test_the_qwen3_30b_a3b_recipes_replay_routes_on_eight_ranks(device):
+    """The MoE recipes (their --dry-run, memory plan included, runs with every recipe in tests/unit/test_recipes.py)."""
+    from pathlib import Path
+
+    from portagrpo.config import load_config
+
+    cfg = load_config(Path(__file__).resolve().parents[2] / "configs" / f"qwen3-30b-a3b-gsm8k-{device}.yaml",
+                      check_files=False)
+    assert cfg.model.path.endswith("Qwen3-30B-A3B") and cfg.trainer.device == device
+    assert (cfg.trainer.nproc_per_node, cfg.trainer.parallel, cfg.rollout.engine) == (8, "fsdp2", "vllm")
+    assert cfg.actor.router_replay == "R2" and cfg.actor.offload and cfg.actor.ref_offload
+    assert cfg.trainer.device_memory_gb == (64 if device == "npu" else 80)
