@@ -28,7 +28,8 @@ def accuracy_spread(scores: torch.Tensor, correct: torch.Tensor, uid: torch.Tens
     return groups_with_spread(correct, uid)
 
 
-@FILTERS.register("score")
+@FILTERS.register("score", "seq_reward", "seq_final_reward")
 def score_spread(scores: torch.Tensor, correct: torch.Tensor, uid: torch.Tensor) -> torch.Tensor:
-    """DAPO's dynamic sampling on the reward (with any overlong penalty): groups whose rewards differ."""
+    """DAPO's dynamic sampling on the reward (with any overlong penalty): groups whose rewards differ. verl's
+    seq_reward and seq_final_reward name the same per-response reward here."""
     return groups_with_spread(scores, uid)

@@ -16,16 +16,17 @@ class LogProbs:
         self.settings, self.runtime = settings, runtime
         self.scorer, self.ref_scorer = models.scorer, models.ref_scorer
 
-    def old_and_ref(self, rb: RolloutBatch) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:
-        """The old log-probs (when a scoring pass runs), the reference log-probs (with a reference model), and
-        the entropy of the scoring pass, over `rb` (both passes in one micro-batch plan)."""
+    def old_and_ref(self, rb: RolloutBatch) -> tuple[torch.Tensor | None, ...]:
+        """The old log-probs (when a scoring pass runs), the reference log-probs (with a reference model), the
+        entropy of the scoring pass, and the routes the scoring pass took (a MoE policy under actor.router_replay=R2,
+        which the update replays; else None), over `rb` (both passes in one micro-batch plan)."""
         if not self.settings.scoring_pass and self.ref_scorer is None:
-            return None, None, None
+            return None, None, None, None
         plan = self.micro_plan(rb)
-        old, entropy = (self.logprobs(self.scorer, rb, entropy=True, plan=plan) if self.settings.scoring_pass
-                        else (None, None))
+        old, entropy, routes = (self.passes(self.scorer, rb, entropy=True, plan=plan) if self.settings.scoring_pass
+                                else (None, None, None))
         ref = self.logprobs(self.ref_scorer, rb, entropy=False, plan=plan)[0] if self.ref_scorer is not None else None
-        return old, ref, entropy
+        return old, ref, entropy, routes
 
     def micro_plan(self, batch: RolloutBatch) -> list[torch.Tensor]:
         """This rank's scoring micro-batches of `batch`. With a token budget on several ranks, as many as the most
@@ -38,11 +39,16 @@ class LogProbs:
         count = int(comm.all_reduce_max(torch.tensor(len(plan), device=self.runtime.device)))
         return micro_batches(batch, s.micro_batch_size, s.token_budget, count)
 
-    @torch.no_grad()
     def logprobs(self, scorer, batch: RolloutBatch, *, entropy: bool,
                  plan: list[torch.Tensor] | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Log-probs [B, T] (and entropy) of `scorer`'s model over the batch, in micro-batches (`plan`, else
         `micro_plan`'s)."""
+        return self.passes(scorer, batch, entropy=entropy, plan=plan)[:2]
+
+    @torch.no_grad()
+    def passes(self, scorer, batch: RolloutBatch, *, entropy: bool,
+               plan: list[torch.Tensor] | None = None) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+        """`logprobs`, and the routes its forwards took in row order (a MoE policy recording them; else None)."""
         s = self.settings
         logps, ents, order, parts = [], [], [], []
         # scoring is deterministic: no dropout (LoRA's or the model's), as in verl
@@ -57,13 +63,11 @@ class LogProbs:
                 if entropy:
                     ents.append(stats.entropy)
         logp, ent = torch.cat(logps), (torch.cat(ents) if entropy else None)
-        old_routes = moe.in_row_order(scorer, parts, order, batch.responses.device)
-        if old_routes is not None:  # actor.router_replay=R2: the update replays the old policy's routes
-            batch.routes = old_routes
+        routes = moe.in_row_order(scorer, parts, order, batch.responses.device)  # R2: the update replays them
         if order != sorted(order):  # token-budget groups are not in row order
             back = _inverse(order, batch.responses.device)
             logp, ent = logp.index_select(0, back), (None if ent is None else ent.index_select(0, back))
-        return logp, ent
+        return logp, ent, routes
 
 
 def _inverse(order: list[int], device) -> torch.Tensor:

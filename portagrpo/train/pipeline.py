@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import time
 from contextlib import nullcontext
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Callable
 
 import torch
@@ -254,10 +254,21 @@ class Pipeline:
         scores, correct = torch.cat(kept.scores)[:target], torch.cat(kept.correct)[:target]
         per = target // comm.world_size
         mine = batch.select(torch.arange(comm.rank * per, (comm.rank + 1) * per))
-        gather = (lambda t: t) if comm.world_size == 1 else comm.all_gather_cat
-        old, ref, entropy = (None if t is None else gather(t) for t in self.logprobs.old_and_ref(mine))
+        passes = self.logprobs.old_and_ref(mine)
+        old, ref, entropy, routes = (None if t is None else self.gather_tensor(t) for t in passes)
+        if routes is not None:  # actor.router_replay=R2: the scoring pass's routes, which the update replays
+            batch = replace(batch, routes=routes)
         return ScoredRollout(batch, scores, correct, kept.errors, old, ref, entropy, t_gen=t_gen, t_scored=t_scored,
                              gen_rounds=rounds, staleness=staleness, rollout_metrics=self.metrics(kept.counts))
+
+    def gather_tensor(self, local: torch.Tensor) -> torch.Tensor:
+        """Every rank's rows of `local`, in rank order (integers travel as int64)."""
+        comm = self.runtime.comm
+        if comm.world_size == 1:
+            return local
+        if local.is_floating_point():
+            return comm.all_gather_cat(local)
+        return comm.all_gather_cat(local.long()).to(local.dtype)
 
     def metrics(self, counts: dict[str, float] | None) -> dict[str, float] | None:
         """The generator's metrics from its counts over every rank (one host sum); None when it counts nothing."""
@@ -272,7 +283,8 @@ class Pipeline:
         log-probs computed here."""
         d, t_start = self.runtime.device, time.perf_counter()
         rb = record.rollout_batch(d)
-        old, ref, entropy = self.logprobs.old_and_ref(rb)
+        old, ref, entropy, routes = self.logprobs.old_and_ref(rb)
+        rb = rb if routes is None else replace(rb, routes=routes)
         # nothing generated or scored here: both times are the start
         return ScoredRollout(rb, record.scores.to(d), record.correct.to(d), 0.0, old, ref, entropy,
                              t_gen=t_start, t_scored=t_start)

@@ -125,8 +125,8 @@ def test_on_policy_step_skips_the_old_logprob_pass(tmp_path, qwen_dir, monkeypat
                  "actor.use_kl_loss=false")
     assert t.experience.settings.on_policy
     calls = []
-    real = t.pipeline.logprobs.logprobs
-    monkeypatch.setattr(t.pipeline.logprobs, "logprobs",
+    real = t.pipeline.logprobs.passes  # every log-prob pass, the policy's and the reference's
+    monkeypatch.setattr(t.pipeline.logprobs, "passes",
                         lambda scorer, *a, **k: calls.append(scorer) or real(scorer, *a, **k))
     m = t.step().metrics
     assert t.models.scorer not in calls  # no separate scoring pass of the policy
@@ -254,8 +254,8 @@ def test_bypass_mode_uses_the_samplers_logprobs_as_the_old_ones(tmp_path, qwen_d
     t = _trainer(tmp_path, qwen_dir, "actor.ppo_mini_batch_size=4", "actor.micro_batch_size=4",
                  "algorithm.rollout_correction.bypass_mode=true", "rollout.top_k=4")
     calls = []
-    real = t.pipeline.logprobs.logprobs
-    monkeypatch.setattr(t.pipeline.logprobs, "logprobs",
+    real = t.pipeline.logprobs.passes  # every log-prob pass, the policy's and the reference's
+    monkeypatch.setattr(t.pipeline.logprobs, "passes",
                         lambda scorer, *a, **k: calls.append(scorer) or real(scorer, *a, **k))
     out = t.step()
     assert t.models.scorer not in calls  # no scoring pass before the update

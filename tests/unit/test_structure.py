@@ -217,7 +217,7 @@ def test_a_generator_is_one_module_that_registers_itself():
     _discover()
     files = sorted(p.stem for p in (ROOT / "portagrpo/rollout/generators").glob("*.py") if p.stem != "__init__")
     assert sorted(GENERATORS.names()) == files == ["conversation", "echo", "text", "vision"]
-    assert sorted(FILTERS.names()) == ["acc", "all", "score"] and sorted(SCHEDULES.names()) == list(sorted(MODES))
+    assert {"acc", "all", "score"} <= set(FILTERS.names()) and sorted(SCHEDULES.names()) == list(sorted(MODES))
     trainer = (ROOT / "portagrpo/train/trainer.py").read_text()
     assert not any(f"generators.{f}" in trainer for f in files), "the trainer names a generator module"
 
