@@ -339,6 +339,12 @@ def validate_world(cfg: Config, world_size: int) -> list[str]:
     if k == 0 or k < -1:
         return [f"trainer.fsdp_size={k} is not a group size; give -1 (every rank in one shard group) or a divisor of "
                 f"the ranks."]
+    sp = cfg.actor.ulysses_sequence_parallel_size
+    if sp < 1 or world_size % sp:
+        return [f"actor.ulysses_sequence_parallel_size={sp} must divide the {world_size} rank(s) (groups of that many "
+                f"consecutive ranks split each micro-batch); give a divisor of {world_size}."]
+    if sp > 1 and not cfg.model.use_remove_padding:
+        return [f"actor.ulysses_sequence_parallel_size={sp} splits packed rows; set model.use_remove_padding=true."]
     if world_size == 1:
         return []
     p = []

@@ -64,3 +64,14 @@ def test_a_packed_row_plan_splits_response_tokens_by_shard():
     row = plan_row([(3, 4), (2, 1)], SequenceGroup(None, 4, 1))  # 10 tokens padded to 12, shards of 3
     assert row.seqlens == (7, 3, 2) and (row.start, row.stop) == (3, 6)
     assert row.predicting == [2, 3, 4, 5, 8] and row.counts == [1, 3, 1, 0] and row.mine == (1, 4)
+
+
+def test_a_group_size_the_ranks_cannot_take_is_one_sentence():
+    from portagrpo.config import load_config
+    from portagrpo.config.rules import validate_world
+
+    sp = "actor.ulysses_sequence_parallel_size"
+    assert validate_world(load_config(None, [f"{sp}=2"]), 4) == []
+    assert "must divide the 4 rank(s)" in validate_world(load_config(None, [f"{sp}=3"]), 4)[0]
+    assert "model.use_remove_padding=true" in validate_world(
+        load_config(None, [f"{sp}=2", "model.use_remove_padding=false"]), 4)[0]
