@@ -78,6 +78,9 @@ class BackendSpec:
     # Whether `sdpa` keeps each head's length x length attention probabilities for backward (a math path, as torch's
     # fallback on a device without a fused kernel); `eager` always does. The memory plan (portagrpo plan) counts them.
     attention_saves_scores: bool = False
+    # Device memory the runtime and the collective library keep for themselves (the context, communicator buffers), in
+    # GiB: an allowance the memory plan reserves on every device, not a measurement (none has run on hardware yet).
+    runtime_reserve_gb: float = 0.0
 
 
 @dataclass

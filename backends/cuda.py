@@ -28,6 +28,7 @@ SPEC = BackendSpec(
     vllm_fp8=True,
     install_hint="install a CUDA build of torch for your driver (see pytorch.org), then `pip install portagrpo[cuda]`",
     pinned_offload=True,
+    runtime_reserve_gb=1.0,  # an allowance for the CUDA context and NCCL's buffers, not measured
 )
 
 

@@ -43,6 +43,7 @@ SPEC = BackendSpec(
     pinned_offload=True,
     # torch._grouped_mm is not an Ascend op: the experts run as transformers' per-expert loop
     moe_experts="eager",
+    runtime_reserve_gb=1.5,  # an allowance for the CANN context and HCCL's buffers (HCCL_BUFFSIZE), not measured
 )
 
 

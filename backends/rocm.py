@@ -23,6 +23,7 @@ SPEC = BackendSpec(
     decode_cache="static",
     install_hint="install torch from the ROCm wheel index (see pytorch.org), then `pip install portagrpo[rocm]`",
     pinned_offload=True,
+    runtime_reserve_gb=1.0,  # an allowance for the HIP context and RCCL's buffers, not measured
 )
 
 

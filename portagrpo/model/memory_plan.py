@@ -66,6 +66,10 @@ class ModelShape:
     experts: int = 0  # routed experts per MoE layer (0: dense)
     experts_per_token: int = 0
     active_params: int = 0  # parameters one token uses (an MoE's routed experts counted top-k of E)
+    vision_hidden: int = 0  # a vision tower's block width, MLP width, depth, and patches merged into one token
+    vision_mlp: int = 0
+    vision_depth: int = 0
+    vision_merge: int = 1
 
     @property
     def is_moe(self) -> bool:
@@ -112,6 +116,8 @@ class RunShape:
     tensor_parallel: int
     attention_keeps_scores: bool  # the backend's attention saves heads x length x length (a math/eager path)
     sequence_parallel: int = 1
+    runtime_reserve: float = 0.0  # bytes the device runtime and collective library keep (the backend row's allowance)
+    image_tokens: int = 0  # image tokens a row may carry (a vision-language run: its prompt length bounds them)
 
 
 @dataclass
@@ -194,7 +200,20 @@ def activations(m: ModelShape, r: RunShape, tokens: int, rows: int, training: bo
     out = {"saved activations": saved, "logits chunk and its gradient": 2 * logits, "final hidden states": hidden_out}
     if recompute:
         out["one layer recomputed"] = recompute
+    if m.vision_depth and r.image_tokens:
+        out["vision tower's saved activations"] = vision_activation_bytes(m, r, rows)
     return out
+
+
+def vision_activation_bytes(m: ModelShape, r: RunShape, rows: int) -> float:
+    """A vision-language micro-batch's tower: each image token is `vision_merge` patches, each block saves per patch
+    what a decoder layer saves per token (checkpointed: its input only, plus one block recomputed)."""
+    patches = rows * r.image_tokens * m.vision_merge
+    block = (ACT_H_COMPUTE * r.compute_bytes * m.vision_hidden + ACT_H_FP32 * 4 * m.vision_hidden
+             + ACT_I * r.compute_bytes * m.vision_mlp) * patches
+    if r.gradient_checkpointing:
+        return m.vision_depth * GC_H * r.compute_bytes * m.vision_hidden * patches + block
+    return m.vision_depth * block
 
 
 def plan(m: ModelShape, cluster: Cluster, r: RunShape) -> Plan:
@@ -221,6 +240,8 @@ def _phases(m: ModelShape, cluster: Cluster, r: RunShape) -> tuple[list[PhasePla
     bwd_gather = ((root + BWD_GATHER_UNITS * unit) * bc + BWD_GRAD_UNITS * unit * 4) if fsdp else 0.0
 
     states = {"policy parameters": policy, "reference parameters": reference}
+    if r.runtime_reserve:
+        states["device runtime and collective buffers (allowance)"] = r.runtime_reserve
     steady = {**states, "optimizer state (AdamW)": optimizer}
     phases: list[PhasePlan] = []
 

@@ -94,12 +94,15 @@ def model_shape(cfg) -> tuple[ModelShape, Any, str]:
     else:
         mlp, active = int(text.intermediate_size), params
     layers = text.num_hidden_layers
+    vc = getattr(model.config, "vision_config", None) if vision else None
+    vision_fields = dict(vision_hidden=vc.hidden_size, vision_mlp=vc.intermediate_size, vision_depth=vc.depth,
+                         vision_merge=vc.spatial_merge_size ** 2) if vc is not None else {}
     shape = ModelShape(
         name=Path(cfg.model.path).name if cfg.model.path else "tiny", params=params,
         unit_params=max(unit_sizes, default=0), root_params=params - sum(unit_sizes), vision_params=vision,
         layers=layers, hidden=text.hidden_size, mlp_width=mlp, heads=heads,
         kv_heads=getattr(text, "num_key_value_heads", None) or heads, head_dim=head_dim, vocab=text.vocab_size,
-        experts=experts, experts_per_token=top_k, active_params=active)
+        experts=experts, experts_per_token=top_k, active_params=active, **vision_fields)
     return shape, model, source
 
 
@@ -143,12 +146,14 @@ def run_shape(cfg, cluster: Cluster, shape: ModelShape, model) -> RunShape:
     else:
         trainable = shape.params - (shape.vision_params if a.freeze_vision_tower else 0)
     seq = d.max_prompt_length + d.max_response_length
-    mb = cfg.micro_batch(world)
+    sp = max(a.ulysses_sequence_parallel_size, 1)
+    dp = max(world // sp, 1)  # data-parallel groups: an SP group shares its micro-batches
+    mb = cfg.micro_batch(dp)
     lp_mb = a.logprob_micro_batch_size or mb
-    per_rank = max(a.ppo_mini_batch_size // world, 1)
-    if a.use_dynamic_bsz:
-        update_tokens = a.ppo_max_token_len_per_gpu
-        scoring_tokens = a.log_prob_max_token_len_per_gpu or a.ppo_max_token_len_per_gpu
+    per_rank = max(a.ppo_mini_batch_size // dp, 1)
+    if a.use_dynamic_bsz:  # budgets are per rank: an SP group's micro-batch holds sp x budget tokens
+        update_tokens = a.ppo_max_token_len_per_gpu * sp
+        scoring_tokens = (a.log_prob_max_token_len_per_gpu or a.ppo_max_token_len_per_gpu) * sp
         update_rows, scoring_rows = max(update_tokens // seq, 1), max(scoring_tokens // seq, 1)
     else:
         update_rows, scoring_rows = mb, lp_mb
@@ -161,11 +166,14 @@ def run_shape(cfg, cluster: Cluster, shape: ModelShape, model) -> RunShape:
         offload=a.offload, ref_offload=a.ref_offload, no_sync=a.use_no_sync_for_gradient_accumulation,
         accumulation=max(per_rank // max(mb, 1), 1), update_tokens=update_tokens, update_rows=update_rows,
         scoring_tokens=scoring_tokens, scoring_rows=scoring_rows, seq_len=seq,
-        gradient_checkpointing=cfg.model.gradient_checkpointing, activation_offload=False,
+        gradient_checkpointing=cfg.model.gradient_checkpointing,
+        activation_offload=cfg.model.enable_activation_offload,
         engine=r.engine, rollout_rows=max(cfg.rollout_batch_size // world, 1),
         vllm_fraction=r.vllm_gpu_memory_utilization, vllm_sleeps=spec.vllm_sleep_mode,
         tensor_parallel=r.tensor_model_parallel_size,
-        attention_keeps_scores=attention == "eager" or (attention == "sdpa" and spec.attention_saves_scores))
+        attention_keeps_scores=attention == "eager" or (attention == "sdpa" and spec.attention_saves_scores),
+        sequence_parallel=sp, runtime_reserve=spec.runtime_reserve_gb * GIB,
+        image_tokens=d.max_prompt_length if shape.vision_depth else 0)
 
 
 def plan_config(cfg, args: argparse.Namespace | None = None) -> tuple[Plan, str]:
