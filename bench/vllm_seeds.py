@@ -47,7 +47,7 @@ def main(argv: list[str] | None = None) -> int:
     from vs_trl import build_workdir
 
     from portagrpo.rollout.engines import SamplingParams
-    from portagrpo.rollout.vllm import LOGPROBS_MODE, sampling_kwargs, seed_streams
+    from portagrpo.rollout.vllm_sampling import LOGPROBS_MODE, sampling_kwargs, seed_streams
 
     torch.set_num_threads(args.threads)
     spec = build_workdir(Path(args.workdir), args.size, prompts=args.prompts, steps=1)

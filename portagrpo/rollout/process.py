@@ -39,7 +39,7 @@ from portagrpo.procs import sigint_ignored
 from portagrpo.rollout.engines import SamplingParams, hf_weight_names
 from portagrpo.rollout.generators import Generated, GeneratorInputs, RoundPrompts, make_generator
 from portagrpo.rollout.settings import MultiTurnSettings
-from portagrpo.rollout.vllm_parts import seed_streams
+from portagrpo.rollout.vllm_sampling import seed_streams
 
 
 class AheadSampler(Protocol):
@@ -94,14 +94,8 @@ def vllm_engine_kwargs(settings, backend, policy, eos_ids: list[int], model_path
     trainer's engine, for one engine of its own per rank (no tensor parallelism, no sleep: the process has its
     device to itself). What vLLM's build would refuse from inside the process is refused here first, in one
     sentence: the installed versions, the head size, raw log-probs under a correction that needs processed ones."""
-    from portagrpo.rollout.vllm import (
-        _import_vllm,
-        check_head_size,
-        check_sampler_logprobs,
-        check_versions,
-        fp8_allowed,
-        installed_vllm,
-    )
+    from portagrpo.rollout.vllm import _import_vllm, check_sampler_logprobs, check_versions, fp8_allowed, installed_vllm
+    from portagrpo.rollout.vllm_checks import check_head_size
     from portagrpo.rollout.vllm_images import VisionSpec
 
     if installed_vllm() is None:

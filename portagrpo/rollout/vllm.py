@@ -31,26 +31,19 @@ from portagrpo.rollout.engines import (
     SamplingParams,
     response_mask_from_tokens,
 )
+from portagrpo.rollout.vllm_checks import SleepState, check_encoder_cache_reset, check_head_size
 from portagrpo.rollout.vllm_cpu_push import CpuGemmWeights
 from portagrpo.rollout.vllm_images import VisionSpec, check_context, check_expanded, vision_requests, vllm_prompt
-from portagrpo.rollout.vllm_parts import (  # noqa: F401 - also this module's public names
+from portagrpo.rollout.vllm_parallel import TensorParallel, _process_state_kept, tp_layout
+from portagrpo.rollout.vllm_sampling import (
     LOGPROBS_MODE,
-    Counted,
-    PolicyWeights,
-    SleepState,
-    TensorParallel,
-    _process_state_kept,
-    bucket_tensors,
-    check_encoder_cache_reset,
-    check_head_size,
     raw_is_processed,
     request_groups,
     sampled_logprobs,
     sampling_kwargs,
     seed_streams,
-    tp_layout,
-    vllm_weight_names,
 )
+from portagrpo.rollout.vllm_weights import Counted, PolicyWeights, bucket_tensors, vllm_weight_names
 
 SUPPORTED_VLLM = ">=0.11,<0.34"
 SUPPORTED_VLLM_ASCEND = ">=0.11,<0.24"

@@ -8,7 +8,7 @@ from typing import Iterable, Iterator
 
 import torch
 
-from portagrpo.rollout.vllm_parts import Counted
+from portagrpo.rollout.vllm_weights import Counted
 
 # On vLLM's CPU build a linear layer whose weight is at most this many bytes computes with `F.linear` on its own
 # weight instead of a prepared oneDNN GEMM. Measured (bench/vllm_push.py, docs/benchmarks.md): at decode sizes such

@@ -13,7 +13,7 @@ import torch
 import torch.distributed as dist
 
 from portagrpo.rollout.vllm_images import RawImage, VisionPrompt
-from portagrpo.rollout.vllm_parts import TensorParallel
+from portagrpo.rollout.vllm_parallel import TensorParallel
 
 
 def main() -> None:

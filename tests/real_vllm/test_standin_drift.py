@@ -29,7 +29,8 @@ import pytest
 import torch
 
 from portagrpo.rollout.engines import SamplingParams
-from portagrpo.rollout.vllm import LOGPROBS_MODE, _process_state_kept, sampling_kwargs, seed_streams
+from portagrpo.rollout.vllm_parallel import _process_state_kept
+from portagrpo.rollout.vllm_sampling import LOGPROBS_MODE, sampling_kwargs, seed_streams
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "standins"))
 import fake_vllm  # noqa: E402

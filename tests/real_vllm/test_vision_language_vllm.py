@@ -70,7 +70,7 @@ def test_vllms_qwen2_5_vl_maps_the_policys_weight_names_as_the_stand_in_does():
     from vllm.model_executor.models.utils import WeightsMapper
 
     from portagrpo.model.vision import build_tiny_vl_model, build_vl_tokenizer
-    from portagrpo.rollout.vllm import vllm_weight_names
+    from portagrpo.rollout.vllm_weights import vllm_weight_names
 
     text, cls = _qwen2_5_vl_source()
     assign = next(a for a in cls.body if isinstance(a, ast.Assign) and getattr(a.targets[0], "id", "") ==

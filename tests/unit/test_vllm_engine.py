@@ -12,7 +12,8 @@ import pytest
 import torch
 
 from portagrpo.rollout.engines import SamplingParams
-from portagrpo.rollout.vllm import bucket_tensors, sampling_kwargs, vllm_weight_names
+from portagrpo.rollout.vllm_sampling import sampling_kwargs
+from portagrpo.rollout.vllm_weights import bucket_tensors, vllm_weight_names
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "standins"))
 from fake_vllm import FakeLLM, gpu_row  # noqa: E402
@@ -338,14 +339,14 @@ def test_supported_versions_pass(fake_vllm, monkeypatch):
 ])
 def test_impossible_tensor_parallel_layouts_are_one_sentence(size, world, local, heads, expected):
     from portagrpo.errors import UserError
-    from portagrpo.rollout.vllm import tp_layout
+    from portagrpo.rollout.vllm_parallel import tp_layout
 
     with pytest.raises(UserError, match=re.escape(f"rollout.tensor_model_parallel_size={size} {expected}")):
         tp_layout(size, 0, world, local, heads, kv_heads=6 if heads == 8 else None)
 
 
 def test_tensor_parallel_groups_are_consecutive_ranks():
-    from portagrpo.rollout.vllm import tp_layout
+    from portagrpo.rollout.vllm_parallel import tp_layout
 
     assert [tp_layout(2, r, 8, 4, 4) for r in range(8)] == [(0, 0), (0, 1), (1, 0), (1, 1), (2, 0), (2, 1), (3, 0),
                                                             (3, 1)]
@@ -356,7 +357,7 @@ def test_tensor_parallel_groups_are_consecutive_ranks():
 def test_a_tensor_parallel_group_submits_the_groups_prompts_and_keeps_its_slice():
     """Four ranks, TP=2: ranks 0/1 and 2/3 each form one engine; every rank of a group submits the
     group's requests (ragged counts included) and keeps the outputs of its own prompts."""
-    from portagrpo.rollout.vllm import TensorParallel
+    from portagrpo.rollout.vllm_parallel import TensorParallel
 
     prompts = [[[1, 2], [3]], [[4], [5, 6], [7]], [[8]], [[9, 9]]]  # per rank
     gathered = [(p, 100 + rank) for rank, p in enumerate(prompts)]  # with each rank's draw from its stream
@@ -376,7 +377,8 @@ def test_a_tensor_parallel_group_submits_the_groups_prompts_and_keeps_its_slice(
 def test_the_stand_in_refuses_what_vllm_refuses_about_tensor_parallelism(fake_vllm, tmp_path):
     """Without the external launcher vLLM runs TP workers in processes of its own, out of the trainer's
     reach; and a head count that TP does not divide is vLLM's config error."""
-    from portagrpo.rollout.vllm import TensorParallel, VLLMRollout
+    from portagrpo.rollout.vllm import VLLMRollout
+    from portagrpo.rollout.vllm_parallel import TensorParallel
 
     tok = types.SimpleNamespace(eos_token_id=2, pad_token_id=0)
     engine = VLLMRollout(None, tok, None, model_path=str(tmp_path), world_size=1,
@@ -619,7 +621,7 @@ def test_building_the_engine_leaves_the_trainers_generators_and_thread_count_as_
 def test_a_head_size_vllms_attention_lacks_is_refused_before_the_engine_is_built(tmp_path, cpu_vllm):
     from portagrpo.backends import cpu
     from portagrpo.errors import UserError
-    from portagrpo.rollout.vllm import check_head_size
+    from portagrpo.rollout.vllm_checks import check_head_size
 
     with pytest.raises(UserError, match=re.escape("rollout.engine=vllm on --device cpu: the built-in model's attention "
                                                   "heads are 16 wide (model.tiny.hidden_size=64 / model.tiny.num_heads"

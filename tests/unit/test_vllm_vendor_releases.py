@@ -114,7 +114,7 @@ def test_the_drift_check_with_real_vllm_compares_the_calls_the_engine_makes():
 
 def test_an_engine_that_never_sleeps_on_a_vllm_without_reset_encoder_cache_refuses_a_vision_policy():
     from portagrpo.errors import UserError
-    from portagrpo.rollout.vllm_parts import check_encoder_cache_reset
+    from portagrpo.rollout.vllm_checks import check_encoder_cache_reset
 
     old = types.SimpleNamespace(llm_engine=types.SimpleNamespace())  # vLLM 0.11: nothing drops its encoder cache
     with pytest.raises(UserError, match="reset_encoder_cache after every push"):
