@@ -91,15 +91,14 @@ def _dry_run(config_path, overrides: list[str]) -> int:
     for missing in missing_files(cfg):
         print(f"  to provide before training: {missing}")
     if t.device_memory_gb is not None:  # the cluster the recipe is planned for: its memory plan (portagrpo plan)
-        from portagrpo.tools.plan import describe, plan_config
+        from portagrpo.tools.plan import describe, plan_config, refusal
 
         memory, source = plan_config(cfg)
         for line in describe(memory, source):
             print(f"  {line}")
-        if not memory.fits:
-            raise UserError(f"the memory plan does not fit trainer.device_memory_gb={t.device_memory_gb:g} (peak "
-                            f"{memory.peak.total / 2**30:.1f} GiB in {memory.peak.name}); change a setting the plan "
-                            f"lists above, or plan for a larger cluster.")
+        problem = refusal(memory)
+        if problem:
+            raise UserError(problem)
     return 0
 
 
@@ -155,6 +154,8 @@ def cmd_train(args) -> int:
     if os.environ.get("RANK", "0") == "0":
         for line in notices:
             print(f"portagrpo: {line}")
+    if cfg.trainer.device_memory_gb is not None and "WORLD_SIZE" not in os.environ and not args.print_config:
+        _refuse_unfitting_plan(cfg)  # once, before any rank starts
     if cfg.trainer.nproc_per_node > 1 and "WORLD_SIZE" not in os.environ and not args.print_config:
         return _launch_ranks(cfg, args.argv)
     if args.print_config:
@@ -187,6 +188,16 @@ def cmd_train(args) -> int:
     if main_rank:
         _summary(history, trainer.run_dir, time.time() - start)
     return 0
+
+
+def _refuse_unfitting_plan(cfg) -> None:
+    """A run stated for a cluster (trainer.device_memory_gb) whose memory plan does not fit stops here, in one
+    sentence, instead of running out of memory on its devices."""
+    from portagrpo.tools.plan import plan_config, refusal
+
+    problem = refusal(plan_config(cfg)[0])
+    if problem:
+        raise UserError(problem)
 
 
 def _setup_and_fit(trainer, main_rank: bool) -> list[dict]:

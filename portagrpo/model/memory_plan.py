@@ -330,6 +330,10 @@ def advise(p: Plan) -> list[str]:
         trial = plan_fits(p.model, p.cluster, run)
         if trial is not None:
             out.append(f"{setting} (peak {trial / GIB:.1f} GiB of {cap / GIB:.0f})")
+    if not out and p.model.is_moe:
+        out.append(f"expert parallelism, which portagrpo does not have: FSDP2 shards each of the "
+                   f"{p.model.experts} experts' tensors over the ranks but gathers a whole MoE layer to compute it; "
+                   f"plan for more devices (trainer.nnodes) or a smaller model")
     if not out:
         out.append("none of the single settings tried fits: more devices (trainer.nnodes), offload with a shorter "
                    "response length, or a smaller model")

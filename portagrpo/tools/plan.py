@@ -183,6 +183,20 @@ def plan_config(cfg, args: argparse.Namespace | None = None) -> tuple[Plan, str]
     return plan(shape, cluster, run_shape(cfg, cluster, shape, model)), source
 
 
+def refusal(p: Plan) -> str | None:
+    """One sentence for a run whose plan does not fit its cluster (None when it fits)."""
+    if p.fits:
+        return None
+    c = p.cluster
+    where = (f"peak {p.peak.total / GIB:.1f} GiB in {p.peak.name} per device of trainer.device_memory_gb="
+             f"{c.device_memory_gb:g}" if not p.fits_device else
+             f"{sum(p.host_per_node.values()) / GIB:.0f} GiB of host memory per node of trainer.host_memory_gb="
+             f"{c.host_memory_gb:g}")
+    fix = p.advice[0] if p.advice else "plan for a larger cluster"
+    return (f"the memory plan does not fit ({where}); {fix} (portagrpo plan lists what each phase holds; "
+            f"trainer.device_memory_gb=null skips the plan).")
+
+
 def describe(p: Plan, source: str) -> list[str]:
     """The plan as lines of text: the model, each phase's per-rank peak and what it holds, host memory, the verdict."""
     m, c, r = p.model, p.cluster, p.run

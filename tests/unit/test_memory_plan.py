@@ -123,7 +123,23 @@ def test_cluster_flags_override_the_config_and_dry_run_shows_the_plan(capsys):
     assert "memory plan: Qwen2.5-7B-Instruct" in out and "fits: peak" in out
     assert main(["train", "--config", str(recipe), "--dry-run", "actor.micro_batch_size=64",
                  "model.gradient_checkpointing=false"]) == 2
-    assert "memory plan does not fit trainer.device_memory_gb=64" in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert "the memory plan does not fit (peak" in err and "trainer.device_memory_gb=64" in err
+
+
+def test_a_run_whose_plan_does_not_fit_stops_before_any_rank_starts(tmp_path, capsys):
+    rc = main(["train", "--output-dir", str(tmp_path / "run"), "trainer.device=cpu", "trainer.nproc_per_node=2",
+               "trainer.device_memory_gb=0.001", "trainer.total_steps=1"])
+    assert rc == 2 and "the memory plan does not fit" in capsys.readouterr().err
+    assert not (tmp_path / "run").exists()  # nothing started, nothing written
+
+
+def test_an_moe_model_that_only_expert_parallelism_would_fit_is_told_so():
+    cfg = load_config(None, ["model.path=/models/Qwen3-30B-A3B", "trainer.device_memory_gb=4",
+                             "trainer.nproc_per_node=8", "trainer.device=cuda"], check_files=False)
+    p, _ = plan_config(cfg)
+    assert not p.fits and p.model.experts == 128
+    assert any("expert parallelism" in line for line in p.advice)
 
 
 def test_what_the_plan_cannot_know_is_one_sentence(tmp_path):
