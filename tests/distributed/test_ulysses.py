@@ -1,6 +1,7 @@
 """Ulysses sequence parallelism on CPU ranks (gloo): a micro-batch's packed row split over 2 or 4 ranks gives the
 one-rank log-probs, and the group's gradients add up to the one-rank gradient, to fp64 rounding, for dense heads and
-for key/value heads fewer than the group (repeated) (tests/distributed/ulysses_worker.py).
+for key/value heads fewer than the group (repeated), and for a vision-language policy in fp32
+(tests/distributed/ulysses_worker.py).
 """
 import json
 import subprocess
@@ -26,16 +27,23 @@ def errors(out: Path, ranks: int, *args: str, env=None, device="cpu", dtype="fp6
     return [json.loads((out / f"errors_rank{r}.json").read_text()) for r in range(ranks)]
 
 
-@pytest.mark.parametrize("ranks,sp,kv_heads,extra", [
-    (2, 2, 4, ()),  # dense: 4 heads, 2 each
-    (4, 4, 2, ()),  # GQA with 2 kv heads over 4 ranks: each repeated twice
-], ids=["sp2-dense", "sp4-gqa2"])  # one kv head and activation offload: tests/emulated/test_ulysses_devices.py
-def test_sequence_parallel_gradients_equal_one_rank(tmp_path, ranks, sp, kv_heads, extra):
-    for rank_errors in errors(tmp_path, ranks, str(sp), str(kv_heads), *extra):
-        rank_errors.pop("moved_bytes", None)
+@pytest.mark.parametrize("ranks,sp,kv_heads,dtype", [
+    (2, 2, "4", torch.float64),  # dense: 4 heads, 2 each
+    (4, 4, "2", torch.float64),  # GQA with 2 kv heads over 4 ranks: each repeated twice
+    (2, 2, "vl", torch.float32),  # the tiny Qwen2.5-VL: its vision tower on every rank, the split after it
+], ids=["sp2-dense", "sp4-gqa2", "sp2-vision-language"])  # one kv head, offload: tests/emulated/test_ulysses_devices.py
+def test_sequence_parallel_gradients_equal_one_rank(tmp_path, ranks, sp, kv_heads, dtype):
+    if kv_heads == "vl":
+        pytest.importorskip("PIL")
+        from portagrpo.model.vision import vision_support_problem
+
+        if vision_support_problem():
+            pytest.skip(vision_support_problem())
+    name = {torch.float64: "fp64", torch.float32: "fp32"}[dtype]
+    for rank_errors in errors(tmp_path, ranks, str(sp), kv_heads, dtype=name):
         worst = max(rank_errors, key=rank_errors.get)
-        assert rank_errors["logp"] <= tolerance(torch.float64, "logprob"), rank_errors["logp"]
-        assert rank_errors[worst] <= tolerance(torch.float64, "grad"), (worst, rank_errors[worst])
+        assert rank_errors["logp"] <= tolerance(dtype, "logprob"), rank_errors["logp"]
+        assert rank_errors[worst] <= tolerance(dtype, "grad"), (worst, rank_errors[worst])
 
 
 def test_heads_the_group_cannot_split_are_one_sentence():
