@@ -106,12 +106,15 @@ def dapo_settings(cfg: Config) -> dict[str, Any]:
 def is_on_policy(cfg: Config, stale: bool) -> bool:
     """One update on the whole batch: the policy that sampled is the one being updated, so the
     old log-probs are the update's own (detached) and their separate pass is skipped, as in
-    verl. A KL-in-reward and a rollout correction need old log-probs before the update, so they keep
-    the pass; in bypass mode the sampler's log-probs are the old ones, so no pass runs either way.
-    `stale`: the schedule samples with an older policy than the one it updates (train/schedule.py)."""
+    verl and TRL. Importance weights of the rollout correction are then taken from the update's first
+    forward too (each row's weights depend on its own log-probs only; the update applies them), as TRL does. A
+    KL-in-reward, rejection sampling and batch-normalized weights need the whole batch's old log-probs before the
+    update, so they keep the pass; in bypass mode the sampler's log-probs are the old ones, so no pass runs either
+    way. `stale`: the schedule samples with an older policy than the one it updates (train/schedule.py)."""
     a, rc = cfg.actor, cfg.algorithm.rollout_correction
     return (not stale and a.ppo_epochs == 1 and a.ppo_mini_batch_size == cfg.rollout_batch_size
-            and not cfg.algorithm.use_kl_in_reward and not (rc.rollout_is or rc.rollout_rs))
+            and not cfg.algorithm.use_kl_in_reward and not rc.rollout_rs
+            and not (rc.rollout_is and rc.rollout_is_batch_normalize))
 
 
 @dataclass(frozen=True)
@@ -157,6 +160,13 @@ class ExperienceSettings:
         """Whether the policy scores the batch before the update (the old log-probs)."""
         return not (self.on_policy or self.correction.bypass_mode)
 
+    @property
+    def corrects_in_update(self) -> RolloutCorrection | None:
+        """The rollout correction the update applies from its own first forward (an on-policy step with importance
+        weights: no scoring pass ran); None when the correction, if any, came before the update."""
+        c = self.correction
+        return c if self.on_policy and c.reweights and not c.bypass_mode else None
+
 
 class ExperienceMaker:
     """Turns the pipeline's scored global batch into the step's Experience: rollout correction and advantages,
@@ -196,7 +206,7 @@ class ExperienceMaker:
                     raise UserError(str(err)) from None
             else:
                 corr = gap_report(old_logp, sampled, rb.trained_mask)
-        elif spec.active:
+        elif spec.active and (sampled is None or self.settings.corrects_in_update is None):
             raise UserError("algorithm.rollout_correction.rollout_is/rollout_rs need the sampler's log-probs, and "
                             "this rollout engine reports none; use rollout.engine=hf or vllm.")
         mask = rb.trained_mask if loss_mask is None else loss_mask

@@ -80,4 +80,6 @@ def _measured_in_update(exp: Experience, stats: UpdateStats) -> dict[str, float]
     rb = exp.batch.rollout
     if stats.trainer_logp is None or rb.rollout_logp is None:
         return None
+    if stats.rollout_corr is not None:  # the correction the update applied, measured from its first forward
+        return stats.rollout_corr
     return host_metrics(gap_report(stats.trainer_logp, rb.rollout_logp, rb.trained_mask))

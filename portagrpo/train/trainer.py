@@ -125,8 +125,9 @@ class Trainer:
         self.pipeline = Pipeline(settings, rt, p.data, p.models, p.engine, self.generator, self.log)
         self.experience = ExperienceMaker(settings, p.shaping)
         self.schedule = self.kind(ScheduleInputs(self.pipeline, p.data.loader, p.sampler, p.total_steps, self.log))
-        self.updater = Updater(UpdateSettings.from_config(cfg, rt.comm.world_size, not settings.scoring_pass), rt,
-                               p.models, p.optim, p.objective, self.log)
+        self.updater = Updater(UpdateSettings.from_config(cfg, rt.comm.world_size, not settings.scoring_pass,
+                                                          settings.corrects_in_update),
+                               rt, p.models, p.optim, p.objective, self.log)
         saved_with = p.data.tokenizer if p.data.processor is None else p.data.processor  # a VL model's processor
         self.checkpoints = Checkpointer(self.run_dir, rt, p.models, p.optim, p.data.loader, saved_with,
                                         keep=cfg.trainer.max_ckpt_to_keep, lora_rank=cfg.model.lora.rank, log=self.log)

@@ -10,11 +10,13 @@ import torch
 from portagrpo import algo
 from portagrpo.algo.losses import masked_mean
 from portagrpo.algo.objective import LossMetrics, Objective, total_loss
+from portagrpo.algo.rollout_correction import RolloutCorrection, correct_rollout, is_weights, refusal
 from portagrpo.batch import RolloutBatch, TrainBatch, balanced_shares, micro_batches, token_budget_groups
 from portagrpo.config import Config
+from portagrpo.errors import UserError
 from portagrpo.model.scorer import eval_mode, response_stats
 from portagrpo.train.build import Models, Optimization, Runtime
-from portagrpo.train.experience import seed_for
+from portagrpo.train.experience import host_metrics, seed_for
 
 
 @dataclass(frozen=True)
@@ -34,10 +36,15 @@ class UpdateSettings:
     # FSDP2: gradients stay unsharded over a mini-batch's micro-batches and reduce-scatter once, after its last
     # (actor.use_no_sync_for_gradient_accumulation); by default every micro-batch's backward reduce-scatters.
     defer_grad_sync: bool = False
+    # An on-policy step's importance weights, taken from the update's own first forward (no scoring pass ran:
+    # `ExperienceSettings.corrects_in_update`); None: any correction came with the batch
+    correction: RolloutCorrection | None = None
 
     @classmethod
-    def from_config(cls, cfg: Config, world_size: int, measure_in_update: bool) -> "UpdateSettings":
-        """`measure_in_update`: no scoring pass runs before the update (`ExperienceSettings.scoring_pass` is false)."""
+    def from_config(cls, cfg: Config, world_size: int, measure_in_update: bool,
+                    correction: RolloutCorrection | None = None) -> "UpdateSettings":
+        """`measure_in_update`: no scoring pass runs before the update (`ExperienceSettings.scoring_pass` is false);
+        `correction`: `ExperienceSettings.corrects_in_update`."""
         a = cfg.actor
         sp = a.ulysses_sequence_parallel_size  # a group of sp ranks runs each micro-batch: its budget is sp ranks'
         return cls(seed=cfg.trainer.seed, ppo_epochs=a.ppo_epochs, mini_batch_size=a.ppo_mini_batch_size,
@@ -46,7 +53,7 @@ class UpdateSettings:
                    temperature=cfg.rollout.temperature,
                    entropy_coeff=a.entropy_coeff,
                    full_vocab_kl=a.use_kl_loss and a.kl_loss_type.rstrip("+") == "full",
-                   measure_in_update=measure_in_update,
+                   measure_in_update=measure_in_update, correction=correction,
                    defer_grad_sync=a.use_no_sync_for_gradient_accumulation)
 
 
@@ -67,6 +74,8 @@ class UpdateStats:
     # [B, T] the trainer's log-probs of the global batch from the first epoch's forwards, when no scoring
     # pass ran and the engine reported its own (for the rollout_corr metrics); else None
     trainer_logp: torch.Tensor | None = None
+    # `rollout_corr/*` of an on-policy step corrected in the update (from `trainer_logp`), read to the host
+    rollout_corr: dict[str, float] | None = None
 
 
 @dataclass(frozen=True)
@@ -150,7 +159,20 @@ class Updater:
         self.scheduler.step()
         return UpdateStats(loss_policy=m.loss_policy, clipfrac=m.clipfrac, clipfrac_lower=m.clipfrac_lower,
                            ppo_kl=m.ppo_kl, ratio_mean=m.ratio_mean, grad_norm=sum(grad_norms) / len(grad_norms),
-                           lr=lr, entropy=m.entropy, kl=m.kl, loss_kl=m.loss_kl, trainer_logp=seen)
+                           lr=lr, entropy=m.entropy, kl=m.kl, loss_kl=m.loss_kl, trainer_logp=seen,
+                           rollout_corr=self._corrected_in_update(batch, seen))
+
+    def _corrected_in_update(self, batch: TrainBatch, seen: torch.Tensor | None) -> dict[str, float] | None:
+        """The `rollout_corr/*` metrics of a correction applied in the update, over the whole batch's first-forward
+        log-probs (one host read); a batch the correction could not weigh is refused, as before an update."""
+        spec, sampled = self.settings.correction, batch.rollout.rollout_logp
+        if spec is None or seen is None or sampled is None:
+            return None
+        corr = host_metrics(correct_rollout(seen, sampled, batch.rollout.trained_mask, spec)[2])
+        why = refusal(corr, spec)
+        if why is not None:
+            raise UserError(why)
+        return corr
 
     def _micro_count(self, rollout: RolloutBatch, shares: list[torch.Tensor]) -> int | None:
         """With a token budget, the most micro-batches any rank's share needs: every rank runs that many, so the
@@ -195,10 +217,14 @@ class Updater:
                                or s.measure_in_update, vocab=full_kl, autocast=self.runtime.autocast, shared_rows=True)
         logp = stats.logp  # fp32 (fp64 for an fp64 model): kernels never return bf16
         old = logp.detach() if on_policy else micro.old_logp  # on-policy: the policy that sampled is this one
+        weights = micro.is_weights
+        if on_policy and s.correction is not None and rb.rollout_logp is not None:  # TRL's: from this very forward
+            c = s.correction
+            weights = is_weights(old - rb.rollout_logp, mask, c.rollout_is, c.rollout_is_threshold)[0]
         loss, m = total_loss(logp, old, micro.advantages, mask, self.objective, num_tokens=num_tokens,
                              num_seqs=num_seqs, ref_logp=micro.ref_logp, entropy=stats.entropy,
                              logp_vocab=stats.logp_vocab, ref_logp_vocab=self._ref_vocab(rb) if full_kl else None,
-                             is_weights=micro.is_weights)
+                             is_weights=weights)
         if s.measure_in_update:  # the entropy metric comes from this forward (no separate scoring pass ran)
             m = replace(m, entropy=masked_mean(stats.entropy.detach(), mask))
         return loss, m, logp.detach()
