@@ -21,7 +21,7 @@ from portagrpo.kernels import TokenLogprobFn, logits_from_hidden, token_logprobs
 from portagrpo.model.activations import HostActivations
 from portagrpo.model import moe
 from portagrpo.model.loading import decoder_of, lm_head_of, position_ids_from_mask
-from portagrpo.model.ulysses import GatherTokens, check_heads, check_same_rows, Packing, SequenceGroup, plan_row, use_packed_attention
+from portagrpo.model.ulysses import PACKED_PREFIX, GatherTokens, check_heads, check_same_rows, Packing, SequenceGroup, plan_row, use_packed_attention
 from portagrpo.model.vision import vl_body, vl_hidden_states, vl_inputs
 
 
@@ -206,8 +206,10 @@ class ResponseScorer(torch.nn.Module):
                                         compute_entropy, vocab, autocast, counts, images, lengths)
         decoder = decoder_of(self.lm)
         # rows with images are packed only through model/ulysses.py's attention (above)
-        packed = images is None and self.remove_padding and packing_pays(n_valid, *attention_mask.shape, decoder.config.hidden_size,
-                                                 getattr(decoder.config, "_attn_implementation", None))
+        # the base implementation decides (model/ulysses.py's packed form passes a dense mask through to it)
+        attention = (getattr(decoder.config, "_attn_implementation", None) or "").removeprefix(PACKED_PREFIX)
+        packed = images is None and self.remove_padding and packing_pays(n_valid, *attention_mask.shape,
+                                                                         decoder.config.hidden_size, attention)
         with autocast(), self._offloaded():
             if images is not None:
                 out = vl_hidden_states(self.lm, input_ids, attention_mask, images, prompt_len)
