@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import json
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -211,6 +212,12 @@ def describe(p: Plan, source: str) -> list[str]:
     for phase in p.phases:
         held = ", ".join(f"{k} {v / GIB:.2f}" for k, v in phase.items.items() if v > 0)
         lines.append(f"    {phase.name:<10} {phase.total / GIB:8.2f}   {held}")
+    other = replace(r, gradient_checkpointing=not r.gradient_checkpointing)
+    update_other = next(ph.total for ph in plan(m, c, other).phases if ph.name == "update")
+    update_now = next(ph.total for ph in p.phases if ph.name == "update")
+    on, off = (update_now, update_other) if r.gradient_checkpointing else (update_other, update_now)
+    lines.append(f"  update with gradient checkpointing: {on / GIB:.2f} GiB; without: {off / GIB:.2f} GiB "
+                 f"(model.gradient_checkpointing={str(r.gradient_checkpointing).lower()} here)")
     host = sum(p.host_per_node.values())
     lines.append(f"  host memory per node: {host / GIB:.1f} GiB ("
                  + ", ".join(f"{k} {v / GIB:.1f}" for k, v in p.host_per_node.items() if v > 0) + ")")
