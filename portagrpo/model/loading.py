@@ -297,9 +297,7 @@ def apply_lora(model, lora):
 def refuse_expert_lora(model, targets) -> None:
     """LoRA adapts a mixture-of-experts policy's attention and dense layers; its experts' packed 3-D tensors and its
     routers are no linear layers peft adapts (and an adapted router would change routes under replay): refused."""
-    from portagrpo.model.moe import moe_layers
-
-    if not moe_layers(model):
+    if not any(name.endswith(".mlp.experts") for name, _ in model.named_modules()):  # no MoE block (model/moe.py)
         return
     wrong = sorted({t.rsplit(".", 1)[-1] for t in targets} & {"gate", "experts", "gate_up_proj", "down_proj",
                                                                  "up_proj", "gate_proj"})

@@ -155,6 +155,13 @@ class RouteTally:
         return agree / total if total else None
 
 
+def _real_positions(valid: torch.Tensor, count: int) -> torch.Tensor:
+    """Flat indices of the `count` real tokens of `valid`, in order, without asking the device how many there are
+    (a packed forward's token order: the k-th real token is where the running count first reaches k)."""
+    running = valid.flatten().long().cumsum(0)
+    return torch.searchsorted(running, torch.arange(1, count + 1, device=valid.device, dtype=running.dtype))
+
+
 @dataclass
 class _Plan:
     """How one forward's flat token axis maps to a route grid: the grid [B, S, L, k] (replayed, or None), which
@@ -174,9 +181,7 @@ class _Plan:
         if n == whole.shape[0]:
             return whole
         if n == self.n_valid:
-            from portagrpo.model.scorer import true_positions
-
-            return whole.index_select(0, true_positions(self.valid, n))
+            return whole.index_select(0, _real_positions(self.valid, n))
         raise RuntimeError(f"a MoE forward over {n} tokens matches neither the route grid ({whole.shape[0]}) nor its "
                            f"{self.n_valid} real tokens")
 
@@ -289,10 +294,8 @@ def grid_of(plan: _Plan, shape: tuple[int, int]) -> torch.Tensor:
     b, s = shape
     if stacked.shape[0] == b * s:
         return stacked.view(b, s, *stacked.shape[1:])
-    from portagrpo.model.scorer import true_positions
-
     out = stacked.new_full((b * s, *stacked.shape[1:]), -1)
-    out[true_positions(plan.valid, stacked.shape[0])] = stacked
+    out[_real_positions(plan.valid, stacked.shape[0])] = stacked
     return out.view(b, s, *stacked.shape[1:])
 
 

@@ -132,6 +132,8 @@ class CpuGemmWeights:
         (CPUUnquantizedExperts) repack w13/w2 into their grouped-GEMM layout once, when the engine is built, and a
         weight update does not repack them; the push writes checkpoint layout into those very tensors (every expert,
         whole), so each is packed again here from a copy of what was written."""
+        if not self.expert_layers:
+            return
         import vllm._custom_ops  # noqa: F401 - registers torch.ops._C
 
         for layer, isa in self.expert_layers:
