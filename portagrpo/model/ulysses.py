@@ -105,26 +105,17 @@ def _heads_to_seq(x: torch.Tensor, group: SequenceGroup) -> torch.Tensor:
     return _a2a(parts, group).reshape(group.size * hs, length, d)
 
 
-class SeqToHeads(torch.autograd.Function):
+class Swap(torch.autograd.Function):
+    """`_seq_to_heads` (to_heads) or `_heads_to_seq` with autograd: the backward is the other one."""
+
     @staticmethod
-    def forward(ctx, x, group):
-        ctx.group = group
-        return _seq_to_heads(x, group)
+    def forward(ctx, x, group, to_heads: bool):
+        ctx.group, ctx.to_heads = group, to_heads
+        return _seq_to_heads(x, group) if to_heads else _heads_to_seq(x, group)
 
     @staticmethod
     def backward(ctx, grad):
-        return _heads_to_seq(grad, ctx.group), None
-
-
-class HeadsToSeq(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, group):
-        ctx.group = group
-        return _heads_to_seq(x, group)
-
-    @staticmethod
-    def backward(ctx, grad):
-        return _seq_to_heads(grad, ctx.group), None
+        return (_heads_to_seq(grad, ctx.group) if ctx.to_heads else _seq_to_heads(grad, ctx.group)), None, None
 
 
 class GatherTokens(torch.autograd.Function):
@@ -179,14 +170,14 @@ def packed_attention(base: Callable, module: torch.nn.Module, query: torch.Tenso
     if sp is not None:
         if k.shape[0] < sp.size:  # replicate kv heads so that each rank receives the ones its query heads read
             k, v = _repeat_heads(k, sp.size // k.shape[0]), _repeat_heads(v, sp.size // v.shape[0])
-        q, k, v = (SeqToHeads.apply(t, sp) for t in (q, k, v))
+        q, k, v = (Swap.apply(t, sp, True) for t in (q, k, v))
     p = dropout if module.training else 0.0
     if packing.varlen is not None:
         out = packing.varlen(q, k, v, packing.seqlens, scaling, p)
     else:
         out = block_diagonal_attention(q, k, v, packing.seqlens, scaling, p)
     if sp is not None:
-        out = HeadsToSeq.apply(out, sp)
+        out = Swap.apply(out, sp, False)
     return out.transpose(0, 1)[None], None
 
 

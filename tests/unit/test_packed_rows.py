@@ -2,6 +2,9 @@
 cap of a dense block-causal mask, and vision-language rows with their 3-D rotary positions and images, give the
 padded grid's log-probs, entropies and gradients. tests/emulated/test_packed_devices.py runs the text check on the
 emulated device and the simulated Ascend."""
+import sys
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -72,52 +75,26 @@ def test_long_text_rows_pack_past_the_dense_mask_cap(dtype, monkeypatch):
 
 
 def test_vision_language_rows_pack_with_their_images_and_positions(monkeypatch):
+    """The tiny Qwen2.5-VL on rows of two images of different sizes and a text-only row
+    (tests/distributed/ulysses_worker.py's `vl_batch`)."""
     pytest.importorskip("PIL")
-    import io
-
-    from PIL import Image
-
-    from portagrpo.config import load_config
-    from portagrpo.data.records import PromptRecord
     from portagrpo.model import ulysses, vision
     from portagrpo.model.scorer import ResponseScorer
 
     if vision.vision_support_problem():
         pytest.skip(vision.vision_support_problem())
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "distributed"))
+    from ulysses_worker import vl_batch
 
-    def png(size, rgb):
-        out = io.BytesIO()
-        Image.new("RGB", size, rgb).save(out, format="PNG")
-        return out.getvalue()
-
-    processor = vision.build_tiny_processor()
-    tiny = load_config(None, ["model.tiny.vision=true", "model.tiny.num_heads=2"]).model.tiny
-    records = [PromptRecord(0, [{"role": "user", "content": "<image>colour?"}], "red", "x",
-                            images=(png((56, 56), (250, 0, 0)),)),
-               PromptRecord(1, [{"role": "user", "content": "what is the colour of <image> here?"}], "b", "x",
-                            images=(png((84, 56), (0, 0, 250)),)),
-               PromptRecord(2, [{"role": "user", "content": "no picture"}], "none", "x")]
-    ids, images = vision.vision_prompts(processor, records, "cpu")
-    responses = [5, 9, 3]
-    p_max, t_max = max(len(x) for x in ids), max(responses)
-    g = torch.Generator().manual_seed(0)
-    input_ids = torch.full((3, p_max + t_max), processor.tokenizer.pad_token_id)
-    mask = torch.zeros_like(input_ids)
-    for i, (x, r) in enumerate(zip(ids, responses)):
-        input_ids[i, p_max - len(x):p_max] = torch.tensor(x)
-        input_ids[i, p_max:p_max + r] = torch.randint(5, 100, (r,), generator=g)
-        mask[i, p_max - len(x):p_max + r] = 1
-    rows = [input_ids, mask, input_ids[:, p_max:], mask[:, p_max:].bool()]
-    lengths = [(len(x), r) for x, r in zip(ids, responses)]
     seen = []
     real = ulysses.block_diagonal_attention
     monkeypatch.setattr(ulysses, "block_diagonal_attention", lambda q, k, v, lens, *a: seen.append(lens) or
                         real(q, k, v, lens, *a))
     results = []
     for remove_padding in (False, True):
-        model = vision.build_tiny_vl_model(tiny, processor.tokenizer, seed=1)
-        results.append(score(ResponseScorer(model, logprob_impl("reference"), remove_padding=remove_padding), rows,
-                             lengths, images))
+        model, (ids, mask, resp, rmask, _), lengths, images = vl_batch("cpu")
+        results.append(score(ResponseScorer(model, logprob_impl("reference"), remove_padding=remove_padding),
+                             [ids, mask, resp, rmask], lengths, images))
     assert seen and seen[0] == tuple(p + r for p, r in lengths)  # the packed forward ran, one row of three
     for quantity, padded, packed in zip(("logprob", "entropy", "grad"), *results):
         assert relative_error(packed, padded) <= tolerance(torch.float32, quantity), quantity
