@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from portagrpo.rollout.engines import SamplingParams, group_prompts, rollout_batch
+from portagrpo.rollout.engines import SamplingParams
 from portagrpo.tolerances import assert_close, relative_error, tolerance
 
 pytestmark = pytest.mark.real_vllm
@@ -44,11 +44,11 @@ def trainer(tmp_path_factory, qwen2_dir):
 
 
 def _ask(t, records, seed: int):
-    """One request to the sampler process, as the overlapped source makes it; the batch it answered."""
-    s, sampler = t.sampling, t.parts.sampler
-    group = group_prompts(s.tokenizer, records, 4, sampler.pad_id, s.runtime.device, uid_base=0)
-    sampler.submit(group.prompt_ids, group.prompt_mask, SamplingParams(8, TEMPERATURE), seed)
-    return rollout_batch(s.tokenizer, group, sampler.result())
+    """One round of the sampler process, as the one_step_off schedule asks for it; the rows it answered."""
+    p, sampler = t.pipeline, t.parts.sampler
+    request = p.request(1, 0, records)
+    sampler.submit(request.prompts, 4, SamplingParams(8, TEMPERATURE), request.width, seed)
+    return sampler.result().rollout.to(p.runtime.device)
 
 
 def _gap(t, records, seed: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
