@@ -27,14 +27,12 @@ LENGTHS = [(5, 9), (3, 2), (7, 13), (2, 1)]
 
 
 def batch(device, vocab: int):
-    g = torch.Generator().manual_seed(1)
-    p_max, t_max = max(p for p, _ in LENGTHS), max(r for _, r in LENGTHS)
-    ids = torch.randint(1, vocab, (len(LENGTHS), p_max + t_max), generator=g)
-    mask = torch.zeros_like(ids)
-    for i, (p, r) in enumerate(LENGTHS):
-        mask[i, p_max - p:p_max + r] = 1
-    adv = torch.randn(len(LENGTHS), generator=g)
-    return [x.to(device) for x in (ids, mask, ids[:, p_max:], mask[:, p_max:].bool(), adv)]
+    """tests/unit/test_packed_rows.py's left-padded rows of LENGTHS, and an advantage per row."""
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "unit"))
+    from test_packed_rows import long_rows
+
+    rows, _ = long_rows(device, vocab, LENGTHS)
+    return rows + [torch.randn(len(LENGTHS), generator=torch.Generator().manual_seed(1)).to(device)]
 
 
 def vl_batch(device):
