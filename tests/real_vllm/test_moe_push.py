@@ -9,8 +9,8 @@ from __future__ import annotations
 
 import pytest
 import torch
+from test_cpu_push import _gap  # sampler log-probs against the policy's over the same sampled tokens
 
-from portagrpo.rollout.engines import SamplingParams
 from portagrpo.tolerances import assert_close, relative_error, tolerance
 
 pytestmark = pytest.mark.real_vllm
@@ -40,17 +40,6 @@ def policy(moe_dir):
     from transformers import AutoModelForCausalLM
 
     return AutoModelForCausalLM.from_pretrained(moe_dir, dtype=torch.float32).eval()
-
-
-def _gap(engine, policy) -> tuple[torch.Tensor, torch.Tensor]:
-    ids = torch.randint(5, 60, (4, 12), generator=torch.Generator().manual_seed(5))
-    sampled = engine.generate(ids, torch.ones_like(ids), SamplingParams(8, 1.0))
-    with torch.no_grad():
-        logits = policy(input_ids=torch.cat([ids, sampled.responses], dim=1)).logits.float()
-    ours = torch.log_softmax(logits[:, ids.shape[1] - 1:-1], dim=-1).gather(
-        2, sampled.responses.unsqueeze(2)).squeeze(2)
-    mask = sampled.mask.bool()
-    return sampled.logp[mask], ours[mask]
 
 
 def _perturb_experts(policy, seed: int) -> None:
