@@ -167,6 +167,11 @@ class ResponseScorer(torch.nn.Module):
         # model.use_remove_padding: packed rows attend within each sequence through model/ulysses.py's attention
         self.remove_padding = remove_padding
         self.packs = remove_padding and use_packed_attention(decoder_of(lm).config)
+        if sequence_parallel is not None and moe.moe_layers(lm):
+            raise UserError(f"actor.ulysses_sequence_parallel_size={sequence_parallel.size} splits each row over ranks, "
+                            f"and a mixture-of-experts policy's routes (recorded, replayed and compared per token of the "
+                            f"whole row, model/moe.py) are not split with it yet; use "
+                            f"actor.ulysses_sequence_parallel_size=1.")
         if sequence_parallel is not None:
             c = decoder_of(lm).config
             problem = check_heads(c.num_attention_heads, getattr(c, "num_key_value_heads", None)

@@ -83,3 +83,18 @@ def test_a_group_size_the_ranks_cannot_take_is_one_sentence():
     assert "must divide the 4 rank(s)" in validate_world(load_config(None, [f"{sp}=3"]), 4)[0]
     assert "model.use_remove_padding=true" in validate_world(
         load_config(None, [f"{sp}=2", "model.use_remove_padding=false"]), 4)[0]
+
+
+def test_a_mixture_of_experts_policy_under_sequence_parallelism_is_one_sentence():
+    from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
+
+    from portagrpo.errors import UserError
+    from portagrpo.kernels import logprob_impl
+    from portagrpo.model.scorer import ResponseScorer
+    from portagrpo.model.ulysses import SequenceGroup
+
+    config = Qwen3MoeConfig(vocab_size=32, hidden_size=16, intermediate_size=32, moe_intermediate_size=16,
+                            num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=2, num_experts=2,
+                            num_experts_per_tok=1, attn_implementation="sdpa")
+    with pytest.raises(UserError, match="mixture-of-experts policy's routes"):
+        ResponseScorer(Qwen3MoeForCausalLM(config), logprob_impl("reference"), sequence_parallel=SequenceGroup(None, 2, 0))
