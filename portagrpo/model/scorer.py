@@ -255,7 +255,7 @@ class ResponseScorer(torch.nn.Module):
         response tokens, and the group's per-token results are gathered (with autograd) onto the [B, T] grid."""
         n_valid, n_response = counts
         sp, prompt_len = self.sequence_parallel, input_ids.shape[1] - responses.shape[1]
-        if sp is not None:
+        if sp is not None:  # host read: one small gather of the lengths per micro-batch, against a silent mismatch
             check_same_rows(lengths, sp)
         row = plan_row(lengths, sp)
         keep = true_positions(attention_mask.bool(), n_valid)
@@ -371,7 +371,7 @@ def group_stats(scorer, batch: RolloutBatch, group: SequenceGroup, **kwargs) -> 
                         "actor.ulysses_sequence_parallel_size=1 or a setting without a scoring pass (on-policy, no "
                         "reference).")
     trimmed, t_full = trim_padding(batch)
-    everyone = [None] * group.size
+    everyone = [None] * group.size  # host read: the group's lengths, once per scoring micro-batch
     torch.distributed.all_gather_object(everyone, trimmed.host_lengths(), group=group.group)
     p_max = max(max(p for p, _ in rows) for rows in everyone)
     t_max = max(max(r for _, r in rows) for rows in everyone)
