@@ -411,7 +411,7 @@ def scoring(scorer, batch, trimmed, n_valid: int) -> contextlib.AbstractContextM
     grad = torch.is_grad_enabled()
     if hooks.mode == "R3" and batch.routes is None:
         raise UserError("actor.router_replay=R3 replays the sampler's experts, and this step's batch came without "
-                        "them (multi-turn and DAPO rounds do not carry routes yet); set actor.router_replay=null.")
+                        "them (a multi-turn conversation's batch carries no routes yet); set actor.router_replay=null.")
     record = hooks.mode == "R2" and not grad
     if batch.routes is None and not record or (hooks.mode is None and hooks.tally is None):
         return contextlib.nullcontext()

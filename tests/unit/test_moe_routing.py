@@ -229,3 +229,17 @@ def test_the_qwen3_30b_a3b_recipes_replay_routes_on_eight_ranks(device):
     assert (cfg.trainer.nproc_per_node, cfg.trainer.parallel, cfg.rollout.engine) == (8, "fsdp2", "vllm")
     assert cfg.actor.router_replay == "R2" and cfg.actor.offload and cfg.actor.ref_offload
     assert cfg.trainer.device_memory_gb == (64 if device == "npu" else 80)
+
+
+def test_rounds_of_different_prompt_widths_join_with_their_routes():
+    """DAPO's rounds are joined left-padded to the widest prompt (RolloutBatch.cat): routes get -1 on the added
+    columns, so every row's routes stay on its tokens."""
+    from portagrpo.batch import RolloutBatch
+
+    model = tiny("qwen3_moe")
+    wide, narrow = _batch(model, rows=2, width=6), _batch(model, rows=2, width=4)
+    wide.routes = torch.zeros(2, 11, 2, 2, dtype=moe.ROUTE_DTYPE)
+    narrow.routes = torch.ones(2, 9, 2, 2, dtype=moe.ROUTE_DTYPE)
+    joined = RolloutBatch.cat([wide, narrow], pad_id=0)
+    assert joined.routes.shape == (4, 11, 2, 2)
+    assert (joined.routes[2:, :2] == -1).all() and (joined.routes[2:, 2:] == 1).all() and (joined.routes[:2] == 0).all()
