@@ -326,6 +326,9 @@ def multi_turn_problems(cfg: Config) -> list[str]:
     # said by --dry-run, not here, so a recipe for a big node loads on a laptop
     if not m.enable:
         return p
+    if cfg.actor.router_replay == "R3":  # model/moe.py: a conversation's turns are several generates, not one grid
+        p.append(f"actor.router_replay=R3 replays the sampler's experts, which a multi-turn rollout does not carry "
+                 f"yet; use actor.router_replay=R2 or null with {MT}.enable=true.")
     if not m.tool_config_path:
         p.append(f"{MT}.enable=true needs {MT}.tool_config_path, a YAML file that declares the tools.")
     elif Path(m.tool_config_path).exists():  # a missing one is missing_files' (a dry run lists it)

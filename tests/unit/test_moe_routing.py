@@ -243,3 +243,10 @@ def test_rounds_of_different_prompt_widths_join_with_their_routes():
     joined = RolloutBatch.cat([wide, narrow], pad_id=0)
     assert joined.routes.shape == (4, 11, 2, 2)
     assert (joined.routes[2:, :2] == -1).all() and (joined.routes[2:, 2:] == 1).all() and (joined.routes[:2] == 0).all()
+
+
+def test_r3_with_multi_turn_is_refused_by_the_config():
+    from portagrpo.config import load_config
+
+    with pytest.raises(UserError, match="multi-turn rollout does not carry"):
+        load_config(None, ["actor.router_replay=R3", "rollout.multi_turn.enable=true"], check_files=False)
