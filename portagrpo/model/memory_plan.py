@@ -224,82 +224,105 @@ def plan(m: ModelShape, cluster: Cluster, r: RunShape) -> Plan:
     return out
 
 
-def _phases(m: ModelShape, cluster: Cluster, r: RunShape) -> tuple[list[PhasePlan], dict[str, float]]:
-    F = r.shard_group if r.strategy == "fsdp2" else 1
-    bm, bc = r.master_bytes, r.compute_bytes
-    P, Ptr = m.params, r.trainable_params
-    policy = 0.0 if r.offload else bm * P / F
-    optimizer = 0.0 if r.offload else 2 * bm * Ptr / F
-    reference = (0.0 if r.ref_offload else bc * P / F) if r.has_ref else 0.0
-    grads = 0.0 if r.offload else bm * Ptr / F
-    if r.no_sync and r.accumulation > 1 and r.strategy == "fsdp2":
-        grads = bm * Ptr  # unsharded, kept across the micro-batches (on the device even with offload)
-    fsdp = r.strategy == "fsdp2"
-    unit, root = m.unit_params, m.root_params
-    fwd_gather = (root + FWD_GATHER_UNITS * unit) * bc if fsdp else 0.0
-    bwd_gather = ((root + BWD_GATHER_UNITS * unit) * bc + BWD_GRAD_UNITS * unit * 4) if fsdp else 0.0
+@dataclass(frozen=True)
+class _Terms:
+    """The bytes every phase builds on, per rank."""
 
-    states = {"policy parameters": policy, "reference parameters": reference}
+    fsdp: bool
+    shards: int  # F: ranks one FSDP2 group spans, 1 without FSDP2
+    states: dict[str, float]  # what is resident from the load on (parameters, reference, the runtime's allowance)
+    steady: dict[str, float]  # ... and AdamW's state, from the first update on
+    grads: float
+    fwd_gather: float
+    bwd_gather: float
+
+
+def _terms(m: ModelShape, r: RunShape) -> _Terms:
+    fsdp = r.strategy == "fsdp2"
+    F = r.shard_group if fsdp else 1
+    bm, bc, P, Ptr = r.master_bytes, r.compute_bytes, m.params, r.trainable_params
+    grads = 0.0 if r.offload else bm * Ptr / F
+    if r.no_sync and r.accumulation > 1 and fsdp:
+        grads = bm * Ptr  # unsharded, kept across the micro-batches (on the device even with offload)
+    states = {"policy parameters": 0.0 if r.offload else bm * P / F,
+              "reference parameters": (0.0 if r.ref_offload else bc * P / F) if r.has_ref else 0.0}
     if r.runtime_reserve:
         states["device runtime and collective buffers (allowance)"] = r.runtime_reserve
-    steady = {**states, "optimizer state (AdamW)": optimizer}
-    phases: list[PhasePlan] = []
+    steady = {**states, "optimizer state (AdamW)": 0.0 if r.offload else 2 * bm * Ptr / F}
+    unit, root = m.unit_params, m.root_params
+    fwd = (root + FWD_GATHER_UNITS * unit) * bc if fsdp else 0.0
+    bwd = ((root + BWD_GATHER_UNITS * unit) * bc + BWD_GRAD_UNITS * unit * 4) if fsdp else 0.0
+    return _Terms(fsdp, F, states, steady, grads, fwd, bwd)
 
-    load = dict(states)
-    if not fsdp:
-        load["policy parameters"] = bm * P  # whole on every rank
-    phases.append(PhasePlan("load", load))
 
-    push = dict(steady)
+def _load(m: ModelShape, r: RunShape, t: _Terms) -> PhasePlan:
+    load = dict(t.states)
+    if not t.fsdp:
+        load["policy parameters"] = r.master_bytes * m.params  # whole on every rank
+    return PhasePlan("load", load)
+
+
+def _push(m: ModelShape, r: RunShape, t: _Terms) -> PhasePlan:
+    push = dict(t.steady)
     if r.engine == "vllm":
-        push["vLLM weights (awake for the push)"] = bc * P / max(r.tensor_parallel, 1)
-        if fsdp:
-            push["one layer's tensors gathered for the push"] = unit * bc
-    phases.append(PhasePlan("push", push))
+        push["vLLM weights (awake for the push)"] = r.compute_bytes * m.params / max(r.tensor_parallel, 1)
+        if t.fsdp:
+            push["one layer's tensors gathered for the push"] = m.unit_params * r.compute_bytes
+    return PhasePlan("push", push)
 
-    rollout = dict(steady)
+
+def _rollout(m: ModelShape, cluster: Cluster, r: RunShape, t: _Terms) -> PhasePlan:
+    rollout, bc = dict(t.steady), r.compute_bytes
     if r.engine == "vllm":
         rollout["vLLM (weights, KV cache, its activations)"] = r.vllm_fraction * cluster.device_memory_gb * GIB
     elif r.engine == "hf":
-        if fsdp:
-            rollout["the policy gathered whole for sampling"] = bc * P + GEN_GATHER_UNITS * unit * bc
-        rollout["KV cache"] = (2 * m.layers * m.kv_heads * m.head_dim * bc * r.rollout_rows * r.seq_len)
-    phases.append(PhasePlan("rollout", rollout))
+        if t.fsdp:
+            rollout["the policy gathered whole for sampling"] = bc * m.params + GEN_GATHER_UNITS * m.unit_params * bc
+        rollout["KV cache"] = 2 * m.layers * m.kv_heads * m.head_dim * bc * r.rollout_rows * r.seq_len
+    return PhasePlan("rollout", rollout)
 
-    scoring = dict(steady)
-    scoring["FSDP2 gathered units"] = fwd_gather
+
+def _scoring(m: ModelShape, r: RunShape, t: _Terms) -> PhasePlan:
+    scoring = dict(t.steady)
+    scoring["FSDP2 gathered units"] = t.fwd_gather
     scoring.update(activations(m, r, r.scoring_tokens, r.scoring_rows, training=False))
-    phases.append(PhasePlan("scoring", scoring))
+    return PhasePlan("scoring", scoring)
 
-    # The update's peak is in a micro-batch's forward (its activations saved so far and the layers gathered) or in
-    # its backward (all of them saved, a layer's parameters and gradients unsharded), with the gradients of the
-    # mini-batch's earlier micro-batches held; or in AdamW's step (gradients and its temporaries, no activations).
-    acts = activations(m, r, r.update_tokens, r.update_rows, training=True)
-    update = dict(steady)
-    if r.accumulation > 1 or (r.no_sync and fsdp):
-        update["gradients of the earlier micro-batches"] = grads
-    update.update(acts)
-    update["FSDP2 gathered units and unsharded gradients"] = max(fwd_gather, bwd_gather)
-    if not fsdp and r.strategy == "ddp":
-        update["gradient all-reduce buffers"] = 2 * bm * Ptr  # the flat buffer and the summed copies
-    step = dict(steady)
-    step["gradients"] = grads
-    step["AdamW's step temporaries"] = 0.0 if r.offload else ADAM_TEMP * bm * Ptr / F
-    if sum(step.values()) > sum(update.values()):
-        update = step
-    phases.append(PhasePlan("update", update))
 
-    phases.append(PhasePlan("checkpoint", dict(steady)))
+def _update(m: ModelShape, r: RunShape, t: _Terms) -> PhasePlan:
+    """The largest of a micro-batch's forward (its activations saved so far and the layers gathered) or backward
+    (all of them saved, a layer's parameters and gradients unsharded), with the gradients of the mini-batch's earlier
+    micro-batches held; and AdamW's step (gradients and its temporaries, no activations)."""
+    update = dict(t.steady)
+    if r.accumulation > 1 or (r.no_sync and t.fsdp):
+        update["gradients of the earlier micro-batches"] = t.grads
+    update.update(activations(m, r, r.update_tokens, r.update_rows, training=True))
+    update["FSDP2 gathered units and unsharded gradients"] = max(t.fwd_gather, t.bwd_gather)
+    if r.strategy == "ddp":
+        update["gradient all-reduce buffers"] = 2 * r.master_bytes * r.trainable_params  # flat buffer, summed copies
+    step = dict(t.steady)
+    step["gradients"] = t.grads
+    step["AdamW's step temporaries"] = 0.0 if r.offload else ADAM_TEMP * r.master_bytes * r.trainable_params / t.shards
+    return PhasePlan("update", step if sum(step.values()) > sum(update.values()) else update)
 
-    ranks_per_node = cluster.devices_per_node
-    host = {"working set of each rank": HOST_BUFFER_GB * GIB * ranks_per_node}
+
+def _host(m: ModelShape, cluster: Cluster, r: RunShape, t: _Terms) -> dict[str, float]:
+    per_node, bm, P, Ptr = cluster.devices_per_node, r.master_bytes, m.params, r.trainable_params
+    host = {"working set of each rank": HOST_BUFFER_GB * GIB * per_node}
     if r.offload:
-        host["offloaded policy, gradients and AdamW state"] = 4 * bm * P / F * ranks_per_node
+        host["offloaded policy, gradients and AdamW state"] = 4 * bm * P / t.shards * per_node
     if r.ref_offload and r.has_ref:
-        host["offloaded reference"] = bc * P / F * ranks_per_node
-    host["checkpoint staging (one rank's shards at a time)"] = (bm * P + 2 * bm * Ptr) / F * ranks_per_node \
-        if fsdp else (bm * P + 2 * bm * Ptr)
-    return phases, host
+        host["offloaded reference"] = r.compute_bytes * P / t.shards * per_node
+    staging = bm * P + 2 * bm * Ptr
+    host["checkpoint staging (one rank's shards at a time)"] = staging / t.shards * per_node if t.fsdp else staging
+    return host
+
+
+def _phases(m: ModelShape, cluster: Cluster, r: RunShape) -> tuple[list[PhasePlan], dict[str, float]]:
+    t = _terms(m, r)
+    phases = [_load(m, r, t), _push(m, r, t), _rollout(m, cluster, r, t), _scoring(m, r, t), _update(m, r, t),
+              PhasePlan("checkpoint", dict(t.steady))]
+    return phases, _host(m, cluster, r, t)
 
 
 def advise(p: Plan) -> list[str]:
