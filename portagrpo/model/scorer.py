@@ -362,38 +362,24 @@ def response_stats(
 
 def group_stats(scorer, batch: RolloutBatch, group: SequenceGroup, **kwargs) -> ResponseStats:
     """`response_stats` of this rank's rows when each rank of its sequence-parallel group brings its own: the ranks'
-    rows are gathered into one batch (left-padded prompts and right-padded responses to the group's widest), scored
-    by the group together (each rank runs 1 / sp of the union's tokens, as many as its own rows hold on average), and
-    each rank keeps its rows' statistics. One host gather of the lengths, one all-gather of the token ids and masks."""
-    if batch.images is not None:
-        raise UserError("actor.ulysses_sequence_parallel_size > 1 splits a vision-language policy's update, and its "
-                        "scoring passes (old and reference log-probs) do not gather images across the group yet; use "
-                        "actor.ulysses_sequence_parallel_size=1 or a setting without a scoring pass (on-policy, no "
-                        "reference).")
-    trimmed, t_full = trim_padding(batch)
-    everyone = [None] * group.size  # host read: the group's lengths, once per scoring micro-batch
-    torch.distributed.all_gather_object(everyone, trimmed.host_lengths(), group=group.group)
-    p_max = max(max(p for p, _ in rows) for rows in everyone)
-    t_max = max(max(r for _, r in rows) for rows in everyone)
-    most = max(len(rows) for rows in everyone)
-    p_own, t_own = trimmed.prompt_len, trimmed.responses.shape[1]
-    pad = torch.nn.functional.pad
-    same = torch.cat([pad(trimmed.prompt_ids, (p_max - p_own, 0)), pad(trimmed.responses, (0, t_max - t_own)),
-                      pad(trimmed.prompt_mask.long(), (p_max - p_own, 0)),
-                      pad(trimmed.response_mask.long(), (0, t_max - t_own))], dim=1)
-    same = pad(same, (0, 0, 0, most - same.shape[0]))  # every rank sends as many rows
-    pieces = [torch.empty_like(same) for _ in range(group.size)]
-    torch.distributed.all_gather(pieces, same, group=group.group)
-    union = torch.cat([piece[:len(rows)] for piece, rows in zip(pieces, everyone)])
-    w = p_max + t_max
-    ids, mask = union[:, :w], union[:, w:]
-    lengths = [pair for rows in everyone for pair in rows]
-    counts = (sum(p + r for p, r in lengths), sum(r for _, r in lengths))
-    out = scorer(ids, mask, ids[:, p_max:], mask[:, p_max:].bool(), kwargs["temperature"], kwargs["compute_entropy"],
-                 kwargs["vocab"], kwargs["autocast"], counts, lengths=lengths)
-    first = sum(len(rows) for rows in everyone[:group.rank])
-    mine = lambda x: None if x is None else _pad_time(x[first:first + batch.size, :t_own], t_full)  # noqa: E731
-    return ResponseStats(*(mine(x) for x in out))
+    rows (their tensors, lengths and images, through host memory) are joined into one batch, scored by the group
+    together (each rank runs 1 / sp of the union's tokens, as many as its own rows hold on average), and each rank
+    keeps its rows' statistics."""
+    from dataclasses import replace
+
+    lean = replace(batch, response_text=[], ground_truth=[], data_source=[], extra_info=[], rollout_logp=None,
+                   model_mask=None, routes=None, lengths=batch.host_lengths()).map(lambda t: t.cpu())
+    parts = [None] * group.size  # host read: the group's rows, once per scoring micro-batch
+    torch.distributed.all_gather_object(parts, lean, group=group.group)
+    width = max(p.responses.shape[1] for p in parts)
+    parts = [replace(p, responses=_pad_time(p.responses, width), response_mask=_pad_time(p.response_mask, width))
+             for p in parts]
+    device = batch.responses.device
+    union = RolloutBatch.cat(parts, pad_id=0).map(lambda t: t.to(device))
+    stats = response_stats(scorer, union, shared_rows=True, **kwargs)
+    first, t = sum(p.size for p in parts[:group.rank]), batch.responses.shape[1]
+    return ResponseStats(*(None if x is None else x[first:first + batch.size, :t]
+                           for x in (stats.logp, stats.entropy, stats.logp_vocab)))
 
 
 def trim_padding(batch: RolloutBatch) -> tuple[RolloutBatch, int]:

@@ -86,6 +86,24 @@ def loss_and_grads(scorer, params, data, lengths=LENGTHS, images=None):
     return logp.detach(), [torch.zeros_like(p) if p.grad is None else p.grad.detach().clone() for p in params]
 
 
+def scoring_error(split, whole, data, lengths, images, group) -> float:
+    """A scoring pass under sequence parallelism: each rank of the group brings other rows (every sp-th from its
+    rank), the group scores their union, and each rank's log-probs and entropies equal one rank scoring them alone."""
+    from portagrpo.batch import RolloutBatch
+    from portagrpo.model.scorer import response_stats
+
+    ids, mask, resp, rmask, _ = data
+    p = ids.shape[1] - resp.shape[1]
+    n = ids.shape[0]
+    every = RolloutBatch(ids[:, :p], mask[:, :p], resp, rmask.float(), torch.arange(n), torch.arange(n), [], [], [], [],
+                         lengths=list(lengths), images=images)
+    mine = every.select(list(range(group.rank, n, group.size)))
+    with torch.no_grad():
+        got = response_stats(split, mine, temperature=0.7, compute_entropy=True)
+        want = response_stats(whole, mine, temperature=0.7, compute_entropy=True)
+    return max(relative_error(got.logp.cpu(), want.logp.cpu()), relative_error(got.entropy.cpu(), want.entropy.cpu()))
+
+
 def main() -> None:
     out, device, dtype, sp, kv = Path(sys.argv[1]), sys.argv[2], DTYPES[sys.argv[3]], int(sys.argv[4]), sys.argv[5]
     offload = "offload" in sys.argv[6:]
@@ -110,9 +128,11 @@ def main() -> None:
     if offload:
         lm.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": True})
         lm.train()
-    logp, grads = loss_and_grads(ResponseScorer(lm, logprob_impl("reference"), acts, sequence_parallel=group),
-                                 params, data, lengths, images)
-    errors = {"logp": relative_error(logp.cpu(), ref_logp.cpu())}
+    split = ResponseScorer(lm, logprob_impl("reference"), acts, sequence_parallel=group)
+    logp, grads = loss_and_grads(split, params, data, lengths, images)
+    errors = {"logp": relative_error(logp.cpu(), ref_logp.cpu()),
+              "scoring": scoring_error(split, ResponseScorer(lm, logprob_impl("reference")), data, lengths, images,
+                                       group)}
     names = [n for n, p in lm.named_parameters() if p.requires_grad]
     for name, g, r in zip(names, grads, ref):
         # the group's partial gradients add up to the micro-batch's: gathered as int64 bits (no collective library is

@@ -28,5 +28,6 @@ def test_sequence_parallel_gradients_equal_one_rank_on_devices(tmp_path, device,
         if extra:
             assert errors.pop("moved_bytes") > 0  # layer inputs went to host memory
         assert errors.pop("logp") <= tolerance(torch.float64, "logprob")
+        assert errors.pop("scoring") <= tolerance(torch.float64, "logprob")  # each rank its own rows, scored together
         worst = max(errors, key=errors.get)
         assert errors[worst] <= tolerance(torch.float64, "grad"), (device, worst, errors[worst])
