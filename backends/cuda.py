@@ -32,6 +32,27 @@ SPEC = BackendSpec(
 )
 
 
+def flash_varlen_causal(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, seqlens, scale: float | None,
+                        dropout: float, *, fused_op=None) -> torch.Tensor:
+    """Causal attention within each sequence of a packed row through flash-attention's variable-length kernel:
+    q [Hq, N, D], k/v [Hkv, N, D] (the kernel takes the head ratio), `seqlens` host ints -> [Hq, N, D]. The kernel
+    takes fp16/bf16 only: under autocast the rotary embedding has promoted q and k to fp32, so all three run in the
+    autocast dtype (as transformers' own flash path casts them)."""
+    if fused_op is None:
+        from flash_attn import flash_attn_varlen_func as fused_op
+    device_type = q.device.type
+    dtype = torch.get_autocast_dtype(device_type) if torch.is_autocast_enabled(device_type) else v.dtype
+    cu, total = [0], 0
+    for n in seqlens:
+        total += n
+        cu.append(total)
+    cu_t = torch.tensor(cu, dtype=torch.int32).to(q.device, non_blocking=True)
+    longest = max(seqlens)
+    out = fused_op(*(t.transpose(0, 1).to(dtype) for t in (q, k, v)), cu_t, cu_t, longest, longest,
+                   dropout_p=dropout, softmax_scale=scale, causal=True)  # [N, Hq, D]
+    return out.transpose(0, 1)
+
+
 class CUDALikeBackend(AcceleratorBackend):
     """CUDA and ROCm share torch's `cuda` device type, so they share this code; ROCm only
     changes its data row and which torch build it accepts."""
@@ -66,6 +87,10 @@ class CUDALikeBackend(AcceleratorBackend):
                     "model.attn_implementation=flash_attention_2 needs model.dtype=bf16 (flash-attention has no fp32 "
                     "kernels); set model.dtype=bf16 or use sdpa.")
         return super().attention_implementation(requested, dtype)
+
+    def varlen_attention(self, attention: str):
+        """Packed rows through flash-attention's variable-length kernel when the decoder runs flash_attention_2."""
+        return flash_varlen_causal if attention == "flash_attention_2" else None
 
     def kernel_implementation(self, requested: str) -> str:
         if requested == "triton" and not self.probe.has_module("triton"):

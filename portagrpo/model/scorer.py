@@ -166,7 +166,7 @@ class ResponseScorer(torch.nn.Module):
         self.varlen = varlen  # the backend's variable-length attention for packed rows (None: block-diagonal SDPA)
         # model.use_remove_padding: packed rows attend within each sequence through model/ulysses.py's attention
         self.remove_padding = remove_padding
-        self.packs = remove_padding and use_packed_attention(decoder_of(lm).config)
+        self.packs = remove_padding and use_packed_attention(decoder_of(lm).config, flash=sequence_parallel is not None)
         if sequence_parallel is not None and moe.moe_layers(lm):
             raise UserError(f"actor.ulysses_sequence_parallel_size={sequence_parallel.size} splits each row over ranks, "
                             f"and a mixture-of-experts policy's routes (recorded, replayed and compared per token of the "

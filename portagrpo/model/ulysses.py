@@ -181,10 +181,12 @@ def packed_attention(base: Callable, module: torch.nn.Module, query: torch.Tenso
     return out.transpose(0, 1)[None], None
 
 
-def use_packed_attention(config) -> bool:
+def use_packed_attention(config, flash: bool = False) -> bool:
     """Give a decoder config the packed form of its attention implementation (sdpa, or a backend's registered one),
-    registered with transformers under PACKED_PREFIX + its name with the base's mask function. False where the base
-    is not a registered function (eager is each model's own; flash-attention reads packing from positions itself)."""
+    registered with transformers under PACKED_PREFIX + its name with the base's mask function (the name keeps "flash"
+    in it for a flash base, which transformers reads). False where the base is not a registered function (eager is
+    each model's own), and for flash-attention unless `flash` (sequence parallelism): without it flash-attention reads
+    packed rows from their positions itself, with no cap, and is left as transformers runs it."""
     try:
         from transformers import AttentionInterface
         from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, AttentionMaskInterface
@@ -194,8 +196,7 @@ def use_packed_attention(config) -> bool:
     name = getattr(config, "_attn_implementation", None)
     if name is None or name.startswith(PACKED_PREFIX):
         return name is not None
-    if name in ("eager",) or "flash" in name or name not in ALL_ATTENTION_FUNCTIONS \
-            or name not in ALL_MASK_ATTENTION_FUNCTIONS:
+    if name not in ALL_ATTENTION_FUNCTIONS or name not in ALL_MASK_ATTENTION_FUNCTIONS or ("flash" in name and not flash):
         return False
     base = ALL_ATTENTION_FUNCTIONS[name]
 

@@ -98,3 +98,44 @@ def test_vision_language_rows_pack_with_their_images_and_positions(monkeypatch):
     assert seen and seen[0] == tuple(p + r for p, r in lengths)  # the packed forward ran, one row of three
     for quantity, padded, packed in zip(("logprob", "entropy", "grad"), *results):
         assert relative_error(packed, padded) <= tolerance(torch.float32, quantity), quantity
+
+
+def test_the_flash_attention_varlen_adapter_hands_the_kernel_its_layout():
+    """backends/cuda.py's packed-row attention for flash_attention_2 (under sequence parallelism), against a stand-in
+    of flash_attn_varlen_func with its documented contract ([total, heads, dim] tensors, int32 cumulative lengths
+    from 0, the head ratio taken by the kernel, causal within each sequence): the block-diagonal SDPA's result."""
+    from portagrpo.backends.cuda import flash_varlen_causal
+    from portagrpo.model.ulysses import block_diagonal_attention
+
+    calls = []
+
+    def stand_in(q, k, v, cu_q, cu_k, max_q, max_k, dropout_p, softmax_scale, causal):
+        assert q.dim() == 3 and q.shape[1] == 4 and k.shape[1] == 2 and cu_q.dtype == torch.int32 and causal
+        calls.append((cu_q.tolist(), max_q))
+        out = torch.empty_like(q)
+        cu = cu_q.tolist()
+        for a, b in zip(cu, cu[1:]):
+            kk, vv = (t[a:b].transpose(0, 1).repeat_interleave(2, dim=0) for t in (k, v))
+            out[a:b] = torch.nn.functional.scaled_dot_product_attention(
+                q[a:b].transpose(0, 1), kk, vv, is_causal=True, scale=softmax_scale).transpose(0, 1)
+        return out
+
+    g = torch.Generator().manual_seed(0)
+    q, k, v = torch.randn(4, 12, 8, generator=g), torch.randn(2, 12, 8, generator=g), torch.randn(2, 12, 8, generator=g)
+    got = flash_varlen_causal(q, k, v, (5, 4, 3), 0.3, 0.0, fused_op=stand_in)
+    assert calls == [([0, 5, 9, 12], 5)]
+    want = block_diagonal_attention(q, k, v, (5, 4, 3), 0.3, 0.0)
+    assert relative_error(got, want) <= tolerance(torch.float32, "logprob")
+
+
+def test_flash_attention_is_wrapped_only_for_sequence_parallelism():
+    """Without Ulysses, flash-attention packs rows from their positions itself and is left alone."""
+    from transformers import LlamaConfig
+
+    from portagrpo.model.ulysses import PACKED_PREFIX, use_packed_attention
+
+    config = LlamaConfig()
+    config._attn_implementation = "flash_attention_2"
+    assert not use_packed_attention(config) and config._attn_implementation == "flash_attention_2"
+    assert use_packed_attention(config, flash=True)
+    assert config._attn_implementation == PACKED_PREFIX + "flash_attention_2"  # "flash" stays in the name
