@@ -26,7 +26,7 @@ def main() -> None:
     cfg = load_config(None, [*OVERRIDES, f"trainer.parallel={parallel}", f"model.dtype={dtype}", *extra])
     trainer = Trainer(cfg, run_dir=out / "run", log=lambda m: None).setup()
     grads, plans = [], {"update": [], "scoring": [], "own_update": [], "own_scoring": []}
-    updater, sampling = trainer.updater, trainer.sampling
+    updater, sampling = trainer.updater, trainer.pipeline.logprobs  # the scoring passes
     names = [n for n, p in trainer.models.scorer.named_parameters() if p.requires_grad]
 
     def clip_and_step(step, real=updater._clip_and_step):

@@ -51,7 +51,7 @@ def test_the_engine_is_vllm_and_samples_distinct_completions_in_each_group(train
     engine = trainer.parts.engine
     assert type(engine.llm).__module__.startswith("vllm."), type(engine.llm)
     records = trainer.parts.data.loader.next_batch()
-    rb = trainer.sampling.rollout(records, 4, SamplingParams(8, 0.8, top_k=20), uid_base=0)
+    rb = trainer.pipeline.rollout(records, 4, SamplingParams(8, 0.8, top_k=20), uid_base=0)
     assert rb.responses.shape == (16, 8)
     assert all(k > 1 for k in _groups_distinct(rb, 4)), _groups_distinct(rb, 4)
     mask = rb.response_mask.bool()
