@@ -8,6 +8,8 @@ Each (variant, seed) is one `portagrpo train` of the default recipe with `model.
     moe        routing live (actor.router_replay=null)
     moe+R3     the scoring and update forwards replay the experts the sampler chose
     moe+R2     the update replays the experts the old policy's scoring pass chose
+    moe+bf16   the sampler a bf16 copy of the policy (rollout.precision=bf16), routing live
+    moe+bf16+R3  the same, the trainer replaying the bf16 sampler's experts
 
 Reported per variant, mean over seeds: the training reward in the first and last 10% of steps and its seed spread,
 the held-out reward at the last step, `moe/route_agreement` (mean, and its minimum over every step of every seed),
@@ -25,7 +27,9 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # bench/learning.py, the runner
 
 MOE = ["model.tiny.moe=qwen3_moe"]
-VARIANTS = {"moe": MOE, "moe+R3": [*MOE, "actor.router_replay=R3"], "moe+R2": [*MOE, "actor.router_replay=R2"]}
+BF16 = [*MOE, "rollout.precision=bf16"]  # the hf sampler on a bf16 copy of the fp32 policy: its routes can differ
+VARIANTS = {"moe": MOE, "moe+R3": [*MOE, "actor.router_replay=R3"], "moe+R2": [*MOE, "actor.router_replay=R2"],
+            "moe+bf16": BF16, "moe+bf16+R3": [*BF16, "actor.router_replay=R3"]}
 
 
 def run(variant: str, seed: int, steps: int, workdir: Path) -> list[dict]:
