@@ -1,6 +1,6 @@
 """Run in a subprocess by tests/emulated/test_moe_devices.py on the simulated Ascend (--device npu) or the emulated
 device (--device emu): the MoE parity stage with the backend's expert ops, counting the vendor top-k's calls, then a
-2-step R3 run whose sampler and trainer log-probs agree. Prints one JSON line."""
+2-step R3 run on 2 ranks (FSDP2 on npu, DDP on emu) whose sampler and trainer log-probs agree. Prints one JSON line."""
 import json
 import sys
 import tempfile
@@ -34,7 +34,9 @@ def main() -> None:
     from portagrpo.cli import main as cli
 
     with tempfile.TemporaryDirectory() as run:
-        rc = cli(["train", "--device", device, "--output-dir", run, "trainer.progress_bar=false", "trainer.plot=false",
+        parallel = "fsdp2" if device == "npu" else "ddp"  # 2 ranks: FSDP2 on the simulated Ascend, DDP on emu
+        rc = cli(["train", "--device", device, "--output-dir", run, "trainer.nproc_per_node=2",
+                  f"trainer.parallel={parallel}", "trainer.progress_bar=false", "trainer.plot=false",
                   "trainer.tensorboard=false", "data.train_batch_size=2", "rollout.n=2", "data.train_size=8",
                   "actor.ppo_mini_batch_size=4", "trainer.total_steps=2", "trainer.test_freq=0", "trainer.save_freq=0",
                   "data.max_response_length=8", "model.tiny.moe=qwen3_moe", "actor.router_replay=R3"])
