@@ -261,12 +261,10 @@ def _hooks_of(model) -> _Hooks | None:
     """The router hooks of `model`, installed once (kept on the transformers model itself); None for a dense model."""
     lm = base_lm(model)
     hooks = lm.__dict__.get("_portagrpo_route_hooks")
-    if hooks is None:
+    if hooks is None:  # looked for once per model (False: a dense one)
         layers = moe_layers(lm)
-        if not layers:
-            return None
-        hooks = lm.__dict__["_portagrpo_route_hooks"] = _Hooks(layers)
-    return hooks
+        hooks = lm.__dict__["_portagrpo_route_hooks"] = _Hooks(layers) if layers else False
+    return hooks or None
 
 
 @contextlib.contextmanager
