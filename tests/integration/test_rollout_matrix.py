@@ -121,6 +121,32 @@ if __name__ == "__main__":  # one rank of test_a_subset_trains_on_two_ranks, und
         torch.save(rows, sys.argv[1])
 
 
+def test_two_ranks_agree_with_one_where_the_samples_do_not_depend_on_the_rank(tmp_path):
+    """With an engine whose samples depend only on the prompt and the sample's index (`fixed`), two ranks keep the same
+    groups over DAPO's rounds and train as one rank does: the design's agreement, through the same pipeline."""
+    from portagrpo.metrics import MEASURED_KEYS
+
+    tied = tmp_path / "tied.py"  # prompts asking for an even digit score 0.5 whatever the response: dropped
+    tied.write_text("def score(data_source, solution_str, ground_truth, extra_info=None):\n"
+                    "    if int(ground_truth) % 2 == 0:\n        return 0.5\n"
+                    "    return float(len(solution_str) % 2 == 0)\n")
+    cfg = [*overrides(("text", "score", "sync", "fixed"), tmp_path), "actor.micro_batch_size=2",
+           f"reward.function={tied}:score"]
+    one = train(cfg, tmp_path / "one")
+    out = tmp_path / "two.pt"
+    env = {**os.environ, "OMP_NUM_THREADS": "1",
+           "PYTHONPATH": os.pathsep.join([str(STANDINS / "vllm_shim"), str(ROOT)])}
+    res = subprocess.run([sys.executable, "-m", "portagrpo.launcher", "--nproc", "2", __file__, str(out), *cfg],
+                         env=env, capture_output=True, text=True, timeout=600, cwd=str(tmp_path))
+    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
+    two = torch.load(out, weights_only=False)
+    assert any(r["gen_rounds"] > 1 for r in one)  # groups were dropped and more rounds sampled
+    for a, b in zip(one, two):
+        for key, value in a.items():
+            if key not in MEASURED_KEYS and key != "world_size" and not key.startswith(("mem/", "time_")):
+                assert b[key] == pytest.approx(value, rel=2e-5, abs=1e-7), key
+
+
 def test_the_example_generator_of_docs_design_trains_through_every_stage(tmp_path):
     """rollout.generator=echo (rollout/generators/echo.py, docs/design.md "Adding a generator"): one module and its
     registration; the pipeline shares, scores and gathers its rows, and its counts come back as metrics (a group of
