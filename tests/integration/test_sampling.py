@@ -62,7 +62,7 @@ def test_off_means_off_sampling_follows_the_softmax(qwen_dir, tokenizer):
     prompt = torch.tensor([tokenizer.encode("copy 7:")])
     n = 600
     torch.manual_seed(0)
-    responses, _, _ = engine.generate(prompt.repeat(n, 1), torch.ones(n, prompt.shape[1], dtype=torch.long),
+    responses, _, *_ = engine.generate(prompt.repeat(n, 1), torch.ones(n, prompt.shape[1], dtype=torch.long),
                                    SamplingParams(max_tokens=1, temperature=1.0))
     with torch.no_grad():
         probs = torch.softmax(model(input_ids=prompt).logits[0, -1].double(), -1)
@@ -84,7 +84,7 @@ def test_greedy_has_no_repetition_penalty_and_stops_at_every_eos(qwen_dir, token
     from portagrpo.data.records import left_pad
 
     ids, mask = left_pad(prompts, engine.pad_id, width=width)
-    responses, rmask, _ = engine.generate(ids, mask, SamplingParams(max_tokens=6, temperature=0.0))
+    responses, rmask, *_ = engine.generate(ids, mask, SamplingParams(max_tokens=6, temperature=0.0))
     for row, prompt in enumerate(prompts):
         want = manual_greedy(model, torch.tensor([prompt]), 6)[0].tolist()
         stop = next((i + 1 for i, t in enumerate(want) if t in engine.eos_ids), len(want))

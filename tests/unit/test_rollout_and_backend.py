@@ -24,11 +24,11 @@ def test_hf_engine_shapes_and_padding(tiny_model_dir, tokenizer):
 
     ids, mask = left_pad(prompts, tokenizer.pad_token_id)
     torch.manual_seed(0)
-    responses, rmask, _ = engine.generate(ids, mask, SamplingParams(max_tokens=7, temperature=1.0))
+    responses, rmask, *_ = engine.generate(ids, mask, SamplingParams(max_tokens=7, temperature=1.0))
     assert responses.shape == (2, 7) and rmask.shape == (2, 7)
     assert (responses[rmask == 0] == tokenizer.pad_token_id).all()
-    greedy_a, _, _ = engine.generate(ids, mask, SamplingParams(max_tokens=7, temperature=0.0))
-    greedy_b, _, _ = engine.generate(ids, mask, SamplingParams(max_tokens=7, temperature=0.0))
+    greedy_a, _, *_ = engine.generate(ids, mask, SamplingParams(max_tokens=7, temperature=0.0))
+    greedy_b, _, *_ = engine.generate(ids, mask, SamplingParams(max_tokens=7, temperature=0.0))
     assert torch.equal(greedy_a, greedy_b)
     assert len(decode_responses(tokenizer, responses.tolist(), rmask.tolist())) == 2
 
@@ -46,8 +46,8 @@ def test_left_padding_does_not_change_greedy_output(tiny_model_dir, tokenizer):
     short = tokenizer("a:7")["input_ids"]
     long = tokenizer("u:repeat 1234\na:")["input_ids"]
     ids, mask = left_pad([short, long], tokenizer.pad_token_id)
-    together, _, _ = engine.generate(ids, mask, SamplingParams(max_tokens=5, temperature=0.0))
-    alone, _, _ = engine.generate(torch.tensor([short]), torch.ones(1, len(short), dtype=torch.long),
+    together, _, *_ = engine.generate(ids, mask, SamplingParams(max_tokens=5, temperature=0.0))
+    alone, _, *_ = engine.generate(torch.tensor([short]), torch.ones(1, len(short), dtype=torch.long),
                                SamplingParams(max_tokens=5, temperature=0.0))
     assert torch.equal(together[0], alone[0])
 
@@ -97,10 +97,10 @@ def test_repeated_prompts_share_one_prefill(tiny_model_dir, tokenizer):
                                                        with_kwargs=True)
     greedy = SamplingParams(max_tokens=6, temperature=0.0)
     try:
-        shared, shared_mask, _ = HFRollout(model, tokenizer, contextlib.nullcontext).generate(ids, mask, greedy)
+        shared, shared_mask, *_ = HFRollout(model, tokenizer, contextlib.nullcontext).generate(ids, mask, greedy)
         first_call = rows_seen[0]
         rows_seen.clear()
-        plain, plain_mask, _ = HFRollout(model, tokenizer, contextlib.nullcontext, share_prefill=False).generate(
+        plain, plain_mask, *_ = HFRollout(model, tokenizer, contextlib.nullcontext, share_prefill=False).generate(
             ids, mask, greedy)
     finally:
         hook.remove()
