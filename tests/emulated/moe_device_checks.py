@@ -8,8 +8,8 @@ import tempfile
 import torch
 
 from portagrpo.backends import get_backend
-from portagrpo.tools import parity, parity_moe
 from portagrpo.tolerances import relative_error
+from portagrpo.tools import parity, parity_moe
 
 
 def main() -> None:
@@ -24,8 +24,8 @@ def main() -> None:
             return select(logits, k)
         backend.moe_topk = lambda: counted
     errors = {}
-    for dtype, tdtype in (("fp32", torch.float32),):
-        setting = parity.Setting(backend.device(0), dtype, "chunked", lambda: backend.autocast(tdtype),
+    for dtype in ("fp32",):
+        setting = parity.Setting(backend.device(0), dtype, "chunked", lambda: backend.autocast(torch.float32),
                                  backend.spec.moe_experts, backend.moe_topk())
         got = parity_moe.moe_stages(parity.load_fixture(parity_moe.SCENARIO_FILE), setting, parity.OBJECTIVE,
                                     parity.TEMPERATURE)
