@@ -18,8 +18,8 @@ import torch
 from portagrpo.batch import RolloutBatch
 from portagrpo.errors import UserError
 from portagrpo.kernels import TokenLogprobFn, logits_from_hidden, token_logprobs_from_logits
-from portagrpo.model.activations import HostActivations
 from portagrpo.model import moe
+from portagrpo.model.activations import HostActivations
 from portagrpo.model.loading import decoder_of, lm_head_of, position_ids_from_mask
 from portagrpo.model.ulysses import PACKED_PREFIX, GatherTokens, check_heads, check_same_rows, Packing, SequenceGroup, plan_row, use_packed_attention
 from portagrpo.model.vision import vl_body, vl_hidden_states, vl_inputs
