@@ -313,6 +313,11 @@ def _host(m: ModelShape, cluster: Cluster, r: RunShape, t: _Terms) -> dict[str, 
         host["offloaded policy, gradients and AdamW state"] = 4 * bm * P / t.shards * per_node
     if r.ref_offload and r.has_ref:
         host["offloaded reference"] = r.compute_bytes * P / t.shards * per_node
+    if r.activation_offload:  # each layer's saved tensors (its input, with checkpointing) wait in host memory
+        tokens = r.update_tokens / max(r.sequence_parallel, 1)
+        per_layer = (GC_H * r.compute_bytes * m.hidden * tokens if r.gradient_checkpointing
+                     else layer_activation_bytes(m, r, r.update_tokens, r.seq_len))
+        host["offloaded activations"] = m.layers * per_layer * per_node
     staging = bm * P + 2 * bm * Ptr
     host["checkpoint staging (one rank's shards at a time)"] = staging / t.shards * per_node if t.fsdp else staging
     return host

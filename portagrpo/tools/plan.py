@@ -150,15 +150,15 @@ def run_shape(cfg, cluster: Cluster, shape: ModelShape, model) -> RunShape:
     sp = max(a.ulysses_sequence_parallel_size, 1)
     dp = max(world // sp, 1)  # data-parallel groups: an SP group shares its micro-batches
     mb = cfg.micro_batch(dp)
-    lp_mb = a.logprob_micro_batch_size or mb
+    lp_mb = a.logprob_micro_batch_size or cfg.micro_batch(world)  # scoring: each rank's own rows (an SP group's union)
     per_rank = max(a.ppo_mini_batch_size // dp, 1)
     if a.use_dynamic_bsz:  # budgets are per rank: an SP group's micro-batch holds sp x budget tokens
         update_tokens = a.ppo_max_token_len_per_gpu * sp
         scoring_tokens = (a.log_prob_max_token_len_per_gpu or a.ppo_max_token_len_per_gpu) * sp
         update_rows, scoring_rows = max(update_tokens // seq, 1), max(scoring_tokens // seq, 1)
     else:
-        update_rows, scoring_rows = mb, lp_mb
-        update_tokens, scoring_tokens = mb * seq, lp_mb * seq
+        update_rows, scoring_rows = mb, lp_mb * sp
+        update_tokens, scoring_tokens = mb * seq, lp_mb * sp * seq
     attention = spec.default_attention if cfg.model.attn_implementation == "auto" else cfg.model.attn_implementation
     return RunShape(
         strategy=strategy, shard_group=group, master_bytes=8 if cfg.model.dtype == "fp64" else 4,
