@@ -9,7 +9,7 @@ import contextlib
 import os
 import random
 from dataclasses import dataclass, field
-from typing import Callable, Any, ContextManager, Protocol, runtime_checkable
+from typing import Any, Callable, ContextManager, Protocol, runtime_checkable
 
 import numpy as np
 import torch

@@ -21,7 +21,16 @@ from portagrpo.kernels import TokenLogprobFn, logits_from_hidden, token_logprobs
 from portagrpo.model import moe
 from portagrpo.model.activations import HostActivations
 from portagrpo.model.loading import decoder_of, lm_head_of, position_ids_from_mask
-from portagrpo.model.ulysses import PACKED_PREFIX, GatherTokens, check_heads, check_same_rows, Packing, SequenceGroup, plan_row, use_packed_attention
+from portagrpo.model.ulysses import (
+    PACKED_PREFIX,
+    GatherTokens,
+    Packing,
+    SequenceGroup,
+    check_heads,
+    check_same_rows,
+    plan_row,
+    use_packed_attention,
+)
 from portagrpo.model.vision import vl_body, vl_hidden_states, vl_inputs
 
 
@@ -168,9 +177,9 @@ class ResponseScorer(torch.nn.Module):
         self.remove_padding = remove_padding
         self.packs = remove_padding and use_packed_attention(decoder_of(lm).config, flash=sequence_parallel is not None)
         if sequence_parallel is not None and moe.moe_layers(lm):
-            raise UserError(f"actor.ulysses_sequence_parallel_size={sequence_parallel.size} splits each row over ranks, "
-                            f"and a mixture-of-experts policy's routes (recorded, replayed and compared per token of the "
-                            f"whole row, model/moe.py) are not split with it yet; use "
+            raise UserError(f"actor.ulysses_sequence_parallel_size={sequence_parallel.size} splits each row over "
+                            f"ranks, and a mixture-of-experts policy's routes (recorded, replayed and compared per "
+                            f"token of the whole row, model/moe.py) are not split with it yet; use "
                             f"actor.ulysses_sequence_parallel_size=1.")
         if sequence_parallel is not None:
             c = decoder_of(lm).config

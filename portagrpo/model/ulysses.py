@@ -72,8 +72,8 @@ def check_heads(heads: int, kv_heads: int, sp: int) -> str | None:
         return (f"actor.ulysses_sequence_parallel_size={sp} must divide the model's {heads} attention heads (each rank "
                 f"attends with heads / sp of them); use a divisor of {heads}.")
     if kv_heads % sp and sp % kv_heads:
-        return (f"actor.ulysses_sequence_parallel_size={sp} and the model's {kv_heads} key/value heads: one must divide "
-                f"the other (fewer kv heads than sp are repeated); use a size that does.")
+        return (f"actor.ulysses_sequence_parallel_size={sp} and the model's {kv_heads} key/value heads: one must "
+                f"divide the other (fewer kv heads than sp are repeated); use a size that does.")
     return None
 
 
@@ -196,7 +196,8 @@ def use_packed_attention(config, flash: bool = False) -> bool:
     name = getattr(config, "_attn_implementation", None)
     if name is None or name.startswith(PACKED_PREFIX):
         return name is not None
-    if name not in ALL_ATTENTION_FUNCTIONS or name not in ALL_MASK_ATTENTION_FUNCTIONS or ("flash" in name and not flash):
+    registered = name in ALL_ATTENTION_FUNCTIONS and name in ALL_MASK_ATTENTION_FUNCTIONS
+    if not registered or ("flash" in name and not flash):
         return False
     base = ALL_ATTENTION_FUNCTIONS[name]
 

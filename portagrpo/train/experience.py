@@ -146,7 +146,8 @@ class ExperienceSettings:
                                   r.repetition_penalty)
 
         a = cfg.actor
-        # under sequence parallelism each rank still plans its own share (a group scores its ranks' micro-batches as one)
+        # under sequence parallelism each rank still plans its own share (a group scores its ranks' micro-batches as
+        # one)
         budget = (a.log_prob_max_token_len_per_gpu or a.ppo_max_token_len_per_gpu) if a.use_dynamic_bsz else None
         return cls(seed=cfg.trainer.seed, n=r.n, micro_batch_size=cfg.logprob_micro_batch(world_size),
                    token_budget=budget,

@@ -99,4 +99,5 @@ def test_a_mixture_of_experts_policy_under_sequence_parallelism_is_one_sentence(
                             num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=2, num_experts=2,
                             num_experts_per_tok=1, attn_implementation="sdpa")
     with pytest.raises(UserError, match="mixture-of-experts policy's routes"):
-        ResponseScorer(Qwen3MoeForCausalLM(config), logprob_impl("reference"), sequence_parallel=SequenceGroup(None, 2, 0))
+        ResponseScorer(Qwen3MoeForCausalLM(config), logprob_impl("reference"),
+                       sequence_parallel=SequenceGroup(None, 2, 0))

@@ -183,7 +183,8 @@ def test_verl_lora_example_trains(tmp_path, tiny_model_dir, monkeypatch, capsys)
     run = tmp_path / "run"
     assert main(["train", "--output-dir", str(run), "trainer.progress_bar=false", *command]) == 0
     out = capsys.readouterr().out
-    assert "model.use_remove_padding -> portagrpo model.use_remove_padding" in out and "tensor_model_parallel_size=2" in out
+    assert "model.use_remove_padding -> portagrpo model.use_remove_padding" in out
+    assert "tensor_model_parallel_size=2" in out
     rows = read_metrics(run / "metrics.jsonl")
     assert [r["step"] for r in rows] == [1, 2, 3, 4] and not (run / "checkpoints").exists()  # save_freq=-1: never
     assert (run / "wandb").is_dir()

@@ -41,9 +41,9 @@ def test_vllm_logprobs_of_model_tokens_equal_the_trainers_over_the_conversation(
     from portagrpo.agent.hermes import ToolTurns
     from portagrpo.config import load_config
     from portagrpo.data.records import PromptRecord
+    from portagrpo.rollout.generators.conversation import Conversations
     from portagrpo.tolerances import assert_close
     from portagrpo.train import Trainer
-    from portagrpo.rollout.generators.conversation import Conversations
 
     cfg = load_config(None, ["rollout.engine=vllm", f"model.path={qwen2_dir}", "rollout.temperature=1.5",
                              *SMALL, "data.max_response_length=160", _tools(tmp_path)])
@@ -71,9 +71,9 @@ def test_a_steps_turns_share_its_one_push_on_real_vllm(tmp_path, qwen2_dir):
     from portagrpo.agent.hermes import ToolTurns
     from portagrpo.config import load_config
     from portagrpo.data.records import PromptRecord
+    from portagrpo.rollout.generators.conversation import Conversations
     from portagrpo.train import Trainer
     from portagrpo.train.build import push_weights
-    from portagrpo.rollout.generators.conversation import Conversations
 
     cfg = load_config(None, ["rollout.engine=vllm", f"model.path={qwen2_dir}", "rollout.temperature=1.5", *SMALL,
                              "data.max_response_length=160", _tools(tmp_path)])

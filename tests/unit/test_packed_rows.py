@@ -1,7 +1,7 @@
-"""Packed rows without padding (model.use_remove_padding, portagrpo/model/ulysses.py): text rows past the old 4,096-token
-cap of a dense block-causal mask, and vision-language rows with their 3-D rotary positions and images, give the
-padded grid's log-probs, entropies and gradients. tests/emulated/test_packed_devices.py runs the text check on the
-emulated device and the simulated Ascend."""
+"""Packed rows without padding (model.use_remove_padding, portagrpo/model/ulysses.py): text rows past the old
+4,096-token cap of a dense block-causal mask, and vision-language rows with their 3-D rotary positions and images,
+give the padded grid's log-probs, entropies and gradients. tests/emulated/test_packed_devices.py runs the text check
+on the emulated device and the simulated Ascend."""
 import sys
 from pathlib import Path
 

@@ -134,7 +134,7 @@ def test_no_module_outside_the_schedule_branches_on_rollout_mode():
     """`rollout.mode` names when sampling runs (train/schedule.py), and nothing else asks: other modules ask the
     schedule what it declares (`apart`, `stale`). The config's own validation (config/) says each mode's limits."""
     found = []
-    for name, path in modules().items():
+    for path in modules().values():
         rel = str(path.relative_to(ROOT))
         if rel == SCHEDULE or rel.startswith("portagrpo/config/"):
             continue
