@@ -118,6 +118,7 @@ class RunShape:
     sequence_parallel: int = 1
     runtime_reserve: float = 0.0  # bytes the device runtime and collective library keep (the backend row's allowance)
     image_tokens: int = 0  # image tokens a row may carry (a vision-language run: its prompt length bounds them)
+    routes: float = 0.0  # router replay: the global batch's recorded experts (int16), held on every rank
 
 
 @dataclass
@@ -285,6 +286,8 @@ def _rollout(m: ModelShape, cluster: Cluster, r: RunShape, t: _Terms) -> PhasePl
 def _scoring(m: ModelShape, r: RunShape, t: _Terms) -> PhasePlan:
     scoring = dict(t.steady)
     scoring["FSDP2 gathered units"] = t.fwd_gather
+    if r.routes:  # gathered over the ranks as int64, then held as int16
+        scoring["the batch's routes (router replay), gathered as int64"] = 4 * r.routes
     scoring.update(activations(m, r, r.scoring_tokens, r.scoring_rows, training=False))
     return PhasePlan("scoring", scoring)
 
@@ -297,6 +300,8 @@ def _update(m: ModelShape, r: RunShape, t: _Terms) -> PhasePlan:
     if r.accumulation > 1 or (r.no_sync and t.fsdp):
         update["gradients of the earlier micro-batches"] = t.grads
     update.update(activations(m, r, r.update_tokens, r.update_rows, training=True))
+    if r.routes:
+        update["the batch's routes (router replay)"] = r.routes
     update["FSDP2 gathered units and unsharded gradients"] = max(t.fwd_gather, t.bwd_gather)
     if r.strategy == "ddp":
         update["gradient all-reduce buffers"] = 2 * r.master_bytes * r.trainable_params  # flat buffer, summed copies

@@ -174,7 +174,9 @@ def run_shape(cfg, cluster: Cluster, shape: ModelShape, model) -> RunShape:
         tensor_parallel=r.tensor_model_parallel_size,
         attention_keeps_scores=attention == "eager" or (attention == "sdpa" and spec.attention_saves_scores),
         sequence_parallel=sp, runtime_reserve=spec.runtime_reserve_gb * GIB,
-        image_tokens=d.max_prompt_length if shape.vision_depth else 0)
+        image_tokens=d.max_prompt_length if shape.vision_depth else 0,
+        routes=(cfg.rollout_batch_size * seq * shape.layers * shape.experts_per_token * 2
+                if shape.is_moe and a.router_replay else 0.0))
 
 
 def plan_config(cfg, args: argparse.Namespace | None = None) -> tuple[Plan, str]:
