@@ -291,13 +291,13 @@ class TrainerConfig:
     # size shards within groups of k consecutive ranks (a node) and replicates across groups (HSDP), so the per-layer
     # all-gathers stay inside a node and only gradients cross nodes.
     fsdp_size: int = -1
-    dist_timeout_s: float = 600.0
-    val_before_train: bool = True  # validate before the first step (with test_freq > 0)
-    # console (the progress bar and lines), tensorboard (with trainer.tensorboard), wandb, mlflow
     # The cluster a run is planned for (portagrpo plan, --dry-run): one device's memory in GiB (None: ask the device)
     # and one node's host memory in GiB (None: 1024).
     device_memory_gb: Optional[float] = None
     host_memory_gb: Optional[float] = None
+    dist_timeout_s: float = 600.0
+    val_before_train: bool = True  # validate before the first step (with test_freq > 0)
+    # console (the progress bar and lines), tensorboard (with trainer.tensorboard), wandb, mlflow
     logger: list[str] = field(default_factory=lambda: ["console", "tensorboard"])
     # runs/<project_name>/<experiment_name> when no output_dir is given (verl's names)
     project_name: Optional[str] = None
