@@ -45,6 +45,8 @@ class EngineSettings:
     # the rollout-correction features on (rollout_is, rollout_rs, bypass_mode): they weigh the loss with the
     # sampler's own log-probs, so an engine that would report them wrongly refuses the run
     correction_uses: tuple[str, ...] = ()
+    # actor.router_replay: R3 asks the engine for the experts it routed each token to
+    router_replay: str | None = None
 
     @classmethod
     def from_config(cls, cfg: Config) -> "EngineSettings":
@@ -60,7 +62,7 @@ class EngineSettings:
                    tensor_parallel_size=r.tensor_model_parallel_size,
                    vllm_gpu_memory_utilization=r.vllm_gpu_memory_utilization,
                    vllm_weight_bucket_mb=r.vllm_weight_bucket_mb, vllm_max_model_len=r.vllm_max_model_len,
-                   correction_uses=uses)
+                   correction_uses=uses, router_replay=cfg.actor.router_replay)
 
     @property
     def copy_precision(self) -> str:

@@ -57,6 +57,23 @@ def _nz_off(version: str) -> tuple[dict[str, str], dict[str, Any]]:
     return {"VLLM_ASCEND_ENABLE_NZ": "0"}, {"weight_nz_mode": 0}
 
 
+def _engine_extra(world_size: int, vision, fp8: bool, routes: bool) -> dict[str, Any]:
+    """`vllm.LLM` arguments beyond the common ones: dummy weights until the first push, the external launcher on
+    several ranks, images without videos, FP8, routed experts (R3)."""
+    extra: dict[str, Any] = {"load_format": "dummy"}
+    if world_size > 1:
+        extra["distributed_executor_backend"] = "external_launcher"
+    if vision is not None:  # prompts carry images, never videos: vLLM profiles no video input (no video processor)
+        extra["limit_mm_per_prompt"] = {"video": 0}
+    if routes:
+        extra["enable_return_routed_experts"] = True
+    if fp8:
+        from portagrpo.rollout.fp8 import QUANTIZATION_CONFIG
+
+        extra.update(quantization="fp8", hf_overrides={"quantization_config": dict(QUANTIZATION_CONFIG)})
+    return extra
+
+
 @dataclass(frozen=True)
 class Plugin:
     """What the colocated RL engine needs to know about a vLLM platform plugin (a backend row names its plugin):
@@ -249,6 +266,9 @@ class VLLMRollout:
         vision = VisionSpec.of(inputs.policy, model_path, s.precision)
         check_sampler_logprobs(plugin, s.sampling, s.correction_uses)
         tied = bool(getattr(config, "tie_word_embeddings", False))
+        from portagrpo.model.moe import moe_decoder_indices, moe_layers
+
+        r3 = s.router_replay == "R3" and bool(moe_layers(inputs.policy))
         return cls(inputs.scorer, inputs.tokenizer, inputs.autocast, inputs.generate_kwargs,
                    model_path=model_path, dtype=s.vllm_dtype, vision=vision,
                    seed=s.seed + 7919 * group,  # one per engine: vLLM needs a TP group's ranks seeded alike
@@ -260,7 +280,9 @@ class VLLMRollout:
                    fp8=fp8_allowed(s.precision, inputs.backend, inputs.policy, s.tensor_parallel_size),
                    reseed=inputs.backend.seed, sleep_mode=inputs.backend.spec.vllm_sleep_mode,
                    env=dict(inputs.backend.spec.vllm_env),
-                   weights=PolicyWeights(inputs.scorer, inputs.policy, lora=s.lora, tied=tied))
+                   weights=PolicyWeights(inputs.scorer, inputs.policy, lora=s.lora, tied=tied),
+                   route_layers=moe_decoder_indices(inputs.policy) if r3 else None,
+                   top_k=moe_layers(inputs.policy)[0].top_k if r3 else 0)
 
     def __init__(self, model, tokenizer, autocast, generate_kwargs: dict | None = None, *, model_path: str,
                  dtype: str = "bfloat16", seed: int = 0, gpu_memory_utilization: float = 0.5,
@@ -269,7 +291,8 @@ class VLLMRollout:
                  plugin: str | None = None, tensor_parallel: "TensorParallel | None" = None,
                  fp8: bool = False, reseed: Callable[[int], None] | None = None,
                  weights: Callable[[], Any] | None = None, sleep_mode: bool = True,
-                 env: dict[str, str] | None = None, vision: VisionSpec | None = None) -> None:
+                 env: dict[str, str] | None = None, vision: VisionSpec | None = None,
+                 route_layers: list[int] | None = None, top_k: int = 0) -> None:
         vllm, self._tokens_prompt = _import_vllm()
         plugin_env, additional = check_versions(plugin)
         if fp8:
@@ -296,18 +319,12 @@ class VLLMRollout:
         # built from dummy weights, which the first sleep discards anyway: the trainer pushes the policy before
         # the first rollout (and a generate without weights reloads them from `weights`)
         self.needs_weights = True
-        extra: dict[str, Any] = {"load_format": "dummy"}
-        if world_size > 1:
-            extra["distributed_executor_backend"] = "external_launcher"
-        if vision is not None:  # prompts carry images, never videos: vLLM profiles no video input (no video processor)
-            extra["limit_mm_per_prompt"] = {"video": 0}
-        if fp8:
-            from portagrpo.rollout.fp8 import QUANTIZATION_CONFIG
-
-            extra.update(quantization="fp8", hf_overrides={"quantization_config": dict(QUANTIZATION_CONFIG)})
+        # R3: the experts vLLM routed each token to, per decoder layer (read at the MoE layers' indices)
+        self.route_layers, self.top_k = route_layers, top_k
+        extra = _engine_extra(world_size, vision, fp8, route_layers is not None)
         # on vLLM's CPU build: every GEMM keeps its weight, small ones compute on it (CpuGemmWeights); else a no-op
         self._gemm_dispatch = (lambda: contextlib.nullcontext()) if fp8 else CpuGemmWeights.building
-        with _process_state_kept(), self._gemm_dispatch():
+        with _process_state_kept(), self._gemm_dispatch(), self._routes_refusal():
             self.llm = vllm.LLM(model=model_path, tokenizer=model_path, dtype=dtype, seed=seed,
                                 gpu_memory_utilization=gpu_memory_utilization, enable_sleep_mode=sleep_mode,
                                 max_model_len=max_model_len, tensor_parallel_size=self.tp.size,
@@ -319,6 +336,19 @@ class VLLMRollout:
         self.held = False  # inside `turns()`: generates leave the engine awake
         self.in_place = None if fp8 else CpuGemmWeights.of(self._model)  # vLLM's CPU build
         self._sleep()  # hand the memory to training until the first rollout
+
+    @contextlib.contextmanager
+    def _routes_refusal(self):
+        """A vLLM build that cannot return routed experts refuses while the engine is built: one sentence."""
+        if self.route_layers is None:
+            yield
+            return
+        try:
+            yield
+        except (TypeError, ValueError, NotImplementedError, RuntimeError, AssertionError, ImportError) as err:
+            from portagrpo.model.moe import vllm_routes_refused
+
+            raise vllm_routes_refused(err) from err
 
     def _sleep(self) -> None:
         if not self.sleep_mode or self.state.asleep:  # vLLM ignores a sleep while any pool sleeps
@@ -438,6 +468,7 @@ class VLLMRollout:
                 self._sleep()
         check_expanded([request for request, _ in groups], answers)
         completions = [c for answer in answers for c in sorted(answer.outputs, key=lambda c: c.index)]
+        prompt_lengths = [len(answer.prompt_token_ids) for answer in answers for _ in answer.outputs]
         if len(completions) != len(requests):
             raise RuntimeError(f"vLLM answered {len(completions)} samples for {len(requests)} requested")
         outputs = completions[mine]
@@ -454,4 +485,11 @@ class VLLMRollout:
         # the log-prob each token was drawn with, unless the plugin reports raw ones that differ from it here
         exact = self.processed_logprobs or raw_is_processed(params)
         logp = torch.tensor(logps, dtype=torch.float32, device=prompt_ids.device) * mask if exact else None
-        return Sampled(torch.where(mask.bool(), responses, torch.full_like(responses, self.pad_id)), mask, logp)
+        routes = None
+        if self.route_layers is not None:
+            from portagrpo.model.moe import routes_from_engine
+
+            routes = routes_from_engine([o.routed_experts for o in outputs], prompt_lengths[mine], prompt_mask,
+                                        params.max_tokens, self.route_layers, self.top_k)
+        return Sampled(torch.where(mask.bool(), responses, torch.full_like(responses, self.pad_id)), mask, logp,
+                       routes)

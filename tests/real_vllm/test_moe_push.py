@@ -84,3 +84,16 @@ def test_a_push_without_the_repack_is_the_step_1_gap(engine, policy):
     assert (sampler - trainer).abs().mean() > 1e-3
     engine.update_weights(policy.state_dict().items())
     assert_close(*_gap(engine, policy), torch.float32, "logprob", "sampler vs trainer once repacked")
+
+
+def test_r3_is_refused_with_vllms_own_reason_on_its_cpu_build(moe_dir, tokenizer):
+    """vLLM's CPU build cannot return routed experts (its capture is wired to the GPU model runners): asked for them
+    (actor.router_replay=R3), the engine refuses in one sentence that carries vLLM's reason."""
+    from portagrpo.errors import UserError
+    from portagrpo.rollout.vllm import VLLMRollout
+
+    with pytest.raises(UserError, match=r"router_replay=R3 needs vLLM to return .* this vLLM build refused "
+                                        r"\(AuxOutput Connector requires Model Runner V2") as err:
+        VLLMRollout(None, tokenizer, None, model_path=str(moe_dir), dtype="float32", max_model_len=256,
+                    tied_embeddings=True, sleep_mode=False, route_layers=[0, 1], top_k=2)
+    assert "\n" not in str(err.value)

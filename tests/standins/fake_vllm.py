@@ -283,6 +283,12 @@ class FakeLLM:
     def __init__(self, **kwargs):
         if kwargs.get("enable_sleep_mode") and self.platform == "cpu":
             raise ValueError("Sleep mode is not supported on current platform.")
+        # enable_return_routed_experts (vllm/config/vllm.py, _verify_aux_output_compatibility, 0.32.0): the capture is
+        # wired to the GPU model runners only; the CPU build refuses when the engine's config is checked
+        self.return_routes = bool(kwargs.get("enable_return_routed_experts"))
+        if self.return_routes and self.platform == "cpu":
+            raise ValueError("AuxOutput Connector requires Model Runner V2; set VLLM_USE_V2_MODEL_RUNNER=1.")
+        self._router_model_at: tuple | None = None
         self.kwargs, self.log = kwargs, []
         self.vision = VisionModel.of(kwargs.get("model"))
         self.fresh: set[str] = set()  # tensors loaded since the dummy weights or the last level-2 sleep
@@ -553,7 +559,10 @@ class FakeLLM:
                 if sp.kwargs.get("logprobs") is not None:  # the sampled token is always among the returned ones
                     lp = self._logprob()
                     logprobs = [{t: types.SimpleNamespace(logprob=lp, rank=1)} for t in ids]
-                children.append(types.SimpleNamespace(index=index, token_ids=ids, logprobs=logprobs))
+                child = types.SimpleNamespace(index=index, token_ids=ids, logprobs=logprobs)
+                if self.return_routes:
+                    child.routed_experts = self._routed_experts(prompt, ids, digest)
+                children.append(child)
                 rows.append(ids)
             out.append(types.SimpleNamespace(request_id=str(request_id), prompt_token_ids=prompt, outputs=children))
         if self.tp_group is not None:
@@ -562,6 +571,51 @@ class FakeLLM:
         self.log.append(("generate", len(prompts), params[0].kwargs, [p.kwargs["seed"] for p in params],
                          [p["prompt_token_ids"] for p in prompts], rows))
         return out
+
+    def _routed_experts(self, prompt: list[int], ids: list[int], digest: int) -> np.ndarray:
+        """`CompletionOutput.routed_experts` as vLLM fills it (aux_output_connector: rows up to the request's last
+        token, which never went through the model): [len(prompt) + len(ids) - 1, every decoder layer, top_k], each
+        MoE layer's experts as its router chose them with the weights loaded (a forward of the pushed checkpoint
+        here), dense layers' rows left zero, in the narrowest unsigned dtype that holds the expert ids."""
+        model, moe_at = self._router_model(digest)
+        config = model.config
+        tokens = torch.tensor([prompt + ids[:-1]])
+        with torch.no_grad():
+            logits = model(input_ids=tokens, output_router_logits=True).router_logits
+        out = np.zeros((tokens.shape[1], config.num_hidden_layers, config.num_experts_per_tok),
+                       dtype=np.uint8 if config.num_experts <= 256 else np.int32)
+        for layer, lg in zip(moe_at, logits):
+            out[:, layer] = torch.topk(lg.float(), config.num_experts_per_tok, dim=-1).indices.numpy()
+        return out
+
+    def _router_model(self, digest: int):
+        """The model the engine serves, with the weights loaded so far (a hub checkpoint's per-expert names packed
+        as transformers holds experts), built once per set of weights."""
+        if self._router_model_at is not None and self._router_model_at[0] == digest:
+            return self._router_model_at[1:]
+        from transformers import AutoConfig, AutoModelForCausalLM
+
+        config = AutoConfig.from_pretrained(self.kwargs["model"])
+        model = AutoModelForCausalLM.from_config(config).float().eval()
+        state = {name: t.float() for name, t in self.shards.items()}
+        for name, param in model.state_dict().items():
+            if name.endswith(".experts.gate_up_proj") and name not in state:
+                prefix = name[: -len("gate_up_proj")]
+                state[name] = torch.stack([torch.cat([state.pop(f"{prefix}{e}.gate_proj.weight"),
+                                                      state.pop(f"{prefix}{e}.up_proj.weight")])
+                                           for e in range(param.shape[0])])
+            elif name.endswith(".experts.down_proj") and name not in state:
+                prefix = name[: -len("down_proj")]
+                state[name] = torch.stack([state.pop(f"{prefix}{e}.down_proj.weight") for e in range(param.shape[0])])
+        missing = [n for n in model.state_dict() if n not in state and not n.endswith("lm_head.weight")]
+        if missing:
+            raise RuntimeError(f"routing with weights nothing was loaded into (e.g. {missing[0]})")
+        model.load_state_dict(state, strict=False)
+        if config.tie_word_embeddings:
+            model.tie_weights()
+        moe_at = [i for i, layer in enumerate(model.model.layers) if hasattr(layer.mlp, "gate")]
+        self._router_model_at = (digest, model, moe_at)
+        return model, moe_at
 
     def _context_room(self, prompt: list[int]) -> int:
         """How many tokens a request may add before the context is full (read in 0.23.0: input_processor.py refuses a

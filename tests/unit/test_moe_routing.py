@@ -145,9 +145,37 @@ def test_refusals_are_one_sentence():
     assert "has none" in moe.refuse_replay_problem(dense, "R3")
     assert moe.refuse_replay_problem(tiny("qwen3_moe"), "R3") is None
     assert "not a router replay mode" in moe.refuse_replay_problem(tiny("qwen3_moe"), "R4")
-    with pytest.raises(UserError, match="rollout.engine=hf"):
-        moe.refuse_r3_engine("R3", "vllm")
-    moe.refuse_r3_engine("R2", "vllm")
+    with pytest.raises(UserError, match="rollout.engine=hf or vllm"):
+        moe.refuse_r3_engine("R3", "fixed")
+    moe.refuse_r3_engine("R3", "vllm")  # vLLM returns its routes where its build can (else it refuses when built)
+    moe.refuse_r3_engine("R2", "fixed")
+
+
+def test_an_engines_routes_land_on_the_rollout_grid():
+    """vLLM's `routed_experts` per sample, [prompt + output - 1, every decoder layer, k]: the prompt's rows on the
+    columns of its real tokens (left padding here), output token j's on column P + j, the last sampled token's column
+    and the rest -1; only the MoE layers' indices are read (a dense layer's rows are vLLM's zeros)."""
+    import numpy as np
+
+    mask = torch.tensor([[0, 1, 1], [1, 1, 1]])  # prompts of 2 and 3 tokens, left-padded to 3
+    outputs = [4, 2]  # tokens sampled (the last never fed back)
+    per_sample = []
+    for b, (plen, n) in enumerate(zip([2, 3], outputs)):
+        rows = plen + n - 1
+        a = np.zeros((rows, 3, 2), dtype=np.uint8)  # 3 decoder layers, the middle one dense
+        for t in range(rows):
+            a[t, 0] = (10 * b + t, 50 + t)
+            a[t, 2] = (100 + t, 150 + b)
+        per_sample.append(a)
+    grid = moe.routes_from_engine(per_sample, [2, 3], mask, max_tokens=5, layers=[0, 2], top_k=2)
+    assert grid.shape == (2, 8, 2, 2) and grid.dtype == moe.ROUTE_DTYPE
+    assert (grid[0, 0] == -1).all()  # the padding column
+    assert grid[0, 1, 0].tolist() == [0, 50] and grid[0, 2, 1].tolist() == [101, 150]  # prompt tokens 0 and 1
+    assert grid[0, 3, 0].tolist() == [2, 52] and grid[0, 5, 0].tolist() == [4, 54]  # outputs 0..2 fed back
+    assert (grid[0, 6:] == -1).all()  # the last sampled token (output 3) and past the end
+    assert grid[1, 0, 0].tolist() == [10, 50] and grid[1, 3, 1].tolist() == [103, 151] and (grid[1, 4:] == -1).all()
+    other = moe.routes_from_engine(per_sample, [2, 4], mask, max_tokens=5, layers=[0, 2], top_k=2)
+    assert (other[1, :3] == -1).all()  # the engine saw another prompt length (an expanded image prompt): unknown
     with pytest.raises(ModelLoadError, match="attention only"):
         apply_lora(tiny("qwen3_moe"), LoraSettings(rank=4, target_modules=["q_proj", "gate_up_proj"]))
 

@@ -1,0 +1,79 @@
+"""Router replay R3 through vLLM (issue 43): the engine asks vLLM for the experts it routed each token to
+(`enable_return_routed_experts`), places them on the rollout's grid and the update replays them. Against the stand-in
+of tests/standins/fake_vllm.py playing a GPU build, whose routes are its router's choices on the pushed weights (a
+forward of the checkpoint it was sent): the trainer's live router agrees with them, so they reached the right
+(token, layer) cells. Playing vLLM's CPU build, the engine refuses in one sentence with vLLM's own reason (the
+capture is wired to its GPU model runners only); tests/real_vllm checks that against the real CPU build."""
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from portagrpo.errors import UserError
+
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT / "tests" / "standins"))
+from fake_vllm import FakeLLM, gpu_row  # noqa: E402
+from fake_vllm import modules as fake_vllm_modules  # noqa: E402
+
+RUN = ["trainer.progress_bar=false", "trainer.plot=false", "trainer.tensorboard=false", "trainer.test_freq=0",
+       "trainer.save_freq=0", "data.train_batch_size=4", "rollout.n=4", "actor.ppo_mini_batch_size=16",
+       "actor.micro_batch_size=8", "data.train_size=32", "data.max_response_length=8", "model.tiny.moe=qwen3_moe",
+       "actor.router_replay=R3", "rollout.engine=vllm", "rollout.vllm_weight_bucket_mb=0", "trainer.num_threads=1",
+       "reward.num_workers=0"]
+
+
+@pytest.fixture()
+def standin(monkeypatch):
+    from portagrpo.backends import BACKENDS, cpu
+
+    for name, module in fake_vllm_modules().items():
+        monkeypatch.setitem(sys.modules, name, module)
+    FakeLLM.instances.clear()
+    monkeypatch.setattr(FakeLLM, "ascend", None)
+
+    def play(platform: str) -> None:
+        monkeypatch.setattr(FakeLLM, "platform", platform)
+        if platform != "cpu":  # the CPU backend with a GPU's vLLM facts (sleep mode, any head size)
+            def build():
+                backend = cpu.CPUBackend()
+                backend.spec = gpu_row(backend.spec)
+                return backend
+
+            monkeypatch.setitem(BACKENDS.mapping, "cpu", build)
+        else:
+            monkeypatch.setenv("VLLM_CPU_KVCACHE_SPACE", "")
+
+    threads = torch.get_num_threads()
+    yield play
+    torch.set_num_threads(threads)
+
+
+def _trainer(tmp_path):
+    from portagrpo.config import load_config
+    from portagrpo.train import Trainer
+
+    return Trainer(load_config(None, RUN), run_dir=tmp_path / "run", log=lambda m: None)
+
+
+def test_r3_replays_the_experts_vllm_routed_each_token_to(standin, tmp_path):
+    standin("cuda")
+    trainer = _trainer(tmp_path).setup()
+    try:
+        rows = [trainer.step().metrics.row() for _ in range(2)]
+    finally:
+        trainer.close()
+    llm = FakeLLM.instances[-1]
+    assert llm.kwargs.get("enable_return_routed_experts") is True
+    for row in rows:  # one mini-batch: the update's forward routes with the weights vLLM sampled with
+        assert row["moe/route_agreement"] >= 0.99, row["moe/route_agreement"]
+
+
+def test_a_vllm_build_that_cannot_return_routes_refuses_in_one_sentence(standin, tmp_path):
+    standin("cpu")
+    trainer = _trainer(tmp_path)
+    with pytest.raises(UserError, match=r"router_replay=R3 needs vLLM to return .*this vLLM build refused "
+                                        r"\(AuxOutput Connector requires Model Runner V2"):
+        trainer.setup()
+    trainer.close()
