@@ -90,6 +90,7 @@ def _dry_run(config_path, overrides: list[str]) -> int:
             print(f"  on this machine, a run would stop: {too_many}")
     for missing in missing_files(cfg):
         print(f"  to provide before training: {missing}")
+    _check_sequence_parallel_heads(cfg)
     if t.device_memory_gb is not None:  # the cluster the recipe is planned for: its memory plan (portagrpo plan)
         from portagrpo.tools.plan import describe, plan_config, refusal
 
@@ -188,6 +189,24 @@ def cmd_train(args) -> int:
     if main_rank:
         _summary(history, trainer.run_dir, time.time() - start)
     return 0
+
+
+def _check_sequence_parallel_heads(cfg) -> None:
+    """actor.ulysses_sequence_parallel_size against the model's heads, read from its config.json (or the shape of the
+    model of that name portagrpo ships) before a run: the same sentence the run would stop with."""
+    sp = cfg.actor.ulysses_sequence_parallel_size
+    if sp <= 1:
+        return
+    from portagrpo.model.ulysses import check_heads
+    from portagrpo.tools.plan import model_shape
+
+    try:
+        shape = model_shape(cfg)[0]
+    except UserError:  # no config.json here and no shipped shape: the run checks it once the model is there
+        return
+    problem = check_heads(shape.heads, shape.kv_heads, sp)
+    if problem:
+        raise UserError(problem)
 
 
 def _refuse_unfitting_plan(cfg) -> None:

@@ -156,3 +156,12 @@ def test_what_the_plan_cannot_know_is_one_sentence(tmp_path):
     cfg = load_config(None, [f"model.path={local}", "trainer.device_memory_gb=80"], check_files=False)
     p, source = plan_config(cfg)
     assert source.endswith("config.json") and p.model.params / 1e9 == pytest.approx(0.494, rel=0.01)
+
+
+def test_dry_run_checks_the_sequence_parallel_size_against_the_models_heads(capsys):
+    """Qwen2.5-7B has 28 query and 4 key/value heads: SP=4 splits them (the long-trace recipe), SP=8 cannot."""
+    recipe = ROOT / "configs" / "qwen2.5-7b-longcot-cuda.yaml"
+    assert main(["train", "--config", str(recipe), "--dry-run"]) == 0
+    capsys.readouterr()
+    assert main(["train", "--config", str(recipe), "--dry-run", "actor.ulysses_sequence_parallel_size=8"]) == 2
+    assert "must divide the model's 28 attention heads" in capsys.readouterr().err
