@@ -1,4 +1,4 @@
-"""A tiny Qwen3-MoE through the CLI on one process with router replay R3 (hf engine): the sampler's and trainer's
+"""A tiny Qwen3-MoE and a tiny Qwen2-MoE (its shared expert besides the routed ones) through the CLI on one process with router replay R3 (hf engine): the sampler's and trainer's
 log-probs agree to fp32 rounding every step and the route agreement is logged; a resume repeats the run exactly; the
 recorded rollouts carry their routes and `portagrpo replay` repeats the run exactly; the exported checkpoint loads in
 plain transformers with the experts of the trained policy."""
@@ -12,18 +12,21 @@ from portagrpo.metrics import MEASURED_KEYS, read_metrics
 
 FAST = ["trainer.progress_bar=false", "trainer.plot=false", "trainer.tensorboard=false", "data.train_batch_size=4",
         "rollout.n=4", "actor.ppo_mini_batch_size=8", "actor.micro_batch_size=4", "data.train_size=32",
-        "data.max_response_length=12", "trainer.test_freq=0", "model.tiny.moe=qwen3_moe", "actor.router_replay=R3"]
+        "data.max_response_length=12", "trainer.test_freq=0", "actor.router_replay=R3"]
+CLASSES = {"qwen3_moe": "Qwen3MoeForCausalLM", "qwen2_moe": "Qwen2MoeForCausalLM"}
 
 
-@pytest.fixture(scope="module")
-def run(tmp_path_factory):
-    out = tmp_path_factory.mktemp("moe") / "run"
+@pytest.fixture(scope="module", params=sorted(CLASSES, reverse=True))
+def run(tmp_path_factory, request):
+    out = tmp_path_factory.mktemp(request.param) / "run"
+    family = f"model.tiny.moe={request.param}"
     assert main(["train", "--output-dir", str(out), "trainer.total_steps=2", "trainer.save_freq=1",
-                 "trainer.record_rollouts=true", *FAST]) == 0
-    return out
+                 "trainer.record_rollouts=true", *FAST, family]) == 0
+    return out, family
 
 
 def test_r3_keeps_sampler_and_trainer_equal_and_logs_the_route_agreement(run):
+    run, _ = run
     rows = read_metrics(run / "metrics.jsonl")
     assert [r["step"] for r in rows] == [1, 2]
     for r in rows:
@@ -38,10 +41,12 @@ def test_r3_keeps_sampler_and_trainer_equal_and_logs_the_route_agreement(run):
 
 
 def test_resume_continues_exactly(run, tmp_path):
+    run, family = run
     part = tmp_path / "part"
-    assert main(["train", "--output-dir", str(part), "trainer.total_steps=1", "trainer.save_freq=1", *FAST]) == 0
+    assert main(["train", "--output-dir", str(part), "trainer.total_steps=1", "trainer.save_freq=1", *FAST,
+                 family]) == 0
     assert main(["train", "--output-dir", str(part), "--resume", str(part), "trainer.total_steps=2",
-                 "trainer.save_freq=1", *FAST]) == 0
+                 "trainer.save_freq=1", *FAST, family]) == 0
     want, got = read_metrics(run / "metrics.jsonl"), read_metrics(part / "metrics.jsonl")
     for a, b in zip(want, got):
         assert {k: v for k, v in a.items() if k not in MEASURED_KEYS} == \
@@ -49,6 +54,7 @@ def test_resume_continues_exactly(run, tmp_path):
 
 
 def test_replay_of_an_r3_run_is_exact(run, tmp_path, capsys):
+    run, _ = run
     out = tmp_path / "replay"
     assert main(["replay", str(run), "--device", "cpu", "--output-dir", str(out)]) == 0
     assert "replay matches the recorded run" in capsys.readouterr().out
@@ -63,10 +69,11 @@ def test_export_loads_in_plain_transformers(run, tmp_path):
     from safetensors.torch import load_file
     from transformers import AutoModelForCausalLM
 
+    run, family = run
     out = tmp_path / "export"
     assert main(["export", str(run), "--output", str(out)]) == 0
     model = AutoModelForCausalLM.from_pretrained(out, local_files_only=True)
-    assert type(model).__name__ == "Qwen3MoeForCausalLM"
+    assert type(model).__name__ == CLASSES[family.split("=")[1]]
     saved = {}
     for f in out.glob("*.safetensors"):
         saved.update(load_file(str(f)))
