@@ -1,5 +1,5 @@
 """Run in a subprocess by tests/emulated/test_moe_devices.py on the simulated Ascend (--device npu) or the emulated
-device (--device emu): the MoE parity stage with the backend's expert ops, counting the vendor top-k's calls, then a
+device (--device emu): the MoE parity stage with the backend's expert ops in fp32 and bf16, counting the vendor top-k's calls, then a
 2-step R3 run on 2 ranks (FSDP2 on npu, DDP on emu) whose sampler and trainer log-probs agree. Prints one JSON line."""
 import json
 import sys
@@ -24,8 +24,9 @@ def main() -> None:
             return select(logits, k)
         backend.moe_topk = lambda: counted
     errors = {}
-    for dtype in ("fp32",):
-        setting = parity.Setting(backend.device(0), dtype, "chunked", lambda: backend.autocast(torch.float32),
+    for dtype in ("fp32", "bf16"):
+        tdtype = parity.DTYPES[dtype]
+        setting = parity.Setting(backend.device(0), dtype, "chunked", lambda: backend.autocast(tdtype),
                                  backend.spec.moe_experts, backend.moe_topk())
         got = parity_moe.moe_stages(parity.load_fixture(parity_moe.SCENARIO_FILE), setting, parity.OBJECTIVE,
                                     parity.TEMPERATURE)

@@ -1,6 +1,6 @@
 """A mixture-of-experts policy off the CPU: on the simulated Ascend (--device npu) its routers pick experts through
 torch_npu's npu_moe_gating_top_k_softmax (the stand-in's semantics as documented) and its experts run eagerly; on the
-emulated device likewise eagerly. Both: the MoE parity stage within fp32 tolerance, and an R3 run on 2 ranks (FSDP2 on
+emulated device likewise eagerly. Both: the MoE parity stage within the fp32 and bf16 tolerances, and an R3 run on 2 ranks (FSDP2 on
 the simulated Ascend, DDP on emu) whose sampler and trainer log-probs agree to fp32 rounding."""
 import json
 import subprocess
@@ -12,7 +12,7 @@ import torch
 from npu_sim_env import npu_sim_env
 
 from portagrpo.tolerances import tolerance
-from portagrpo.tools import parity_moe
+from portagrpo.tools import parity, parity_moe
 
 HERE = Path(__file__).resolve().parent
 pytestmark = pytest.mark.skipif(parity_moe.moe_unavailable() is not None, reason=str(parity_moe.moe_unavailable()))
@@ -26,8 +26,10 @@ def _check(device: str, env: dict) -> dict:
 
 
 def _assert_agrees(out: dict) -> None:
+    assert {stage.split(":")[0] for stage in out["errors"]} == {"fp32", "bf16"}
     for stage, error in out["errors"].items():
-        assert error <= tolerance(torch.float32, parity_moe.QUANTITY[stage.split(":")[1]]), (stage, error)
+        dtype, name = stage.split(":")
+        assert error <= tolerance(parity.DTYPES[dtype], parity_moe.QUANTITY[name]), (stage, error)
     assert out["rc"] == 0 and all(abs(kl) < 1e-6 for kl in out["kl"]), out["kl"]
     assert all(0.5 < a <= 1.0 for a in out["agreement"])
 
