@@ -1,11 +1,9 @@
 """Run in a subprocess by tests/emulated/test_moe_devices.py on the simulated Ascend (--device npu) or the emulated
-device (--device emu): the MoE parity stage with the backend's expert ops in fp32 and bf16, counting the vendor top-k's calls, then a
-2-step R3 run on 2 ranks (FSDP2 on npu, DDP on emu) whose sampler and trainer log-probs agree. Prints one JSON line."""
+device (--device emu): the MoE parity stage with the backend's expert ops in fp32 and bf16,
+counting the vendor top-k's calls, then a 2-step R3 run on 2 ranks (FSDP2 on npu, DDP on emu) whose sampler and trainer log-probs agree. Prints one JSON line."""
 import json
 import sys
 import tempfile
-
-import torch
 
 from portagrpo.backends import get_backend
 from portagrpo.tolerances import relative_error
@@ -26,7 +24,7 @@ def main() -> None:
     errors = {}
     for dtype in ("fp32", "bf16"):
         tdtype = parity.DTYPES[dtype]
-        setting = parity.Setting(backend.device(0), dtype, "chunked", lambda: backend.autocast(tdtype),
+        setting = parity.Setting(backend.device(0), dtype, "chunked", lambda t=tdtype: backend.autocast(t),
                                  backend.spec.moe_experts, backend.moe_topk())
         got = parity_moe.moe_stages(parity.load_fixture(parity_moe.SCENARIO_FILE), setting, parity.OBJECTIVE,
                                     parity.TEMPERATURE)
