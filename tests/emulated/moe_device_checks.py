@@ -1,6 +1,7 @@
 """Run in a subprocess by tests/emulated/test_moe_devices.py on the simulated Ascend (--device npu) or the emulated
-device (--device emu): the MoE parity stage with the backend's expert ops in fp32 and bf16,
-counting the vendor top-k's calls, then a 2-step R3 run on 2 ranks (FSDP2 on npu, DDP on emu) whose sampler and trainer log-probs agree. Prints one JSON line."""
+device (--device emu): the MoE parity stage with the backend's expert ops in fp32 and bf16, counting the vendor
+top-k's calls, then a 2-step R3 run on 2 ranks (FSDP2 on npu, DDP on emu) whose sampler and trainer log-probs agree.
+Prints one JSON line."""
 import json
 import sys
 import tempfile

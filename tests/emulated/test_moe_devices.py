@@ -1,7 +1,7 @@
 """A mixture-of-experts policy off the CPU: on the simulated Ascend (--device npu) its routers pick experts through
-torch_npu's npu_moe_gating_top_k_softmax (the stand-in's semantics as documented) and its experts run eagerly; on the
-emulated device likewise eagerly. Both: the MoE parity stage within the fp32 and bf16 tolerances,
-and an R3 run on 2 ranks (FSDP2 on the simulated Ascend, DDP on emu) whose sampler and trainer log-probs agree to fp32 rounding."""
+torch_npu's npu_moe_gating_top_k_softmax (the stand-in's semantics as documented) and its experts run eagerly; on
+the emulated device likewise eagerly. Both: the MoE parity stage within the fp32 and bf16 tolerances, and an R3 run
+on 2 ranks (FSDP2 on the simulated Ascend, DDP on emu) whose sampler and trainer log-probs agree to fp32 rounding."""
 import json
 import subprocess
 import sys

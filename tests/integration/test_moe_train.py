@@ -1,7 +1,8 @@
-"""A tiny Qwen3-MoE and a tiny Qwen2-MoE (its shared expert besides the routed ones) through the CLI on one process with router replay R3 (hf engine): the sampler's and trainer's
-log-probs agree to fp32 rounding every step and the route agreement is logged; a resume repeats the run exactly; the
-recorded rollouts carry their routes and `portagrpo replay` repeats the run exactly; the exported checkpoint loads in
-plain transformers with the experts of the trained policy."""
+"""A tiny Qwen3-MoE and a tiny Qwen2-MoE (its shared expert besides the routed ones) through the CLI on one process
+with router replay R3 (hf engine): the sampler's and trainer's log-probs agree to fp32 rounding every step and the
+route agreement is logged; a resume repeats the run exactly; the recorded rollouts carry their routes and `portagrpo
+replay` repeats the run exactly; the exported checkpoint loads in plain transformers with the experts of the trained
+policy."""
 import json
 
 import pytest
