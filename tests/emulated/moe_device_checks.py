@@ -32,18 +32,25 @@ def main() -> None:
         golden = parity.load_fixture(parity_moe.GOLDEN_FILE)
         errors.update({f"{dtype}:{k}": relative_error(v.detach().double().cpu(), golden[k]) for k, v in got.items()})
     from portagrpo.cli import main as cli
+    from portagrpo.metrics import MEASURED_KEYS
 
-    with tempfile.TemporaryDirectory() as run:
-        parallel = "fsdp2" if device == "npu" else "ddp"  # 2 ranks: FSDP2 on the simulated Ascend, DDP on emu
-        rc = cli(["train", "--device", device, "--output-dir", run, "trainer.nproc_per_node=2",
-                  f"trainer.parallel={parallel}", "trainer.progress_bar=false", "trainer.plot=false",
-                  "trainer.tensorboard=false", "data.train_batch_size=2", "rollout.n=2", "data.train_size=8",
-                  "actor.ppo_mini_batch_size=4", "trainer.total_steps=2", "trainer.test_freq=0", "trainer.save_freq=0",
-                  "data.max_response_length=8", "model.tiny.moe=qwen3_moe", "actor.router_replay=R3"])
+    parallel = "fsdp2" if device == "npu" else "ddp"  # 2 ranks: FSDP2 on the simulated Ascend, DDP on emu
+    args = ["--device", device, "trainer.nproc_per_node=2", f"trainer.parallel={parallel}",
+            "trainer.progress_bar=false", "trainer.plot=false", "trainer.tensorboard=false", "data.train_batch_size=2", "rollout.n=2",
+            "data.train_size=8", "actor.ppo_mini_batch_size=4", "trainer.test_freq=0", "trainer.save_freq=1",
+            "data.max_response_length=8", "model.tiny.moe=qwen3_moe", "actor.router_replay=R3"]
+    with tempfile.TemporaryDirectory() as run, tempfile.TemporaryDirectory() as part:
+        rc = cli(["train", "--output-dir", run, "trainer.total_steps=2", *args])
         rows = [json.loads(line) for line in open(f"{run}/metrics.jsonl")]
-    print(json.dumps({"calls": calls[0], "experts": backend.spec.moe_experts, "errors": errors, "rc": rc,
-                      "kl": [r["rollout_corr/kl"] for r in rows],
-                      "agreement": [r["moe/route_agreement"] for r in rows]}))
+        # a checkpoint of step 1 (the sharded experts under FSDP2), resumed: step 2 repeats exactly
+        rc_part = cli(["train", "--output-dir", part, "trainer.total_steps=1", *args])
+        rc_resume = cli(["train", "--output-dir", part, "--resume", part, "trainer.total_steps=2", *args])
+        again = [json.loads(line) for line in open(f"{part}/metrics.jsonl")]
+        resumed = [k for k, v in rows[-1].items() if k not in MEASURED_KEYS and again[-1].get(k) != v]
+    print(json.dumps({"calls": calls[0], "experts": backend.spec.moe_experts, "errors": errors,
+                      "rc": rc or rc_part or rc_resume, "kl": [r["rollout_corr/kl"] for r in rows],
+                      "agreement": [r["moe/route_agreement"] for r in rows], "steps_again": [r["step"] for r in again],
+                      "resume_differs": resumed}))
 
 
 if __name__ == "__main__":

@@ -1,7 +1,8 @@
 """A mixture-of-experts policy off the CPU: on the simulated Ascend (--device npu) its routers pick experts through
 torch_npu's npu_moe_gating_top_k_softmax (the stand-in's semantics as documented) and its experts run eagerly; on
 the emulated device likewise eagerly. Both: the MoE parity stage within the fp32 and bf16 tolerances, and an R3 run
-on 2 ranks (FSDP2 on the simulated Ascend, DDP on emu) whose sampler and trainer log-probs agree to fp32 rounding."""
+on 2 ranks (FSDP2 on the simulated Ascend, DDP on emu) whose sampler and trainer log-probs agree to fp32 rounding,
+and whose checkpoint of step 1 resumes to the same step 2."""
 import json
 import subprocess
 import sys
@@ -32,6 +33,7 @@ def _assert_agrees(out: dict) -> None:
         assert error <= tolerance(parity.DTYPES[dtype], parity_moe.QUANTITY[name]), (stage, error)
     assert out["rc"] == 0 and all(abs(kl) < 1e-6 for kl in out["kl"]), out["kl"]
     assert all(0.5 < a <= 1.0 for a in out["agreement"])
+    assert out["steps_again"] == [1, 2] and out["resume_differs"] == [], out["resume_differs"]  # resumed exactly
 
 
 def test_simulated_ascend_picks_experts_with_the_vendor_op(tmp_path):
