@@ -37,7 +37,8 @@ def main() -> None:
     parallel = "fsdp2" if device == "npu" else "ddp"  # 2 ranks: FSDP2 on the simulated Ascend, DDP on emu
     args = ["--device", device, "trainer.nproc_per_node=2", f"trainer.parallel={parallel}",
             "trainer.progress_bar=false", "trainer.plot=false", "trainer.tensorboard=false", "data.train_batch_size=2",
-            "rollout.n=2", "data.train_size=8", "actor.ppo_mini_batch_size=4", "trainer.test_freq=0", "trainer.save_freq=1",
+            "rollout.n=2", "data.train_size=8", "actor.ppo_mini_batch_size=4", "trainer.test_freq=0",
+            "trainer.save_freq=1",
             "data.max_response_length=8", "model.tiny.moe=qwen3_moe", "actor.router_replay=R3"]
     with tempfile.TemporaryDirectory() as run, tempfile.TemporaryDirectory() as part:
         rc = cli(["train", "--output-dir", run, "trainer.total_steps=2", *args])
