@@ -57,16 +57,14 @@ def _nz_off(version: str) -> tuple[dict[str, str], dict[str, Any]]:
     return {"VLLM_ASCEND_ENABLE_NZ": "0"}, {"weight_nz_mode": 0}
 
 
-def _engine_extra(world_size: int, vision, fp8: bool, routes: bool) -> dict[str, Any]:
+def _engine_extra(world_size: int, vision, fp8: bool) -> dict[str, Any]:
     """`vllm.LLM` arguments beyond the common ones: dummy weights until the first push, the external launcher on
-    several ranks, images without videos, FP8, routed experts (R3)."""
+    several ranks, images without videos, FP8."""
     extra: dict[str, Any] = {"load_format": "dummy"}
     if world_size > 1:
         extra["distributed_executor_backend"] = "external_launcher"
     if vision is not None:  # prompts carry images, never videos: vLLM profiles no video input (no video processor)
         extra["limit_mm_per_prompt"] = {"video": 0}
-    if routes:
-        extra["enable_return_routed_experts"] = True
     if fp8:
         from portagrpo.rollout.fp8 import QUANTIZATION_CONFIG
 
@@ -268,7 +266,7 @@ class VLLMRollout:
         tied = bool(getattr(config, "tie_word_embeddings", False))
         from portagrpo.model.moe import moe_decoder_indices, moe_layers
 
-        r3 = s.router_replay == "R3" and bool(moe_layers(inputs.policy))
+        moe = bool(moe_layers(inputs.policy))
         return cls(inputs.scorer, inputs.tokenizer, inputs.autocast, inputs.generate_kwargs,
                    model_path=model_path, dtype=s.vllm_dtype, vision=vision,
                    seed=s.seed + 7919 * group,  # one per engine: vLLM needs a TP group's ranks seeded alike
@@ -281,8 +279,8 @@ class VLLMRollout:
                    reseed=inputs.backend.seed, sleep_mode=inputs.backend.spec.vllm_sleep_mode,
                    env=dict(inputs.backend.spec.vllm_env),
                    weights=PolicyWeights(inputs.scorer, inputs.policy, lora=s.lora, tied=tied),
-                   route_layers=moe_decoder_indices(inputs.policy) if r3 else None,
-                   top_k=moe_layers(inputs.policy)[0].top_k if r3 else 0)
+                   route_layers=moe_decoder_indices(inputs.policy) if moe else None,
+                   top_k=moe_layers(inputs.policy)[0].top_k if moe else 0, routes_required=s.router_replay == "R3")
 
     def __init__(self, model, tokenizer, autocast, generate_kwargs: dict | None = None, *, model_path: str,
                  dtype: str = "bfloat16", seed: int = 0, gpu_memory_utilization: float = 0.5,
@@ -292,7 +290,7 @@ class VLLMRollout:
                  fp8: bool = False, reseed: Callable[[int], None] | None = None,
                  weights: Callable[[], Any] | None = None, sleep_mode: bool = True,
                  env: dict[str, str] | None = None, vision: VisionSpec | None = None,
-                 route_layers: list[int] | None = None, top_k: int = 0) -> None:
+                 route_layers: list[int] | None = None, top_k: int = 0, routes_required: bool = False) -> None:
         vllm, self._tokens_prompt = _import_vllm()
         plugin_env, additional = check_versions(plugin)
         if fp8:
@@ -319,36 +317,40 @@ class VLLMRollout:
         # built from dummy weights, which the first sleep discards anyway: the trainer pushes the policy before
         # the first rollout (and a generate without weights reloads them from `weights`)
         self.needs_weights = True
-        # R3: the experts vLLM routed each token to, per decoder layer (read at the MoE layers' indices)
-        self.route_layers, self.top_k = route_layers, top_k
-        extra = _engine_extra(world_size, vision, fp8, route_layers is not None)
+        # a MoE policy: the experts vLLM routed each token to, per decoder layer (read at the MoE layers' indices), for
+        # R3 (required: a build that cannot return them refuses the run) or for moe/route_agreement (where it can)
+        self.route_layers, self.top_k, self.routes_required = route_layers, top_k, routes_required
+        extra = _engine_extra(world_size, vision, fp8)
         # on vLLM's CPU build: every GEMM keeps its weight, small ones compute on it (CpuGemmWeights); else a no-op
         self._gemm_dispatch = (lambda: contextlib.nullcontext()) if fp8 else CpuGemmWeights.building
-        with _process_state_kept(), self._gemm_dispatch(), self._routes_refusal():
-            self.llm = vllm.LLM(model=model_path, tokenizer=model_path, dtype=dtype, seed=seed,
-                                gpu_memory_utilization=gpu_memory_utilization, enable_sleep_mode=sleep_mode,
-                                max_model_len=max_model_len, tensor_parallel_size=self.tp.size,
-                                generation_config="vllm", logprobs_mode=LOGPROBS_MODE,
-                                **extra,  # generation_config="vllm": no sampling defaults from the model's file
-                                **({"additional_config": additional} if additional else {}))
+        common = dict(model=model_path, tokenizer=model_path, dtype=dtype, seed=seed,
+                      gpu_memory_utilization=gpu_memory_utilization, enable_sleep_mode=sleep_mode,
+                      max_model_len=max_model_len, tensor_parallel_size=self.tp.size,
+                      generation_config="vllm",  # no sampling defaults from the model's file
+                      logprobs_mode=LOGPROBS_MODE, **extra, **({"additional_config": additional} if additional else {}))
+        with _process_state_kept(), self._gemm_dispatch():
+            self.llm = self._build_llm(vllm, common)
         check_encoder_cache_reset(self.llm, vision, sleep_mode)
         self.state = SleepState()
         self.held = False  # inside `turns()`: generates leave the engine awake
         self.in_place = None if fp8 else CpuGemmWeights.of(self._model)  # vLLM's CPU build
         self._sleep()  # hand the memory to training until the first rollout
 
-    @contextlib.contextmanager
-    def _routes_refusal(self):
-        """A vLLM build that cannot return routed experts refuses while the engine is built: one sentence."""
+    def _build_llm(self, vllm, common: dict[str, Any]):
+        """The engine, asked for its routed experts where the policy is a MoE. A build that cannot return them refuses
+        while its config is checked (before any weight is read): for R3 that is the run's refusal, in one sentence;
+        otherwise the engine is built without them and no route agreement is logged."""
         if self.route_layers is None:
-            yield
-            return
+            return vllm.LLM(**common)
         try:
-            yield
+            return vllm.LLM(**common, enable_return_routed_experts=True)
         except (TypeError, ValueError, NotImplementedError, RuntimeError, AssertionError, ImportError) as err:
-            from portagrpo.model.moe import vllm_routes_refused
+            if self.routes_required:
+                from portagrpo.model.moe import vllm_routes_refused
 
-            raise vllm_routes_refused(err) from err
+                raise vllm_routes_refused(err) from err
+        self.route_layers = None
+        return vllm.LLM(**common)
 
     def _sleep(self) -> None:
         if not self.sleep_mode or self.state.asleep:  # vLLM ignores a sleep while any pool sleeps

@@ -42,7 +42,8 @@ def standin(monkeypatch):
                 return backend
 
             monkeypatch.setitem(BACKENDS.mapping, "cpu", build)
-        else:
+        else:  # the CPU backend as it is (vLLM's CPU build: no sleep mode)
+            monkeypatch.setitem(BACKENDS.mapping, "cpu", cpu.CPUBackend)
             monkeypatch.setenv("VLLM_CPU_KVCACHE_SPACE", "")
 
     threads = torch.get_num_threads()
@@ -50,11 +51,19 @@ def standin(monkeypatch):
     torch.set_num_threads(threads)
 
 
-def _trainer(tmp_path):
+def _trainer(tmp_path, *extra: str):
     from portagrpo.config import load_config
     from portagrpo.train import Trainer
 
-    return Trainer(load_config(None, RUN), run_dir=tmp_path / "run", log=lambda m: None)
+    return Trainer(load_config(None, [*RUN, *extra]), run_dir=tmp_path / "run", log=lambda m: None)
+
+
+def _two_steps(trainer) -> list[dict]:
+    trainer.setup()
+    try:
+        return [trainer.step().metrics.row() for _ in range(2)]
+    finally:
+        trainer.close()
 
 
 def test_r3_replays_the_experts_vllm_routed_each_token_to(standin, tmp_path):
@@ -70,7 +79,20 @@ def test_r3_replays_the_experts_vllm_routed_each_token_to(standin, tmp_path):
         assert row["moe/route_agreement"] >= 0.99, row["moe/route_agreement"]
 
 
-def test_a_vllm_build_that_cannot_return_routes_refuses_in_one_sentence(standin, tmp_path):
+def test_without_replay_the_route_agreement_is_logged_where_the_build_returns_routes(standin, tmp_path):
+    """Router replay off: a build that returns its routes gives moe/route_agreement (the trainer's live routes against
+    vLLM's, nothing replayed); the CPU build cannot, and the run trains without the metric instead of stopping."""
+    standin("cuda")
+    rows = _two_steps(_trainer(tmp_path / "gpu", "actor.router_replay=null"))
+    assert FakeLLM.instances[-1].kwargs.get("enable_return_routed_experts") is True
+    assert all(row["moe/route_agreement"] >= 0.99 for row in rows)
+    standin("cpu")
+    rows = _two_steps(_trainer(tmp_path / "cpu", "actor.router_replay=null"))
+    assert "enable_return_routed_experts" not in FakeLLM.instances[-1].kwargs  # built again without asking
+    assert all("moe/route_agreement" not in row for row in rows) and len(rows) == 2
+
+
+def test_a_vllm_build_that_cannot_return_routes_refuses_r3_in_one_sentence(standin, tmp_path):
     standin("cpu")
     trainer = _trainer(tmp_path)
     with pytest.raises(UserError, match=r"router_replay=R3 needs vLLM to return .*this vLLM build refused "

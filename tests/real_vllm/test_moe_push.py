@@ -95,5 +95,15 @@ def test_r3_is_refused_with_vllms_own_reason_on_its_cpu_build(moe_dir, tokenizer
     with pytest.raises(UserError, match=r"router_replay=R3 needs vLLM to return .* this vLLM build refused "
                                         r"\(AuxOutput Connector requires Model Runner V2") as err:
         VLLMRollout(None, tokenizer, None, model_path=str(moe_dir), dtype="float32", max_model_len=256,
-                    tied_embeddings=True, sleep_mode=False, route_layers=[0, 1], top_k=2)
+                    tied_embeddings=True, sleep_mode=False, route_layers=[0, 1], top_k=2, routes_required=True)
     assert "\n" not in str(err.value)
+
+
+def test_without_replay_the_cpu_build_is_built_again_without_routes(moe_dir, tokenizer):
+    """Router replay off: the engine asks for routed experts (for moe/route_agreement) and, refused by the CPU build,
+    builds the engine without them; the run goes on with no route agreement to log."""
+    from portagrpo.rollout.vllm import VLLMRollout
+
+    engine = VLLMRollout(None, tokenizer, None, model_path=str(moe_dir), dtype="float32", max_model_len=256,
+                         tied_embeddings=True, sleep_mode=False, route_layers=[0, 1], top_k=2)
+    assert engine.route_layers is None and engine.llm is not None
