@@ -216,7 +216,7 @@ def merge_raw(config_path: str | Path | None, overrides: list[str] | None, notic
     is appended there and skipped, so every problem is reported at once; without one it raises."""
     from portagrpo.config.roll import is_roll
     from portagrpo.config.roll import translate as translate_roll
-    from portagrpo.config.verl import translate
+    from portagrpo.config.verl import expert_parallel_refusal, translate
 
     found: list[str] = []
     raw: dict = read_yaml(config_path) if config_path else {}
@@ -236,8 +236,8 @@ def merge_raw(config_path: str | Path | None, overrides: list[str] | None, notic
             continue
         pairs.append((".".join(path), value))
     pairs, verl_notices, rejected = translate(pairs)
-    found += [f"verl key {k} has no portagrpo equivalent; remove it (docs/config.md lists the verl keys portagrpo "
-              f"accepts)." for k in rejected]
+    found += [expert_parallel_refusal(k) or f"verl key {k} has no portagrpo equivalent; remove it (docs/config.md "
+              f"lists the verl keys portagrpo accepts)." for k in rejected]
     if notices is not None:
         notices.extend(verl_notices)
     mini_prompts = roll_mini = None

@@ -142,6 +142,16 @@ GLOBAL_MICRO = {AR + "actor.ppo_micro_batch_size": "actor.micro_batch_size",
                 AR + "ref.log_prob_micro_batch_size": "actor.logprob_micro_batch_size"}
 
 
+def expert_parallel_refusal(key: str) -> str | None:
+    """verl's expert-parallel keys (the trainer's `expert_model_parallel_size`, the rollout's
+    `expert_parallel_size` or `enable_expert_parallel`), refused in one sentence that says why; None for another key."""
+    if not any(part in key for part in ("expert_model_parallel", "expert_parallel", "expert_tensor_parallel")):
+        return None
+    return (f"verl key {key}: portagrpo has no expert parallelism (FSDP2 shards every expert's tensors over the "
+            f"ranks and gathers one MoE layer at a time); remove it, and `portagrpo plan` says whether the model fits "
+            f"without it.")
+
+
 def translate(pairs: list[tuple[str, Any]]) -> tuple[list[tuple[str, Any]], list[str], list[str]]:
     """verl (key, value) pairs -> portagrpo pairs, notices, and rejected keys. Non-verl pairs pass through."""
     out, notices, rejected = [], [], []

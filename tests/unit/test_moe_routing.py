@@ -278,3 +278,13 @@ def test_r3_with_multi_turn_is_refused_by_the_config():
 
     with pytest.raises(UserError, match="multi-turn rollout does not carry"):
         load_config(None, ["actor.router_replay=R3", "rollout.multi_turn.enable=true"], check_files=False)
+
+
+@pytest.mark.parametrize("key", ["actor_rollout_ref.actor.megatron.expert_model_parallel_size=4",
+                                 "actor_rollout_ref.rollout.expert_parallel_size=8",
+                                 "actor_rollout_ref.rollout.enable_expert_parallel=true"])
+def test_verls_expert_parallel_keys_are_refused_naming_expert_parallelism(key):
+    from portagrpo.config import load_config
+
+    with pytest.raises(UserError, match="portagrpo has no expert parallelism .* `portagrpo plan`"):
+        load_config(None, [key], check_files=False)
