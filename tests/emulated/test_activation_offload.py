@@ -32,3 +32,23 @@ def test_activation_offload_lowers_the_update_peak_and_changes_no_number(tmp_pat
                                                                           off["mem/update_peak_gb"])
     for key in ("loss_policy", "grad_norm", "kl", "entropy"):
         assert on[key] == pytest.approx(off[key], rel=1e-6, abs=1e-9), key
+
+
+def test_offload_with_checkpointing_under_fsdp2_and_sequence_parallelism(tmp_path):
+    """The long-trace recipes' combination on 2 emulated ranks: FSDP2, a Ulysses group of 2, checkpointed layers and
+    activation offload: the same numbers as without offload, and a lower update peak."""
+    extra = ["trainer.nproc_per_node=2", "trainer.parallel=fsdp2", "actor.ulysses_sequence_parallel_size=2"]
+
+    def run(name: str, offload: bool) -> dict:
+        out = tmp_path / name
+        cmd = [sys.executable, "-m", "portagrpo", "train", "--device", "emu", "--output-dir", str(out), *RUN, *extra,
+               "model.gradient_checkpointing=true", f"model.enable_activation_offload={str(offload).lower()}"]
+        res = subprocess.run(cmd, env={**ENV, "PORTAGRPO_EMU_DEVICES": "1"}, capture_output=True, text=True,
+                             timeout=900, cwd=tmp_path)
+        assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
+        return json.loads((out / "metrics.jsonl").read_text().splitlines()[0])
+
+    on, off = run("on", True), run("off", False)
+    assert on["mem/update_peak_gb"] < off["mem/update_peak_gb"], (on["mem/update_peak_gb"], off["mem/update_peak_gb"])
+    for key in ("loss_policy", "grad_norm", "kl", "entropy"):
+        assert on[key] == pytest.approx(off[key], rel=1e-6, abs=1e-9), key
