@@ -39,8 +39,8 @@ from .moe import npu_moe_gating_top_k_softmax as _moe_gating_top_k_softmax  # no
 SIMULATED = True  # what portagrpo's docs and reports may read to say "simulation", never "hardware"
 __version__ = "0.0.0+simulated"
 
-npu_fusion_attention = on_npu_only(_fusion_attention)
-npu_moe_gating_top_k_softmax = on_npu_only(_moe_gating_top_k_softmax)
+npu_fusion_attention = on_npu_only(_fusion_attention, ("query", "key", "value", "pse", "padding_mask", "atten_mask"))
+npu_moe_gating_top_k_softmax = on_npu_only(_moe_gating_top_k_softmax, ("x", "finished"))
 npu = NpuModule()
 _device.install("npu", module=npu, count=sim_device_count())
 _collectives.register("hccl", "npu", payload=lambda t: t._inner, refuse=_hccl.refuse)

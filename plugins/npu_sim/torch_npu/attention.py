@@ -276,15 +276,18 @@ def _varlen(query, key, value, head_num, atten_mask, scale, keep_prob, actual_se
     return (out[0].transpose(0, 1), softmax_max[0].transpose(0, 1), softmax_sum[0].transpose(0, 1), reserved, 0, 0, 0)
 
 
-def on_npu_only(op):
-    """The op as the installed stand-in exports it: a tensor argument not on the NPU is refused first, as the
-    wrapper's format_trans does (TORCH_CHECK(is_npu(t), "only npu tensor is supported"))."""
+def on_npu_only(op, tensors: tuple[str, ...]):
+    """The op as the installed stand-in exports it: a tensor input (`tensors`, the op schema's Tensor arguments) not on
+    the NPU is refused first, as the wrapper's format_trans does (TORCH_CHECK(is_npu(t), "only npu tensor is
+    supported")). Arguments of other types (npu_fusion_attention's int[] cumulative lengths) are not tensor inputs:
+    a tensor given there fails the op's own argument check instead."""
     signature = inspect.signature(op)
 
     @functools.wraps(op)
     def checked(*args, **kwargs):
         given = signature.bind(*args, **kwargs).arguments
-        for name, t in given.items():  # the op's tensor inputs
+        for name in tensors:
+            t = given.get(name)
             if torch.is_tensor(t) and t.device.type != "npu":
                 raise RuntimeError(f"{op.__name__}: only npu tensor is supported, {name} is on {t.device}")
         return op(*args, **kwargs)
