@@ -19,9 +19,9 @@ HERE = Path(__file__).resolve().parent
 pytestmark = pytest.mark.skipif(parity_moe.moe_unavailable() is not None, reason=str(parity_moe.moe_unavailable()))
 
 
-def _check(device: str, env: dict) -> dict:
-    res = subprocess.run([sys.executable, str(HERE / "moe_device_checks.py"), device], env=env, capture_output=True,
-                         text=True, timeout=600, cwd=HERE)
+def _check(device: str, env: dict, *strategy: str) -> dict:
+    res = subprocess.run([sys.executable, str(HERE / "moe_device_checks.py"), device, *strategy], env=env,
+                         capture_output=True, text=True, timeout=600, cwd=HERE)
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
     return json.loads(res.stdout.strip().splitlines()[-1])
 
@@ -31,6 +31,10 @@ def _assert_agrees(out: dict) -> None:
     for stage, error in out["errors"].items():
         dtype, name = stage.split(":")
         assert error <= tolerance(parity.DTYPES[dtype], parity_moe.QUANTITY[name]), (stage, error)
+    _assert_trains(out)
+
+
+def _assert_trains(out: dict) -> None:
     assert out["rc"] == 0 and all(abs(kl) < 1e-6 for kl in out["kl"]), out["kl"]
     assert all(0.5 < a <= 1.0 for a in out["agreement"])
     assert out["steps_again"] == [1, 2] and out["resume_differs"] == [], out["resume_differs"]  # resumed exactly
@@ -49,6 +53,16 @@ def test_emulated_device_runs_the_experts_eagerly(tmp_path):
     out = _check("emu", {**os.environ, "OMP_NUM_THREADS": "1"})
     assert out["experts"] == "eager" and out["calls"] == 0
     _assert_agrees(out)
+
+
+@pytest.mark.parametrize("device,strategy", [("npu", "ddp"), ("emu", "fsdp2")])
+def test_the_other_strategy_trains_and_resumes_on_each_device(tmp_path, device, strategy):
+    """DDP on the simulated Ascend and FSDP2 (the experts sharded) on the emulated device: the R3 run at fp32
+    rounding, and its step-1 checkpoint resumed to the same step 2."""
+    import os
+
+    env = npu_sim_env(tmp_path) if device == "npu" else {**os.environ, "OMP_NUM_THREADS": "1"}
+    _assert_trains(_check(device, env, strategy))
 
 
 def test_the_stand_in_op_keeps_the_documented_semantics():
