@@ -164,3 +164,24 @@ def test_the_example_generator_of_docs_design_trains_through_every_stage(tmp_pat
     tails = [p[m.bool()][-4:].tolist() for p, m in zip(rb.prompt_ids, rb.prompt_mask)]
     assert [r[m.bool()].tolist() for r, m in zip(rb.responses, rb.response_mask)] == tails  # each its prompt's tail
     assert rb.rollout_logp is None and row["echo/tokens_mean"] == 4.0 and math.isfinite(row["loss_policy"])
+
+
+@pytest.mark.parametrize("engine", ["hf", "vllm"])
+def test_a_vision_language_policy_in_a_tool_conversation_trains(engine, tmp_path, request):
+    """Images x multi-turn: the conversation generator on the tiny VL policy, each prompt's image carried through the
+    turns, with the calculator's tools; on the hf engine and vLLM (the stand-in)."""
+    if engine == "vllm":
+        request.getfixturevalue("standin_vllm")
+    from portagrpo.config import load_config
+    from portagrpo.train import Trainer
+
+    cfg = [*BASE, *GENERATORS["conversation"], "model.tiny.vision=true", "data.task=colours",
+           f"rollout.engine={engine}", _reward(tmp_path)]
+    trainer = Trainer(load_config(None, cfg), run_dir=tmp_path / "run", log=lambda m: None).setup()
+    try:
+        outs = [trainer.step() for _ in range(2)]
+    finally:
+        trainer.close()
+    for out in outs:
+        assert math.isfinite(out.metrics.row()["loss_policy"]) and "turns_mean" in out.metrics.row()
+        assert out.experience.batch.rollout.images is not None  # the conversations' rows kept their images
