@@ -34,7 +34,7 @@ from portagrpo.rollout.engines import (
 from portagrpo.rollout.vllm_checks import SleepState, check_encoder_cache_reset, check_head_size
 from portagrpo.rollout.vllm_cpu_push import CpuGemmWeights
 from portagrpo.rollout.vllm_images import VisionSpec, check_context, check_expanded, vision_requests, vllm_prompt
-from portagrpo.rollout.vllm_parallel import TensorParallel, _process_state_kept, tp_layout
+from portagrpo.rollout.vllm_parallel import TensorParallel, _process_state_kept, fresh_model_parallel_groups, tp_layout
 from portagrpo.rollout.vllm_sampling import (
     LOGPROBS_MODE,
     raw_is_processed,
@@ -340,6 +340,8 @@ class VLLMRollout:
         """The engine, asked for its routed experts where the policy is a MoE. A build that cannot return them refuses
         while its config is checked (before any weight is read): for R3 that is the run's refusal, in one sentence;
         otherwise the engine is built without them and no route agreement is logged."""
+        single = common.get("distributed_executor_backend") != "external_launcher"
+        fresh_model_parallel_groups(single)
         if self.route_layers is None:
             return vllm.LLM(**common)
         try:
@@ -350,6 +352,7 @@ class VLLMRollout:
 
                 raise vllm_routes_refused(err) from err
         self.route_layers = None
+        fresh_model_parallel_groups(single)
         return vllm.LLM(**common)
 
     def _sleep(self) -> None:

@@ -1,6 +1,7 @@
 """vLLM in the trainer's processes: tensor-parallel groups of consecutive training ranks under vLLM's external
-launcher (`tp_layout`, `TensorParallel`, `group_gather`), and the trainer's process state kept around an engine
-build (`_process_state_kept`)."""
+launcher (`tp_layout`, `TensorParallel`, `group_gather`), the trainer's process state kept around an engine
+build (`_process_state_kept`), and vLLM's per-process groups made again for each engine
+(`fresh_model_parallel_groups`)."""
 from __future__ import annotations
 
 import contextlib
@@ -35,6 +36,22 @@ def tp_layout(size: int, rank: int, world: int, local_world: int, heads: int,
         raise UserError(f"{key} and the model's {kv} key/value heads must divide one another (vLLM splits or "
                         f"replicates them across the group); use a divisor or a multiple of {kv}.")
     return rank // size, rank % size
+
+
+def fresh_model_parallel_groups(single_process: bool) -> None:
+    """Before an engine is built in a process where an earlier one was: vLLM keeps its model-parallel groups per
+    process (vllm/distributed/parallel_state.py) and sizes them for the model of the first engine built there; a
+    dense model's leave no expert-parallel group, and a MoE engine built after one fails to build ("expert parallel
+    group is not initialized"). Where the engine runs alone in this process (one rank, no external launcher), the
+    earlier engine's groups are dropped so this engine builds its own (an earlier engine at world size 1 goes on
+    working with them: its collectives are no-ops at that size). The process group itself is left: it may be the
+    trainer's. Under the external launcher the groups are the ranks' own and kept."""
+    if not single_process:
+        return
+    from vllm.distributed import parallel_state
+
+    if parallel_state.model_parallel_is_initialized():
+        parallel_state.destroy_model_parallel()
 
 
 @contextlib.contextmanager

@@ -28,11 +28,19 @@ def moe_dir(tmp_path_factory, tokenizer):
 
 
 @pytest.fixture(scope="module")
-def engine(moe_dir, tokenizer):
+def engine(moe_dir, tokenizer, qwen2_dir):
+    """Built after a dense engine in this process, whatever ran before: vLLM makes its model-parallel groups once per
+    process, for the first engine's model (a dense one's have no expert-parallel group); the engine makes them
+    again for its own (rollout/vllm_parallel.py: fresh_model_parallel_groups)."""
     from portagrpo.rollout.vllm import VLLMRollout
 
+    kept.append(VLLMRollout(None, tokenizer, None, model_path=str(qwen2_dir), dtype="float32", max_model_len=256,
+                            tied_embeddings=True, sleep_mode=False))
     return VLLMRollout(None, tokenizer, None, model_path=str(moe_dir), dtype="float32", max_model_len=256,
                        tied_embeddings=True, sleep_mode=False)
+
+
+kept: list = []  # the dense engine stays: vLLM's teardown of a collected engine is process-wide
 
 
 @pytest.fixture(scope="module")

@@ -318,6 +318,7 @@ class FakeLLM:
         self.tp_group, self.tp_rank, self.tp_ranks = None, 0, [0]
         if self.tp > 1:
             self._form_tp_group(launcher)
+        self._join_model_parallel_groups()
         self.encoder_cache: dict[bytes, int] = {}  # an image's hash -> the tower's output for it (a digest here)
         self.encoder_runs = 0  # images the vision tower ran on (cache misses)
         executor = types.SimpleNamespace(driver_worker=types.SimpleNamespace(worker=self._worker(FakeModel(self))))
@@ -331,6 +332,24 @@ class FakeLLM:
         if self.has("llm_engine.reset_encoder_cache"):
             self.llm_engine.reset_encoder_cache = self.reset_encoder_cache
         FakeLLM.instances.append(self)
+
+    def _join_model_parallel_groups(self) -> None:
+        """vLLM's model-parallel groups are per process (vllm/distributed/parallel_state.py): the first engine built
+        in a process makes them for its model, with an expert-parallel group only where that model is a MoE
+        (`model_config.is_moe`); a later engine finds them made (`ensure_model_parallel_initialized` only checks
+        sizes) and a MoE one then fails while its MoE blocks are built (`get_ep_group`), unless
+        `destroy_model_parallel` dropped them first."""
+        state = sys.modules.get("vllm.distributed.parallel_state")
+        if state is None:
+            return
+        config = Path(self.kwargs.get("model") or "") / "config.json"
+        fields = json.loads(config.read_text()) if config.is_file() else {}
+        moe = any(int(fields.get(k) or 0) > 0 for k in ("num_experts", "num_local_experts", "n_routed_experts"))
+        if state.groups is None:
+            state.groups = {"ep": moe}
+        elif moe and not state.groups["ep"]:
+            raise AssertionError("expert parallel group is not initialized. EP group is only created for MoE models "
+                                 "with num_experts > 0. This function should only be called for MoE models.")
 
     def _worker(self, model: FakeModel) -> types.SimpleNamespace:
         """The in-process worker and its model runner, with the calls the release played has (WORKER_CALLS)."""
@@ -671,6 +690,22 @@ class FakeLLM:
         return -math.log(11) if processed else -math.log(22)
 
 
+def _parallel_state() -> dict[str, types.ModuleType]:
+    """`vllm.distributed.parallel_state`, fresh with each `modules()`: the process's groups (None until the first
+    engine makes them; FakeLLM._join_model_parallel_groups) and the two calls the engine makes on them."""
+    distributed = types.ModuleType("vllm.distributed")
+    state = types.ModuleType("vllm.distributed.parallel_state")
+    state.groups = None
+
+    def destroy_model_parallel() -> None:
+        state.groups = None
+
+    state.model_parallel_is_initialized = lambda: state.groups is not None
+    state.destroy_model_parallel = destroy_model_parallel
+    distributed.parallel_state = state
+    return {"vllm.distributed": distributed, "vllm.distributed.parallel_state": state}
+
+
 def modules(reload: bool = True) -> dict[str, types.ModuleType]:
     """`vllm` and `vllm.inputs` as the engine imports them; with `reload`, also the layerwise reload
     package (vLLM 0.16+), whose presence the FP8 path checks."""
@@ -683,7 +718,7 @@ def modules(reload: bool = True) -> dict[str, types.ModuleType]:
                 **({} if multi_modal_data is None else {"multi_modal_data": multi_modal_data})}
 
     inputs.TokensPrompt = tokens_prompt
-    out = {"vllm": mod, "vllm.inputs": inputs}
+    out = {"vllm": mod, "vllm.inputs": inputs, **_parallel_state()}
     if reload:
         for name in ("vllm.model_executor", "vllm.model_executor.model_loader",
                      "vllm.model_executor.model_loader.reload"):

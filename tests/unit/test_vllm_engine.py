@@ -1,6 +1,7 @@
 """The vLLM engine's own logic, with vLLM replaced by a stand-in (tests/standins/fake_vllm.py; vLLM cannot
 be installed on these CPU machines): parameter mapping, weight names, bucketing, the sleep/wake cycle, the
 weight push after every optimizer step, and the tensor-parallel layout."""
+import json
 import math
 import re
 import sys
@@ -214,6 +215,29 @@ def test_engine_lands_on_the_ranks_device(tmp_path, fake_vllm, monkeypatch):
     VLLMRollout(None, tok, None, model_path="m", world_size=2)
     VLLMRollout(None, tok, None, model_path="m", world_size=1)
     assert [llm.device_index for llm in fake_vllm.instances] == [1, 0]
+
+
+def test_a_moe_engine_builds_after_a_dense_one_in_the_same_process(tmp_path, fake_vllm):
+    """vLLM makes its model-parallel groups once per process, for the first engine's model: a dense model's have no
+    expert-parallel group, and a MoE engine built after it fails while its MoE blocks are built (the stand-in plays
+    that; the CI's real-vLLM leg failed so). The engine drops the earlier groups first where it runs alone in the
+    process; under the external launcher the ranks' groups stay."""
+    from portagrpo.rollout.vllm import VLLMRollout
+
+    dense, moe = tmp_path / "dense", tmp_path / "moe"
+    for path, fields in ((dense, {"model_type": "qwen2"}), (moe, {"model_type": "qwen3_moe", "num_experts": 4})):
+        path.mkdir()
+        (path / "config.json").write_text(json.dumps(fields))
+    state = sys.modules["vllm.distributed.parallel_state"]
+    fake_vllm(model=str(dense))  # vLLM itself, built on its own: the groups stay those of the dense model
+    with pytest.raises(AssertionError, match="expert parallel group is not initialized"):
+        fake_vllm(model=str(moe))
+    assert state.groups == {"ep": False}
+    tok = types.SimpleNamespace(eos_token_id=2, pad_token_id=0)
+    engine = VLLMRollout(None, tok, None, model_path=str(moe))
+    assert state.groups == {"ep": True} and engine.llm is fake_vllm.instances[-1]
+    VLLMRollout(None, tok, None, model_path=str(dense), world_size=2)  # the launcher's ranks: groups kept
+    assert state.groups == {"ep": True}
 
 
 def test_waking_empties_the_training_cache_first(fake_vllm):
