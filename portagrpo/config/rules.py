@@ -270,9 +270,12 @@ def rollout_precision_problems(cfg: Config) -> list[str]:
             return [f"rollout.precision=fp8 is vLLM's block-FP8 rollout (rollout.engine=vllm); with "
                     f"rollout.engine={r.engine} use bf16, or int8 on the CPU."]
         return []
-    if r.precision != "auto" and r.engine != "hf":
-        return [f"rollout.precision={r.precision} is built for rollout.engine=hf; with rollout.engine={r.engine} "
-                f"leave it at auto (vLLM samples in model.dtype)."]
+    if r.precision == "int8" and r.engine != "hf":
+        return [f"rollout.precision=int8 is PyTorch's dynamic int8 linear layers on a copy of the policy "
+                f"(rollout.engine=hf, CPU); with rollout.engine={r.engine} use auto, fp32 or bf16."]
+    if r.precision != "auto" and r.engine not in ("hf", "vllm"):
+        return [f"rollout.precision={r.precision} is built for rollout.engine=hf or vllm; with rollout.engine="
+                f"{r.engine} leave it at auto."]
     return []
 
 

@@ -136,6 +136,8 @@ class RolloutConfig:
     # The sampler's copy of the weights: auto samples with the training model itself (its dtype under
     # autocast); fp32/bf16/int8 keep a separate copy in that precision, refreshed after every update
     # (int8: PyTorch's dynamic int8 linear layers, CPU only). The training weights are never touched.
+    # With rollout.engine=vllm: auto is model.dtype, fp32/bf16 the dtype vLLM holds and samples in (each push
+    # cast in the copy), fp8 vLLM's block-FP8.
     precision: Literal["auto", "fp32", "bf16", "int8", "fp8"] = "auto"
     # sync: sample, then update, in the trainer's process. one_step_off: a sampler process of its own
     # samples batch k+1 (with the weights before update k) while the trainer updates on batch k.

@@ -74,7 +74,9 @@ class EngineSettings:
 
     @property
     def vllm_dtype(self) -> str:
-        return DTYPE_NAMES[self.model_dtype]
+        """The dtype vLLM holds its weights and samples in: rollout.precision fp32 or bf16 (verl's rollout dtype: a
+        bf16 sampler for an fp32 policy, each push cast in the copy), else model.dtype (fp8 builds on it)."""
+        return DTYPE_NAMES[self.precision if self.precision in ("fp32", "bf16") else self.model_dtype]
 
     @property
     def max_model_len(self) -> int:

@@ -67,8 +67,13 @@ def test_refusals_are_one_sentence():
     with pytest.raises(ConfigError, match=r"rollout.precision=fp8 is vLLM's block-FP8 rollout \(rollout.engine=vllm\); "
                                           r"with rollout.engine=hf use bf16"):
         load_config(None, ["rollout.precision=fp8"])
-    with pytest.raises(ConfigError, match="built for rollout.engine=hf"):
+    with pytest.raises(ConfigError, match="built for rollout.engine=hf or vllm"):
         load_config(None, ["rollout.precision=bf16", "rollout.engine=fixed"])
+    with pytest.raises(ConfigError, match="rollout.precision=int8 is PyTorch's dynamic int8 .* with "
+                                          "rollout.engine=vllm use auto, fp32 or bf16"):
+        load_config(None, ["rollout.precision=int8", "rollout.engine=vllm"])
+    for precision in ("fp32", "bf16"):  # vLLM holds its weights and samples in that dtype
+        load_config(None, [f"rollout.precision={precision}", "rollout.engine=vllm"])
     from portagrpo.errors import UserError
     from portagrpo.rollout.sampler_copy import SamplerCopy
 

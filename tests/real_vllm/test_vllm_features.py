@@ -145,3 +145,19 @@ def test_reward_rises_on_the_embedded_task_with_vllm(tmp_path):
     for row in rows:
         _sampler_matches_trainer(row)
 
+
+
+def test_a_bf16_sampler_for_an_fp32_policy(tmp_path, qwen2_dir):
+    """rollout.precision=bf16 with an fp32 policy (verl's rollout dtype): vLLM is built in bfloat16 and every push
+    casts the policy's weights into it, so the sampler's log-probs differ from the trainer's by bf16 rounding (an
+    fp32 sampler matches to 1e-4: the tests above), a gap token TIS weighs; the push still carries every update
+    (the gap stays at rounding on step 2)."""
+    rows, log = _train(tmp_path / "run", *SMALL, f"model.path={qwen2_dir}", "trainer.total_steps=2",
+                       "rollout.precision=bf16", "algorithm.rollout_correction.rollout_is=token")
+    _assert_real_vllm(log)
+    assert re.search(r"Initializing a V1 LLM engine [^\n]*dtype=torch\.bfloat16", log), "vLLM was not built in bf16"
+    assert [r["step"] for r in rows] == [1, 2]
+    for row in rows:
+        assert 1e-3 < row["rollout_corr/abs_logp_diff_max"] < 0.5, row
+        assert abs(row["rollout_corr/kl"]) < 0.01, row
+        assert row["rollout_corr/rollout_is_mean"] != 1.0 and abs(row["rollout_corr/rollout_is_mean"] - 1) < 0.05, row

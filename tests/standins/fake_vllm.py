@@ -232,7 +232,7 @@ class FakeModel:
             raise AttributeError("'Parameter' object has no attribute 'weight_loader'")  # packed at load
         self.llm.log.append(("load", [(n, t.clone()) for n, t in weights]))
         for name, tensor in weights:
-            self.llm.shards[name] = self.llm.shard_of(tensor).clone()
+            self.llm.shards[name] = self.llm.held(self.llm.shard_of(tensor))
             self.llm.fresh.add(name)
         self.llm.loaded = True
 
@@ -425,7 +425,7 @@ class FakeLLM:
                 tensor = self._dequantized(name, tensor, given.get(name + "_scale_inv"))
             elif tensor.dtype == torch.float8_e4m3fn:
                 raise RuntimeError(f"{name}: an FP8 tensor for a layer the FP8 method does not quantize")
-            self.shards[name] = self.shard_of(tensor).float().clone()
+            self.shards[name] = self.shard_of(tensor).float().clone() if self.fp8 else self.held(self.shard_of(tensor))
             self.fresh.add(name)
         self.loaded = True
 
@@ -440,6 +440,12 @@ class FakeLLM:
                                f"{(rows, cols)} (uninitialised scale memory in vLLM)")
         scale = scale_inv.repeat_interleave(BLOCK, 0).repeat_interleave(BLOCK, 1)[: weight.shape[0], : weight.shape[1]]
         return weight.float() * scale
+
+    def held(self, tensor: torch.Tensor) -> torch.Tensor:
+        """A loaded tensor as the engine keeps it: a floating one cast to the dtype the engine was built in (`dtype`;
+        vLLM's weight loaders copy into parameters of that dtype), so what is sampled depends on the cast weights."""
+        dtype = getattr(torch, self.kwargs.get("dtype") or "float32")
+        return tensor.to(dtype).clone() if tensor.is_floating_point() else tensor.clone()
 
     def shard_of(self, tensor: torch.Tensor) -> torch.Tensor:
         """This rank's part of a full checkpoint tensor (vLLM's column/row/vocab-parallel loaders narrow

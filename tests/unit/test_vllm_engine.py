@@ -192,6 +192,24 @@ def test_a_generate_after_validation_reloads_the_policy_first(tmp_path, fake_vll
     assert all(torch.equal(v, policy[n]) for n, v in reloaded.items())  # the policy the step samples from
 
 
+def test_a_bf16_sampler_for_an_fp32_policy_holds_the_pushed_weights_cast(tmp_path, fake_vllm):
+    """rollout.precision=bf16 with vLLM (verl's rollout dtype): the engine is built in bfloat16, every push lands as
+    the fp32 policy's weights cast to it (what vLLM's loaders do), and what is sampled depends on the cast weights;
+    the policy itself stays fp32. With auto the engine is built in model.dtype."""
+    t = _trainer(tmp_path / "bf16", "rollout.precision=bf16")
+    llm = fake_vllm.instances[-1]
+    assert llm.kwargs["dtype"] == "bfloat16"
+    t.step()
+    policy = t.models.policy.state_dict()
+    assert all(v.dtype == torch.float32 for v in policy.values())
+    for name in ("model.embed_tokens.weight", "model.layers.0.mlp.up_proj.weight"):
+        held = llm.shards[name]
+        assert held.dtype == torch.bfloat16 and torch.equal(held, policy[name].to(torch.bfloat16))
+        assert not torch.equal(held.float(), policy[name])  # rounded: the sampler's weights are not the policy's
+    _trainer(tmp_path / "auto")
+    assert fake_vllm.instances[-1].kwargs["dtype"] == "float32"
+
+
 def test_sampler_logprobs_are_the_processed_ones_vllm_drew_with(tmp_path, fake_vllm):
     """The engine asks each request for the sampled token's log-prob and the engine for
     logprobs_mode=processed_logprobs (the distribution after truncation); the stand-in returns the raw
