@@ -2,7 +2,7 @@
 
     python bench/vs_trl.py [--size 3m|24m] [--rounds 3] [--steps 5] [--warmup 1] [--prompts 1] [--n 8]
                            [--max-new-tokens 32] [--threads 1] [--variants sync-fp32,...] [--engine hf|vllm]
-                           [--json out.json]
+                           [--sampler-dtype fp32|bf16] [--json out.json]
 
 One random-init Qwen2 model directory (built here, saved with the character tokenizer), one prompt
 file and one reward (`repeat`) feed both trainers: GRPO with n completions per prompt, no KL and no
@@ -21,7 +21,10 @@ vllm_mode="colocate"`, portagrpo with `rollout.engine=vllm` (variants sync-fp32,
 one_step_off+bypass: vLLM in the sampler process; sync-fp32+reload-push: the weight push as it was before it
 loaded in place, through vLLM's layerwise reload), each correcting the sampler with
 token-level truncated importance sampling at 2 (TRL's `vllm_importance_sampling_mode="token_truncate"`,
-portagrpo's `rollout_is=token`), which TRL does by default with vLLM; portagrpo's runs also report their phases
+portagrpo's `rollout_is=token`), which TRL does by default with vLLM. vLLM samples in `--sampler-dtype` on both
+sides (fp32 by default, the training dtype; TRL passes no dtype to vLLM, whose `auto` turns an fp32 checkpoint into
+bf16, so TRL's engine is given the dtype here, and portagrpo's gets `rollout.precision`); each run reads the dtype
+its engine was built in back. portagrpo's runs also report their phases
 (generate, reward, log-probs, update, weight push) and the push's floor, one clone of the policy's state_dict.
 Every system gets the same cores: `--threads` torch
 threads in all its processes together (TRL and the one-process variants: `--threads` in one
@@ -97,9 +100,11 @@ def wanted_settings(args) -> dict:
             "loss": "token-mean", "updates_per_step": 1, "micro_batches_per_update": 1, "lr": 1e-5,
             "adam_betas": [0.9, 0.999], "weight_decay": 0.0, "grad_clip": 1.0, "clip_eps": [0.2, 0.2],
             "dtype": "float32", "gradient_checkpointing": False, "threads": args.threads, "engine": args.engine,
-            "rollout_correction": TIS if args.engine == "vllm" else None}
+            "rollout_correction": TIS if args.engine == "vllm" else None,
+            **({"sampler_dtype": SAMPLER_DTYPES[args.sampler_dtype]} if args.engine == "vllm" else {})}
 
 
+SAMPLER_DTYPES = {"fp32": "float32", "bf16": "bfloat16"}
 TIS = "token_truncate<=2.0"  # token-level truncated importance sampling at 2, the vLLM runs' correction
 
 
@@ -144,6 +149,7 @@ def run_trl(spec: dict) -> dict:
     )
     if want["engine"] == "vllm":
         _trl_sync_through_layerwise_reload()
+        _trl_vllm_dtype(want["sampler_dtype"])
     trainer = GRPOTrainer(model=spec["model"], reward_funcs=reward, args=config, train_dataset=dataset,
                           callbacks=[StepClock()])
     trainer.train()
@@ -165,9 +171,25 @@ def run_trl(spec: dict) -> dict:
         "engine": ("vllm" if a.vllm_mode == "colocate" else f"vllm-{a.vllm_mode}") if a.use_vllm else "hf",
         "rollout_correction": (f"{a.vllm_importance_sampling_mode}<={a.vllm_importance_sampling_clip_max}"
                                if a.use_vllm and a.vllm_importance_sampling_correction else None),
+        **({"sampler_dtype": _engine_dtype(trainer.vllm_generation.llm)} if a.use_vllm else {}),
     }
     return {"settings": settings, "step_s": _step_times(ends, spec["warmup"]),
             "completion_len_mean": statistics.mean(lengths[spec["warmup"]:]) if lengths else None}
+
+
+def _engine_dtype(llm) -> str:
+    """The dtype a vLLM engine was built in (what it holds its weights and samples in)."""
+    return str(llm.llm_engine.vllm_config.model_config.dtype).removeprefix("torch.")
+
+
+def _trl_vllm_dtype(dtype: str) -> None:
+    """TRL's colocate engine in `dtype`: TRL 1.16 passes no dtype to `vllm.LLM`, and vLLM's `auto` turns a float32
+    checkpoint into bfloat16 (vllm/config/model.py: `_resolve_auto_dtype`, "Downcast for float32 models")."""
+    import functools
+
+    import trl.generation.vllm_generation as generation
+
+    generation.LLM = functools.partial(generation.LLM, dtype=dtype)
 
 
 def _trl_sync_through_layerwise_reload() -> None:
@@ -201,7 +223,8 @@ def run_portagrpo(spec: dict) -> dict:
     overrides, processes = VARIANTS[spec["variant"]]
     if want["engine"] == "vllm":
         overrides = [*overrides, "rollout.engine=vllm", "algorithm.rollout_correction.rollout_is=token",
-                     "algorithm.rollout_correction.rollout_is_threshold=2.0"]
+                     "algorithm.rollout_correction.rollout_is_threshold=2.0",
+                     f"rollout.precision={'bf16' if want['sampler_dtype'] == 'bfloat16' else 'fp32'}"]
     cfg = load_config(None, [*overrides,
         f"model.path={spec['model']}", f"data.train_files=[{spec['data']}]", "data.task=null",
         f"data.train_batch_size={p}", f"rollout.n={n}", f"data.max_response_length={want['max_new_tokens']}",
@@ -276,6 +299,7 @@ def run_portagrpo(spec: dict) -> dict:
             "gradient_checkpointing": cfg.model.gradient_checkpointing,
             "threads": torch.get_num_threads() * processes,  # the sampler process has as many as the trainer
             "engine": r.engine,
+            **({"sampler_dtype": _portagrpo_sampler_dtype(trainer, cfg)} if r.engine == "vllm" else {}),
             "rollout_correction": (f"token_truncate<={float(cfg.algorithm.rollout_correction.rollout_is_threshold)}"
                                    if cfg.algorithm.rollout_correction.rollout_is == "token" else
                                    cfg.algorithm.rollout_correction.rollout_is),
@@ -290,6 +314,17 @@ def run_portagrpo(spec: dict) -> dict:
         phase_s["push_floor_state_dict_clone"] = statistics.median(floor)
     return {"settings": settings, "step_s": _step_times(ends, spec["warmup"]), "phase_s": phase_s,
             "completion_len_mean": statistics.mean(lengths[spec["warmup"]:])}
+
+
+def _portagrpo_sampler_dtype(trainer, cfg) -> str:
+    """The dtype portagrpo's vLLM engine was built in: the trainer's own engine's, or with a sampler process (which
+    holds the engine there) the dtype it is built in from the config."""
+    engine = getattr(trainer.parts.engine, "llm", None)
+    if engine is not None:
+        return _engine_dtype(engine)
+    from portagrpo.rollout.settings import EngineSettings
+
+    return EngineSettings.from_config(cfg).vllm_dtype
 
 
 def _step_times(ends: list[float], warmup: int) -> list[float]:
@@ -407,6 +442,8 @@ def main(argv: list[str]) -> int:
     p.add_argument("--engine", choices=["hf", "vllm"], default="hf",
                    help="what both sample with: transformers' generate (hf), or vLLM (TRL colocate, "
                         "rollout.engine=vllm)")
+    p.add_argument("--sampler-dtype", choices=sorted(SAMPLER_DTYPES), default="fp32",
+                   help="with --engine vllm: the dtype vLLM holds the weights and samples in, on both sides")
     p.add_argument("--workdir", default="/tmp/portagrpo-vs-trl")
     p.add_argument("--json", default=None)
     args = p.parse_args(argv)
@@ -417,7 +454,7 @@ def main(argv: list[str]) -> int:
         p.error(f"--variants: unknown {unknown}; use some of {', '.join(VARIANTS)}")
     if args.engine == "vllm" and not set(args.variants) <= set(VLLM_VARIANTS):
         p.error(f"--engine vllm: portagrpo runs rollout.engine=vllm as --variants {', '.join(VLLM_VARIANTS)} "
-                f"(rollout.precision is built for the hf engine)")
+                f"(rollout.precision int8 is built for the hf engine)")
     if args.engine != "vllm" and "sync-fp32+reload-push" in args.variants:
         p.error("--variants sync-fp32+reload-push is a push of the vLLM engine: use it with --engine vllm")
     split = [v for v in args.variants if VARIANTS[v][1] > 1]
@@ -426,6 +463,8 @@ def main(argv: list[str]) -> int:
                 f"--threads of at least 2 so every system gets the same cores")
     if min(args.rounds, args.steps, args.prompts, args.n, args.max_new_tokens, args.threads) < 1 or args.warmup < 0:
         p.error("--rounds, --steps, --prompts, --n, --max-new-tokens and --threads must be >= 1, --warmup >= 0")
+    if args.sampler_dtype != "fp32" and args.engine != "vllm":
+        p.error("--sampler-dtype is vLLM's dtype: use it with --engine vllm")
     if args.n < 2:
         p.error("--n must be at least 2: GRPO compares completions within a group")
     try:

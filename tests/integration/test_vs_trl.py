@@ -51,6 +51,13 @@ def test_runs_with_other_settings_are_refused(monkeypatch, tmp_path):
         "lr": 1e-5 * (1 + 1e-12),
     }  # a silently different sampler; float noise is not a difference
     assert vs.differing(asked, ran) == ["top_k: asked None, ran 50"]
+    # with vLLM the engines' dtypes are compared too: vLLM's `auto` samples an fp32 checkpoint in bf16
+    vllm_args = vs.main.__globals__["argparse"].Namespace(prompts=1, n=4, max_new_tokens=8, threads=1, engine="vllm",
+                                                           sampler_dtype="fp32")
+    vllm_asked = vs.wanted_settings(vllm_args)
+    assert vllm_asked["sampler_dtype"] == "float32" and "sampler_dtype" not in asked
+    assert vs.differing(vllm_asked, {**vllm_asked, "sampler_dtype": "bfloat16"}) == [
+        "sampler_dtype: asked 'float32', ran 'bfloat16'"]
 
     monkeypatch.setattr(vs, "build_workdir", lambda *a, **k: {"model": "m", "data": "d"})
     monkeypatch.setattr(vs, "spawn", lambda system, spec, threads: {
