@@ -81,6 +81,10 @@ class BackendSpec:
     # Device memory the runtime and the collective library keep for themselves (the context, communicator buffers), in
     # GiB: an allowance the memory plan reserves on every device, not a measurement (none has run on hardware yet).
     runtime_reserve_gb: float = 0.0
+    # AdamW's fused step (torch.optim.AdamW(fused=True): one kernel over all parameters) where torch builds it for the
+    # device: CPU (torch 2.4+), CUDA and ROCm. Elsewhere torch's default (a loop over the parameters, or its foreach
+    # form). The fused step rounds differently in the last bit (not a different algorithm).
+    fused_adamw: bool = False
 
 
 @dataclass

@@ -27,6 +27,7 @@ SPEC = BackendSpec(
     # numbers: vllm/platforms/cpu.py) skips that. 1 GiB holds ~87k tokens of Qwen2.5-0.5B's bf16 KV cache; set
     # VLLM_CPU_KVCACHE_SPACE for more.
     vllm_env=(("VLLM_CPU_KVCACHE_SPACE", "1"),),
+    fused_adamw=True,  # 3.5x faster than the per-parameter loop on one thread (24M parameters: 0.036 against 0.125 s)
 )
 
 

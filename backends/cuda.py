@@ -29,6 +29,7 @@ SPEC = BackendSpec(
     install_hint="install a CUDA build of torch for your driver (see pytorch.org), then `pip install portagrpo[cuda]`",
     pinned_offload=True,
     runtime_reserve_gb=1.0,  # an allowance for the CUDA context and NCCL's buffers, not measured
+    fused_adamw=True,
 )
 
 

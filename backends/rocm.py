@@ -24,6 +24,7 @@ SPEC = BackendSpec(
     install_hint="install torch from the ROCm wheel index (see pytorch.org), then `pip install portagrpo[rocm]`",
     pinned_offload=True,
     runtime_reserve_gb=1.0,  # an allowance for the HIP context and RCCL's buffers, not measured
+    fused_adamw=True,  # torch's fused AdamW kernel is built for HIP too
 )
 
 

@@ -42,7 +42,7 @@ FWD_GATHER_UNITS = 3.0  # FSDP2 forward: layers unsharded at once (running, pref
 BWD_GATHER_UNITS = 2.4  # FSDP2 backward: layer-sized compute-dtype tensors at once (parameters, their gradients)
 BWD_GRAD_UNITS = 1.1  # ... and layer-sized fp32 ones (the reduce-scatter's input and output)
 GEN_GATHER_UNITS = 0.5  # the hf engine's whole-model gather: an all-gather buffer on top, on average half a layer
-ADAM_TEMP = 1.0  # AdamW's foreach step: one temporary the size of the parameters it updates (fp32)
+ADAM_TEMP = 1.0  # AdamW's foreach step: one temporary the size of the parameters it updates (fp32); fused: none
 LOGITS_CHUNK_ELEMENTS = 2**25  # kernels/chunked.py's chunk of logits (fp32), and its gradient in the backward
 HOST_BUFFER_GB = 4.0  # a rank's host-side working set besides offloaded states (Python, CUDA context, loaders)
 
@@ -119,6 +119,7 @@ class RunShape:
     runtime_reserve: float = 0.0  # bytes the device runtime and collective library keep (the backend row's allowance)
     image_tokens: int = 0  # image tokens a row may carry (a vision-language run: its prompt length bounds them)
     routes: float = 0.0  # router replay: the global batch's recorded experts (int16), held on every rank
+    fused_adamw: bool = False  # the backend row's fused AdamW: it updates in place, no temporaries
 
 
 @dataclass
@@ -307,7 +308,8 @@ def _update(m: ModelShape, r: RunShape, t: _Terms) -> PhasePlan:
         update["gradient all-reduce buffers"] = 2 * r.master_bytes * r.trainable_params  # flat buffer, summed copies
     step = dict(t.steady)
     step["gradients"] = t.grads
-    step["AdamW's step temporaries"] = 0.0 if r.offload else ADAM_TEMP * r.master_bytes * r.trainable_params / t.shards
+    step["AdamW's step temporaries"] = (0.0 if r.offload or r.fused_adamw
+                                        else ADAM_TEMP * r.master_bytes * r.trainable_params / t.shards)
     return PhasePlan("update", step if sum(step.values()) > sum(update.values()) else update)
 
 

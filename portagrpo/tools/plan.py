@@ -176,7 +176,8 @@ def run_shape(cfg, cluster: Cluster, shape: ModelShape, model) -> RunShape:
         sequence_parallel=sp, runtime_reserve=spec.runtime_reserve_gb * GIB,
         image_tokens=d.max_prompt_length if shape.vision_depth else 0,
         routes=(cfg.rollout_batch_size * seq * shape.layers * shape.experts_per_token * 2
-                if shape.is_moe and a.router_replay else 0.0))
+                if shape.is_moe and a.router_replay else 0.0),
+        fused_adamw=spec.fused_adamw)
 
 
 def plan_config(cfg, args: argparse.Namespace | None = None) -> tuple[Plan, str]:

@@ -108,6 +108,9 @@ class Optimization:
     params: list[torch.nn.Parameter]
     optimizer: torch.optim.Optimizer
     scheduler: torch.optim.lr_scheduler.LRScheduler
+    # how this run's AdamW steps (its `fused` and `foreach`): a loaded checkpoint's parameter groups carry the saving
+    # run's, which another device may not have (`keep_step_form`)
+    step_form: dict[str, Any] = field(default_factory=dict)
 
 
 @dataclass
@@ -169,7 +172,7 @@ def build(cfg: Config, runtime: Runtime, run_dir: Path, log: Callable[[str], Non
     try:
         models = build_models(cfg, runtime, strategy, data.tokenizer, run_dir, log)
         total = total_steps(cfg, data.loader)
-        optim = build_optimization(cfg, models, total)
+        optim = build_optimization(cfg, models, total, fused=runtime.backend.spec.fused_adamw)
         engine = build_engine(cfg, runtime, models, data.tokenizer, run_dir, log if runtime.comm.is_main else None,
                               apart=apart)
         sampler = build_sampler_process(cfg, runtime, models, data.tokenizer, run_dir) if apart else None
@@ -343,12 +346,26 @@ def _model_paths(cfg: Config, runtime: Runtime, tokenizer, run_dir: Path) -> tup
     return init_dir, cfg.model.ref_path or init_dir
 
 
-def build_optimization(cfg: Config, models: Models, total: int) -> Optimization:
+def build_optimization(cfg: Config, models: Models, total: int, fused: bool = False) -> Optimization:
+    """AdamW over the trainable parameters, in its fused form where the backend says torch builds it for the device
+    (`BackendSpec.fused_adamw`), and the learning-rate schedule."""
     a = cfg.actor
     params = [p for p in models.scorer.parameters() if p.requires_grad]
-    optimizer = torch.optim.AdamW(params, lr=a.lr, betas=tuple(a.betas), weight_decay=a.weight_decay)
+    optimizer = torch.optim.AdamW(params, lr=a.lr, betas=tuple(a.betas), weight_decay=a.weight_decay,
+                                  **({"fused": True} if fused else {}))
+    form = {k: optimizer.defaults[k] for k in STEP_FORM}
     schedule = functools.partial(lr_multiplier, warmup_steps=a.warmup_steps, total_steps=total, kind=a.lr_schedule)
-    return Optimization(params, optimizer, torch.optim.lr_scheduler.LambdaLR(optimizer, schedule))
+    return Optimization(params, optimizer, torch.optim.lr_scheduler.LambdaLR(optimizer, schedule), form)
+
+
+STEP_FORM = ("fused", "foreach")
+
+
+def keep_step_form(optimizer: torch.optim.Optimizer, form: dict[str, Any]) -> None:
+    """After `load_state_dict`, which takes every parameter group's settings from the checkpoint: the step form this
+    run built (a CPU checkpoint's fused step on a device torch has no fused kernel for would fail there)."""
+    for group in optimizer.param_groups:
+        group.update(form)
 
 
 def build_engine(cfg: Config, runtime: Runtime, models: Models, tokenizer, run_dir: Path,

@@ -23,7 +23,7 @@ from portagrpo.checkpoint import (
 )
 from portagrpo.data.records import PromptLoader
 from portagrpo.fileio import WriteError
-from portagrpo.train.build import Models, Optimization, Runtime
+from portagrpo.train.build import Models, Optimization, Runtime, keep_step_form
 from portagrpo.train.schedule import ScheduleState
 
 
@@ -95,6 +95,7 @@ class Checkpointer:
         else:
             self._load_whole(ckpt, parts.model_dir)
             m.strategy.load_optimizer_state(m.scorer, self.optim.optimizer, parts.optimizer)
+        keep_step_form(self.optim.optimizer, self.optim.step_form)
         self.optim.scheduler.load_state_dict(parts.scheduler)
         self.loader.load_state_dict(parts.loader)
         set_rng_state(self.runtime.backend, parts.rng)

@@ -103,6 +103,31 @@ def assert_trained_alike(cpu: list[dict], device: list[dict]) -> None:
         assert b["grad_norm"] == pytest.approx(a["grad_norm"], rel=1e-4)
 
 
+def test_a_cpu_checkpoint_resumes_on_emu(tmp_path):
+    """A checkpoint carries the saving run's AdamW form in its parameter groups (the CPU's is fused:
+    BackendSpec.fused_adamw; this device's row keeps torch's default), and the resumed run steps in the form it built
+    for its own device (train/build.py: keep_step_form); it trains the CPU run's steps 2 and 3 alike."""
+    import shutil
+
+    cpu = tmp_path / "cpu"
+    _run(["train", "--device", "cpu", "--output-dir", str(cpu), *FAST, "trainer.save_freq=1",
+          "trainer.max_ckpt_to_keep=3"], tmp_path)
+    moved = tmp_path / "moved"
+    shutil.copytree(cpu, moved)
+    for later in ("step_00000002", "step_00000003"):
+        shutil.rmtree(moved / "checkpoints" / later)
+    (moved / "metrics.jsonl").write_text("")
+    first = moved / "checkpoints" / "step_00000001"
+    _run(["train", "--device", "emu", "--output-dir", str(moved), "--resume", str(first), *FAST, "trainer.save_freq=0"],
+         tmp_path)
+    straight, resumed = _metrics(cpu), _metrics(moved)
+    assert [r["step"] for r in resumed] == [2, 3]
+    tol = tolerance(torch.float32, "loss")
+    for a, b in zip(straight[1:], resumed):
+        assert a["response_len_mean"] == b["response_len_mean"] and a["reward_mean"] == b["reward_mean"]
+        assert b["loss_policy"] == pytest.approx(a["loss_policy"], rel=tol, abs=tol)
+
+
 def test_parity_runs_on_emu(tmp_path):
     res = _run(["parity", "--device", "emu", "--dtype", "fp32,bf16", "--kernels", "reference,chunked",
                 "--json", str(tmp_path / "p.json")], tmp_path)

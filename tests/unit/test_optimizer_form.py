@@ -1,0 +1,49 @@
+"""AdamW's step form (`BackendSpec.fused_adamw`): fused where torch builds the kernel for the device, torch's default
+elsewhere, and a loaded checkpoint does not carry the saving run's form over (train/build.py: keep_step_form)."""
+import types
+
+import torch
+
+from portagrpo.backends import get_backend
+from portagrpo.config import load_config
+from portagrpo.train.build import build_optimization, keep_step_form
+
+
+def _optimization(fused: bool):
+    models = types.SimpleNamespace(scorer=torch.nn.Linear(8, 4))  # what build_optimization reads of the Models
+    return build_optimization(load_config(None, []), models, total=4, fused=fused)
+
+
+def test_the_cpu_row_steps_fused_and_a_checkpoint_keeps_the_loading_runs_form():
+    assert get_backend("cpu").spec.fused_adamw
+    fused, plain = _optimization(True), _optimization(False)
+    assert fused.step_form == {"fused": True, "foreach": None} and plain.step_form == {"fused": None, "foreach": None}
+    for opt in (fused, plain):
+        for p in opt.params:
+            p.grad = torch.ones_like(p)
+        opt.optimizer.step()
+    plain.optimizer.load_state_dict(fused.optimizer.state_dict())
+    assert plain.optimizer.param_groups[0]["fused"] is True  # torch takes the saved groups' settings whole
+    keep_step_form(plain.optimizer, plain.step_form)
+    assert plain.optimizer.param_groups[0]["fused"] is None and plain.optimizer.param_groups[0]["foreach"] is None
+    plain.optimizer.step()  # the state loaded steps on in this run's form
+    state = plain.optimizer.state[plain.params[0]]
+    assert int(state["step"]) == 2
+
+
+def test_the_fused_step_is_adamw_to_rounding():
+    """The fused kernel is the same update as torch's per-parameter loop, rounded differently in the last bit."""
+    torch.manual_seed(0)
+    start = [torch.randn(300, 200), torch.randn(777)]
+    out = []
+    for kw in ({"fused": True}, {"foreach": False}):
+        params = [torch.nn.Parameter(p.clone()) for p in start]
+        opt = torch.optim.AdamW(params, lr=1e-3, weight_decay=0.01, **kw)
+        g = torch.Generator().manual_seed(1)
+        for _ in range(5):
+            for p in params:
+                p.grad = torch.randn(p.shape, generator=g)
+            opt.step()
+        out.append(params)
+    for a, b in zip(*out):
+        torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-8)
