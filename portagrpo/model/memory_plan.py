@@ -287,8 +287,8 @@ def _rollout(m: ModelShape, cluster: Cluster, r: RunShape, t: _Terms) -> PhasePl
 def _scoring(m: ModelShape, r: RunShape, t: _Terms) -> PhasePlan:
     scoring = dict(t.steady)
     scoring["FSDP2 gathered units"] = t.fwd_gather
-    if r.routes:  # gathered over the ranks as int64, then held as int16
-        scoring["the batch's routes (router replay), gathered as int64"] = 4 * r.routes
+    if r.routes:  # gathered over the ranks as their bytes: every rank's part, then the concatenation (held, int16)
+        scoring["the batch's routes (router replay), gathered"] = 2 * r.routes
     scoring.update(activations(m, r, r.scoring_tokens, r.scoring_rows, training=False))
     return PhasePlan("scoring", scoring)
 

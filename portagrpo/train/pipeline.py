@@ -57,6 +57,16 @@ def uid_base(step: int, round_: int, n_prompts: int, rank: int, n_local: int) ->
     return (step * ROUND_SPAN + round_) * n_prompts + rank * n_local
 
 
+def gather_as_bytes(gather: Callable[[torch.Tensor], torch.Tensor], local: torch.Tensor) -> torch.Tensor:
+    """`gather` (every rank's rows, concatenated along dim 0) of an integer tensor: int64 as it is, a narrower one as
+    its bytes (uint8, which every vendor's collective takes; NCCL has no int16), so a MoE's int16 routes cross the wire
+    and land at 2 bytes a cell rather than 8 (the global batch's routes are held on every rank: widening them to int64
+    for the gather took 4x that at the step's peak). An all-gather only copies, so the bytes come back exact."""
+    if local.dtype == torch.int64 or local.dim() == 0:
+        return gather(local.long()).to(local.dtype)
+    return gather(local.contiguous().view(torch.uint8)).view(local.dtype)
+
+
 def round_notice(step: int, rounds: int, kept: int, dropped: int, groups: int, metric: str, limit: int) -> str:
     """The line that says a step is still sampling (a reward without spread can keep it going for ever)."""
     key = f"algorithm.filter_groups.max_num_gen_batches={limit}"
@@ -198,7 +208,7 @@ class Pipeline:
             lengths=[(p, r) for p, r in g(torch.tensor(rb.host_lengths(), device=self.runtime.device)).tolist()],
             rollout_logp=None if rb.rollout_logp is None else g(rb.rollout_logp),
             model_mask=None if rb.model_mask is None else g(rb.model_mask),
-            routes=None if rb.routes is None else g(rb.routes.long()).to(rb.routes.dtype),  # int64 on the wire
+            routes=None if rb.routes is None else gather_as_bytes(g, rb.routes),  # 2 bytes a cell, not 8
             # a vision-language policy's images, gathered so each row's pixels follow it
             images=gather_images(comm, rb.images, rb.size, self.runtime.device) if self.vision else None,
         )
@@ -262,13 +272,13 @@ class Pipeline:
                              gen_rounds=rounds, staleness=staleness, rollout_metrics=self.metrics(kept.counts))
 
     def gather_tensor(self, local: torch.Tensor) -> torch.Tensor:
-        """Every rank's rows of `local`, in rank order (integers travel as int64)."""
+        """Every rank's rows of `local`, in rank order (narrow integers travel as their bytes: `gather_as_bytes`)."""
         comm = self.runtime.comm
         if comm.world_size == 1:
             return local
         if local.is_floating_point():
             return comm.all_gather_cat(local)
-        return comm.all_gather_cat(local.long()).to(local.dtype)
+        return gather_as_bytes(comm.all_gather_cat, local)
 
     def metrics(self, counts: dict[str, float] | None) -> dict[str, float] | None:
         """The generator's metrics from its counts over every rank (one host sum); None when it counts nothing."""

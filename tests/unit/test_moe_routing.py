@@ -288,3 +288,23 @@ def test_verls_expert_parallel_keys_are_refused_naming_expert_parallelism(key):
 
     with pytest.raises(UserError, match="portagrpo has no expert parallelism .* `portagrpo plan`"):
         load_config(None, [key], check_files=False)
+
+
+def test_routes_cross_the_ranks_as_their_bytes_and_come_back_exact():
+    """The global batch's routes are held on every rank; gathered as int64 they took 4x their int16 size at the step's
+    peak. They travel as their bytes (uint8, which NCCL, HCCL, RCCL and gloo all take; NCCL has no int16), unknown
+    cells (-1) and large expert ids included; int64 tensors travel as they are."""
+    from portagrpo.train.pipeline import gather_as_bytes
+
+    wire = []
+
+    def two_ranks(t):  # an all-gather over two ranks whose rows are these and these plus one
+        wire.append(t.dtype)
+        return torch.cat([t, t + 1 if t.dtype != torch.uint8 else t])
+
+    routes = torch.tensor([[[[3, -1]], [[127, 32000]]]], dtype=moe.ROUTE_DTYPE)  # [rows, length, layers, top-k]
+    got = gather_as_bytes(two_ranks, routes)
+    assert wire == [torch.uint8] and got.dtype == moe.ROUTE_DTYPE and got.shape == (2, 2, 1, 2)
+    assert torch.equal(got, torch.cat([routes, routes]))
+    ids = torch.tensor([5, 7])
+    assert torch.equal(gather_as_bytes(two_ranks, ids), torch.tensor([5, 7, 6, 8])) and wire[-1] == torch.int64
