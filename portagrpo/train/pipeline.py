@@ -158,7 +158,7 @@ class Pipeline:
         # Sampling with the training model itself (not an engine holding its own weights): a sharded
         # policy is gathered once for the whole rollout.
         gather = nullcontext() if self.engine.holds_weights else self.strategy.generation(self.scorer)
-        with gather, self.runtime.phase("rollout"):
+        with self.runtime.phase("rollout"), gather:  # the gather is a part of the rollout's peak
             return self.generator.generate(self.engine, request.prompts, n, params, request.width,
                                            self.runtime.device)
 
