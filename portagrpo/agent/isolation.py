@@ -13,11 +13,13 @@ Two levels (`rollout.multi_turn.sandbox`; docs/config.md has the guarantees in a
     urandom) and /proc, a few /etc files (no passwd of the host, no shadow), and a writable /tmp (a tmpfs of at
     most the call's memory limit, gone with the call) as its home and working directory. The run directory,
     the home directory, the trainer's config and every other file are not there;
-  - it runs as uid/gid 65534 with no capabilities and `no_new_privs`, so a set-uid program cannot raise it;
+  - it runs as uid/gid 65534 with no capabilities and `no_new_privs`, so a set-uid program cannot raise it, and a
+    seccomp filter refuses it new user namespaces (which would hand it a capability set of its own);
   - with no network namespace of the host, a socket reaches nothing (not even 127.0.0.1).
 - `process`: a process of its own (its own session, a cleared environment, the same limits) that shares the
-  trainer's filesystem, user and process table; the network is dropped where an unprivileged network namespace
-  is allowed.
+  trainer's filesystem and process table; the network is dropped where an unprivileged network namespace is
+  allowed. A root trainer's call runs as uid 65534 without capabilities or new user namespaces (so the trainer's
+  /proc/<pid>/environ and memory are out of its reach); a non-root trainer's runs as the trainer's own uid.
 
 Everything here runs in the forked child of a tool worker (agent/sandbox.py), never in the trainer.
 """
@@ -67,8 +69,10 @@ class Isolation:
                     f"uid {SANDBOX_ID} without capabilities, with a read-only system and Python and a private /tmp; "
                     "no network unless a tool's config says network: true).")
         why = f" Namespaces are refused here: {self.reason}." if self.reason else ""
+        user = (f"as uid {SANDBOX_ID}" if os.geteuid() == 0
+                else "as the trainer's own user, which can read the trainer's environment")
         return ("tool sandbox: process (each call in its own process with time, memory and output limits and a "
-                f"cleared environment, sharing the trainer's files and process table).{why}")
+                f"cleared environment, {user}, sharing the trainer's files and process table).{why}")
 
 
 # ---------------------------------------------------------------- small system calls
@@ -163,21 +167,22 @@ def _bind(fd: int, is_dir: bool, target: str, read_only: bool = True) -> None:
 
 
 def _build_root(stage: str, memory_mb: int) -> None:
-    """The new root in a tmpfs at `stage` (this process is in its own mount and PID namespaces)."""
+    """The new root in a tmpfs at `stage` (this process is in its own mount and PID namespaces). The call's private
+    /tmp is mounted before the binds, so a bound path under /tmp (a virtual environment there) shows inside it."""
     sources: list[tuple[str, int, bool]] = []  # opened (and looked at) before the tmpfs may cover them
     for path in [*SYSTEM_DIRS, *visible_paths(), *(f"/dev/{d}" for d in DEVICES)]:
         if os.path.exists(path) and not (path in SYSTEM_DIRS and os.path.islink(path)):
             sources.append((path, os.open(path, os.O_PATH | os.O_CLOEXEC), os.path.isdir(path)))
     _mount("tmpfs", stage, "tmpfs", MS_NOSUID | MS_NODEV, ROOT_TMPFS)
+    for sub in ("tmp", "dev/shm", "proc", "etc"):
+        os.makedirs(f"{stage}/{sub}", exist_ok=True)
+    _mount("tmpfs", f"{stage}/tmp", "tmpfs", MS_NOSUID | MS_NODEV, f"size={memory_mb}m,nr_inodes=16384,mode=1777")
     for path in SYSTEM_DIRS:
         if os.path.islink(path):
             os.symlink(os.readlink(path), stage + path)
     for path, fd, is_dir in sources:
         _bind(fd, is_dir, stage + path, read_only=not path.startswith("/dev/"))
         os.close(fd)
-    for sub in ("tmp", "dev/shm", "proc", "etc"):
-        os.makedirs(f"{stage}/{sub}", exist_ok=True)
-    _mount("tmpfs", f"{stage}/tmp", "tmpfs", MS_NOSUID | MS_NODEV, f"size={memory_mb}m,nr_inodes=16384,mode=1777")
     _mount("tmpfs", f"{stage}/dev/shm", "tmpfs", MS_NOSUID | MS_NODEV | MS_NOEXEC, "size=64m,mode=1777")
     for name, target in (("fd", "/proc/self/fd"), ("stdin", "/proc/self/fd/0"), ("stdout", "/proc/self/fd/1"),
                          ("stderr", "/proc/self/fd/2")):
@@ -208,7 +213,11 @@ def _pivot(stage: str) -> None:
 
 # ---------------------------------------------------------------- privileges and limits
 
-def _drop_privileges(as_root: bool) -> None:
+def drop_privileges(as_root: bool, userns_required: bool = True) -> None:
+    """Leave root (a root trainer's call becomes SANDBOX_ID), set `no_new_privs`, empty every capability set, and
+    refuse new user namespaces (which would give the call a full capability set of its own: a `chroot`, mounts),
+    as bubblewrap's `--disable-userns` does. Where that refusal cannot be installed, SetupError if
+    `userns_required` (the `namespaces` level promises it), else the call goes on without it."""
     if as_root:
         os.setgroups([])
         os.setresgid(SANDBOX_ID, SANDBOX_ID, SANDBOX_ID)
@@ -219,6 +228,65 @@ def _drop_privileges(as_root: bool) -> None:
     header = (ctypes.c_uint32 * 2)(CAP_VERSION_3, 0)
     data = (ctypes.c_uint32 * 6)()
     _check(libc().capset(header, data), "capset")
+    try:
+        refuse_user_namespaces()
+    except SetupError:
+        if userns_required:
+            raise
+
+
+# The seccomp filter that refuses new user namespaces. Per architecture: its AUDIT_ARCH value and the numbers of
+# unshare, clone and clone3 (include/uapi/linux/audit.h; arch/x86/entry/syscalls/syscall_64.tbl,
+# include/uapi/asm-generic/unistd.h). clone3 passes its flags in memory, which a filter cannot read: it is refused
+# with ENOSYS, and the C library falls back to clone (as container runtimes' default profiles do).
+SECCOMP_ARCHES = {"x86_64": (0xC000003E, 272, 56, 435), "aarch64": (0xC00000B7, 97, 220, 435)}
+X32_SYSCALL_BIT = 0x40000000
+PR_SET_SECCOMP, SECCOMP_MODE_FILTER = 22, 2
+SECCOMP_RET_ALLOW, SECCOMP_RET_ERRNO = 0x7FFF0000, 0x00050000
+BPF_LD_W_ABS, BPF_JEQ, BPF_JGE, BPF_JSET, BPF_RET = 0x20, 0x15, 0x35, 0x45, 0x06
+
+
+class _SockFilter(ctypes.Structure):
+    _fields_ = [("code", ctypes.c_uint16), ("jt", ctypes.c_uint8), ("jf", ctypes.c_uint8), ("k", ctypes.c_uint32)]
+
+
+class _SockFprog(ctypes.Structure):
+    _fields_ = [("len", ctypes.c_uint16), ("filter", ctypes.POINTER(_SockFilter))]
+
+
+def user_namespace_filter(machine: str) -> list[tuple[int, int, int, int]]:
+    """The BPF program (code, jt, jf, k rows) over `struct seccomp_data` (nr at offset 0, arch at 4, the first
+    argument's low word at 16 on these little-endian machines): unshare or clone with CLONE_NEWUSER is EPERM,
+    clone3 ENOSYS, a foreign architecture's (or x32's) every call EPERM; all else allowed."""
+    if machine not in SECCOMP_ARCHES:
+        raise SetupError(f"new user namespaces cannot be refused on {machine} (a seccomp filter is written for "
+                         f"{', '.join(SECCOMP_ARCHES)})")
+    arch, unshare_nr, clone_nr, clone3_nr = SECCOMP_ARCHES[machine]
+    eperm, enosys = SECCOMP_RET_ERRNO | errno.EPERM, SECCOMP_RET_ERRNO | errno.ENOSYS
+    return [
+        (BPF_LD_W_ABS, 0, 0, 4),                 # 0: arch
+        (BPF_JEQ, 1, 0, arch),                   # 1: native -> 3
+        (BPF_RET, 0, 0, eperm),                  # 2
+        (BPF_LD_W_ABS, 0, 0, 0),                 # 3: nr
+        (BPF_JGE, 8, 0, X32_SYSCALL_BIT),        # 4: x32 -> 13
+        (BPF_JEQ, 4, 0, unshare_nr),             # 5: -> 10
+        (BPF_JEQ, 3, 0, clone_nr),               # 6: -> 10
+        (BPF_JEQ, 1, 0, clone3_nr),              # 7: -> 9
+        (BPF_RET, 0, 0, SECCOMP_RET_ALLOW),      # 8
+        (BPF_RET, 0, 0, enosys),                 # 9
+        (BPF_LD_W_ABS, 0, 0, 16),                # 10: flags (the first argument's low word)
+        (BPF_JSET, 1, 0, CLONE_NEWUSER),         # 11: CLONE_NEWUSER -> 13, else 12
+        (BPF_RET, 0, 0, SECCOMP_RET_ALLOW),      # 12
+        (BPF_RET, 0, 0, eperm),                  # 13
+    ]
+
+
+def refuse_user_namespaces() -> None:
+    """Install the filter above in this process (inherited by all it starts; `no_new_privs` must be set)."""
+    rows = user_namespace_filter(platform.machine())
+    program = (_SockFilter * len(rows))(*(_SockFilter(*row) for row in rows))
+    fprog = _SockFprog(len(rows), program)
+    _check(libc().prctl(PR_SET_SECCOMP, SECCOMP_MODE_FILTER, ctypes.byref(fprog), 0, 0), "seccomp")
 
 
 def _tasks_of(uid: int) -> int:
@@ -276,7 +344,7 @@ def enter_namespaces(network: bool, memory_mb: int) -> int:
     stage = "/tmp" if os.path.isdir("/tmp") else "/mnt"
     _build_root(stage, memory_mb)
     _pivot(stage)
-    _drop_privileges(as_root)
+    drop_privileges(as_root)
     from portagrpo.procs import set_parent_death_signal
 
     set_parent_death_signal()  # after the uid switch, which clears it: the call dies with its first process

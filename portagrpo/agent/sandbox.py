@@ -1,17 +1,28 @@
-"""The tool sandbox: every tool call runs in a process of its own, forked by a worker process, isolated and limited.
+"""The tool sandbox: every tool call runs in a process of its own, isolated and limited, that holds nothing but its
+own job.
 
-Workers are processes of their own (`python -c`, dying with the trainer), started with PATH, LANG and HOME as their
-whole environment, and import the tools once. For each call a worker forks a child that, before the tool runs:
-- starts a session of its own, with an environment of PATH, LANG, HOME and TMPDIR only (no inherited secrets);
-- is isolated at the run's level (agent/isolation.py): `namespaces` (its own PID, mount, network, IPC, UTS and,
-  for a non-root trainer, user namespaces; a read-only system, a private /tmp, uid 65534) or `process` (its own
-  process and a fresh temporary directory, sharing the trainer's files);
-- gets a CPU-time limit (RLIMIT_CPU), a memory limit (RLIMIT_AS, on top of what the worker already maps) and a
-  process limit (RLIMIT_NPROC).
-The worker reads the child's output (stdout and stderr) up to a byte cap, and kills the call at the wall-clock
-limit, at the cap, and after the call: its process group, and then every process the call left behind (the
-worker is their subreaper), so a `setsid()` grandchild dies with the call too. The call reports how it ended on
-a status pipe of its own, so a tool's own exit code is never read as one of the sandbox's outcomes.
+Three kinds of process, and what crosses between them:
+- a *worker* (one per `rollout.multi_turn.tool_workers`) is a process of its own (`python -c`, dying with the
+  trainer), started with PATH, LANG, HOME and LD_LIBRARY_PATH as its whole environment. It imports the tools once and
+  is then the clean template every call is forked from: it never receives a job. Per call it is handed a header (the
+  call's index and whether its tool keeps the network) and, as a descriptor, the read end of a pipe that the trainer
+  has already filled with the job (the tool's name, its arguments and only the context keys the tool's signature
+  names). It forks a *keeper* for the call and goes back to waiting;
+- the keeper forks the *call*, reads the call's output up to a byte cap, kills the call at the wall-clock limit, at
+  the cap and after it (its process group, and then every process the call left behind: the keeper is their
+  subreaper, so a `setsid()` grandchild dies with the call too), and sends the result to the trainer;
+- the call closes every descriptor but its job pipe, its output and its status pipe before anything else, reads its
+  job, and is isolated at the run's level (agent/isolation.py): `namespaces` (its own PID, mount, network, IPC and,
+  for a non-root trainer, user namespaces; a read-only system, a private /tmp, uid 65534, no new user namespaces) or
+  `process` (its own process and a fresh temporary directory, sharing the trainer's files; uid 65534 where the
+  trainer is root). It gets an environment of PATH, LANG, HOME and TMPDIR only, a CPU-time limit (RLIMIT_CPU), a
+  memory limit (RLIMIT_AS, on top of what the worker already maps) and a process limit (RLIMIT_NPROC).
+
+So a call's memory is the template's plus its own job, never another's, and a call holds no descriptor that leads
+back to the worker or the trainer. Every message that crosses from a worker or keeper to the trainer is
+length-framed JSON (agent/wire.py), never a pickle; one that does not parse is a failed call, and the worker that
+sent it is replaced. The call reports how it ended on a status pipe of its own, so a tool's own exit code is never
+read as one of the sandbox's outcomes.
 
 Whatever goes wrong (a hang, a crash, an exception, too much output, too much memory, a fork storm) becomes a
 `ToolResult` with an `error` kind and a message for the model; the run goes on.
@@ -20,8 +31,11 @@ from __future__ import annotations
 
 import fcntl
 import glob
+import inspect
+import json
 import math
 import os
+import resource
 import select
 import shutil
 import signal
@@ -30,21 +44,24 @@ import subprocess
 import sys
 import tempfile
 import time
-from dataclasses import dataclass
-from multiprocessing.connection import Connection, wait
+from dataclasses import asdict, dataclass
+from multiprocessing.connection import wait
 from typing import Any
 
-from portagrpo.agent.isolation import Isolation, SetupError, drop_network, enter_namespaces, libc, set_limits
+from portagrpo.agent import wire
+from portagrpo.agent.isolation import (LEVELS, SANDBOX_ID, Isolation, SetupError, drop_network, drop_privileges,
+                                       enter_namespaces, libc, set_limits, task_limit)
 from portagrpo.errors import UserError
 from portagrpo.procs import pid_alive, sigint_ignored
 
 PR_SET_CHILD_SUBREAPER = 36
 STATUS_OK, STATUS_EXCEPTION, STATUS_MEMORY, STATUS_SETUP = b"ok", b"exception", b"memory", b"setup"
+READ_TIMEOUT_S = 30.0  # a message that has started must arrive whole within this
 GRACE_S = 5.0  # the trainer's own deadline past the worker's, for a worker that stops answering
 IMPORT_FLOOR_S = 60.0  # a tool's import may take this long (or the call timeout, if longer) before it is an error
 NOTICE_AFTER_S = 10.0  # a slow import is told once after this long, so a run is never silent while it waits
 TRUNCATED = "[output truncated]"
-TEMP_PREFIX = "portagrpo-tool-"  # + the worker's pid: a `process`-level call's directory
+TEMP_PREFIX = "portagrpo-tool-"  # + the keeper's pid: a `process`-level call's directory
 SETTING = "rollout.multi_turn.sandbox"
 
 
@@ -71,7 +88,10 @@ class ToolJob:
     network: bool = False
 
 
-# ---------------------------------------------------------------- in the forked child
+# ---------------------------------------------------------------- in the call's process
+
+MAX_JOB_BYTES = 1 << 20  # a call's job (its arguments and context) must fit one pipe: the trainer writes it whole
+
 
 def _address_space() -> int:
     with open("/proc/self/status") as f:
@@ -81,35 +101,73 @@ def _address_space() -> int:
     return 0
 
 
-def _isolate(job: ToolJob, limits: Limits, level: str, workdir: str | None) -> tuple[str, int]:
+def keep_only(fds: tuple[int, ...]) -> None:
+    """Close every descriptor of this process but `fds` (a call must hold nothing that leads back out)."""
+    low = 0
+    for fd in sorted(set(fds)):
+        if fd > low:
+            os.closerange(low, fd)
+        low = fd + 1
+    os.closerange(low, resource.getrlimit(resource.RLIMIT_NOFILE)[0])
+
+
+def _read_job(fd: int) -> dict:
+    chunks, size = [], 0
+    while True:
+        data = os.read(fd, 65536)
+        if not data:
+            break
+        size += len(data)
+        if size > MAX_JOB_BYTES:
+            raise ValueError("the call's job is over its size limit")
+        chunks.append(data)
+    job = json.loads(b"".join(chunks).decode())
+    if not (isinstance(job, dict) and isinstance(job.get("name"), str) and isinstance(job.get("arguments"), dict)
+            and isinstance(job.get("context"), dict)):
+        raise ValueError("the call's job is not a job")
+    return job
+
+
+def _isolate(network: bool, limits: Limits, level: str, workdir: str | None) -> tuple[str, int]:
     """Enter the call's isolation: (its home directory, its RLIMIT_NPROC, 0 for none)."""
     if level == "namespaces":
-        return "/tmp", enter_namespaces(job.network, limits.memory_mb)
+        return "/tmp", enter_namespaces(network, limits.memory_mb)
     os.chdir(workdir)
-    if not job.network:
+    if not network:
         drop_network()
-    return workdir, 0  # a trainer's uid may run many threads: no count that would not break its own forks
+    as_root = os.geteuid() == 0
+    drop_privileges(as_root, userns_required=False)
+    # a root trainer's calls run as SANDBOX_ID, whose processes can be counted; a trainer's own uid may run many
+    # threads: no count that would not break its own forks
+    return workdir, task_limit(True) if as_root else 0
 
 
-def _child(fn, job: ToolJob, limits: Limits, level: str, workdir: str | None, out_fd: int, status_fd: int) -> None:
+def _child(functions: dict, job_fd: int, network: bool, limits: Limits, level: str, workdir: str | None,
+           out_fd: int, status_fd: int) -> None:
     """The forked call: never returns."""
     status = STATUS_EXCEPTION
     try:
         from portagrpo.agent.tools import call_tool
         from portagrpo.procs import set_parent_death_signal
 
+        keep_only((0, 1, 2, job_fd, out_fd, status_fd))
         os.setsid()
-        set_parent_death_signal()  # a worker killed mid-call takes the call with it
+        set_parent_death_signal()  # a keeper killed mid-call takes the call with it
         os.dup2(out_fd, 1)
         os.dup2(out_fd, 2)
+        os.close(out_fd)
         null = os.open(os.devnull, os.O_RDONLY)
         os.dup2(null, 0)
-        home, tasks = _isolate(job, limits, level, workdir)
+        os.close(null)
+        job = _read_job(job_fd)
+        os.close(job_fd)
+        home, tasks = _isolate(network, limits, level, workdir)
         os.environ.clear()
         os.environ.update(PATH="/usr/local/bin:/usr/bin:/bin", LANG="C.UTF-8", HOME=home, TMPDIR=home)
+        tempfile.tempdir = None
         cpu = max(1, math.ceil(limits.timeout_s))
         set_limits(cpu, _address_space() + limits.memory_mb * 2**20, tasks)
-        text = call_tool(fn, job.arguments, job.context)
+        text = call_tool(functions[job["name"]], job["arguments"], job["context"])
         sys.stdout.write(text)
         sys.stdout.flush()
         status = STATUS_OK
@@ -129,6 +187,8 @@ def _child(fn, job: ToolJob, limits: Limits, level: str, workdir: str | None, ou
     finally:
         os._exit(0)
 
+
+# ---------------------------------------------------------------- in the call's keeper
 
 def _read_capped(fd: int, deadline: float, cap: int) -> tuple[bytes, bool, bool]:
     """The child's output up to `cap` bytes: (bytes, over the cap, past the deadline)."""
@@ -157,7 +217,7 @@ def _kill_group(pgid: int) -> None:
 
 
 def _children() -> list[int]:
-    """This process's children now (the worker's: a call's orphans are reparented to it, its subreaper)."""
+    """This process's children now (the keeper's: a call's orphans are reparented to it, its subreaper)."""
     pids: list[int] = []
     for tid in os.listdir("/proc/self/task"):
         try:
@@ -170,7 +230,7 @@ def _children() -> list[int]:
 
 def _reap_all() -> None:
     """Kill and collect every process a call left behind: a process that left the call's group (setsid) is
-    reparented to the worker when its parent dies, and killed here; so, round by round, are its own children.
+    reparented to the keeper when its parent dies, and killed here; so, round by round, are its own children.
     Under `namespaces` the first round ends it all: killing a PID namespace's first process ends the namespace."""
     for _ in range(200):
         while True:  # collect what has ended
@@ -199,19 +259,31 @@ def _status(fd: int) -> bytes:
         return b""
 
 
-def run_call(fn, job: ToolJob, limits: Limits, isolation: Isolation, network_isolated: bool | None) -> ToolResult:
-    """One call in a forked, isolated, limited child (in a worker; tests call it directly)."""
+def _call_dir(level: str) -> str | None:
+    """A `process`-level call's home: a fresh directory under the trainer's temp dir, the call's own where it runs
+    as SANDBOX_ID."""
+    if level != "process":
+        return None
+    workdir = tempfile.mkdtemp(prefix=f"{TEMP_PREFIX}{os.getpid()}-")
+    if os.geteuid() == 0:
+        os.chown(workdir, SANDBOX_ID, SANDBOX_ID)
+    return workdir
+
+
+def run_call(functions: dict, job_fd: int, network: bool, limits: Limits, isolation: Isolation,
+             network_isolated: bool | None) -> ToolResult:
+    """One call in a forked, isolated, limited child that reads its job from `job_fd` (in a keeper, which never
+    reads it; tests call this directly)."""
     level = isolation.level
-    workdir = tempfile.mkdtemp(prefix=f"{TEMP_PREFIX}{os.getpid()}-") if level == "process" else None
+    workdir = _call_dir(level)
     read_fd, write_fd = os.pipe()
     status_read, status_write = os.pipe()
     sys.stdout.flush()
     sys.stderr.flush()
     pid = os.fork()
     if pid == 0:
-        os.close(read_fd)
-        os.close(status_read)
-        _child(fn, job, limits, level, workdir, write_fd, status_write)
+        _child(functions, job_fd, network, limits, level, workdir, write_fd, status_write)
+    os.close(job_fd)
     os.close(write_fd)
     os.close(status_write)
     try:
@@ -229,7 +301,7 @@ def run_call(fn, job: ToolJob, limits: Limits, isolation: Isolation, network_iso
         os.close(status_read)
         if workdir is not None:
             shutil.rmtree(workdir, ignore_errors=True)
-    if job.network:
+    if network:
         isolated = None
     else:
         isolated = True if level == "namespaces" else network_isolated
@@ -282,50 +354,83 @@ def remove_stale_dirs() -> int:
     return removed
 
 
-# ---------------------------------------------------------------- the worker process
+# ---------------------------------------------------------------- the worker: the template every call is forked from
 
 WORKER_ENV_KEEP = ("PATH", "LANG", "HOME", "LD_LIBRARY_PATH")  # what a worker is started with, and nothing else
 
 
-def _worker_main(conn, targets: dict[str, str], limits: Limits, setting: str, parent_pid: int) -> None:
+def context_names(fn) -> list[str]:
+    """The parameters a tool names, so that a call is sent only the context keys it asks for (`ground_truth`)."""
+    try:
+        return list(inspect.signature(fn).parameters)
+    except (TypeError, ValueError):
+        return []
+
+
+def _keeper(sock: socket.socket, functions: dict, header: dict, job_fd: int, limits: Limits, isolation: Isolation,
+            network_isolated: bool | None) -> None:
+    """A call's keeper (forked from the worker, never returns): runs the call and sends its result."""
+    code = 1
+    try:
+        from portagrpo.procs import set_parent_death_signal
+
+        signal.signal(signal.SIGCHLD, signal.SIG_DFL)  # the worker ignores it; the keeper waits for its call
+        set_parent_death_signal()  # a worker killed (at the trainer's deadline) takes the keeper with it
+        libc().prctl(PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0)
+        result = run_call(functions, job_fd, bool(header["network"]), limits, isolation, network_isolated)
+        wire.send(sock, {"kind": "result", "index": header["index"], "result": asdict(result)})
+        code = 0
+    finally:
+        os._exit(code)
+
+
+def _worker_main(sock: socket.socket, start: dict) -> None:
     from portagrpo.procs import exit_with_parent, set_parent_death_signal
 
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     set_parent_death_signal()
-    exit_with_parent(parent_pid, "tool worker")
+    exit_with_parent(int(start["parent_pid"]), "tool worker")
+    tempfile.tempdir = start["tempdir"]  # the trainer's ($TMPDIR): where `process`-level calls get their directory
+    limits, setting = Limits(**start["limits"]), start["setting"]
     from portagrpo.agent.isolation import probe
     from portagrpo.agent.tools import resolve
 
     functions = {}
-    for name, target in targets.items():
-        conn.send(("importing", name))
+    for name, target in start["targets"].items():
+        wire.send(sock, {"kind": "importing", "name": name})
         try:
             functions[name] = resolve(target)
         except Exception as err:  # noqa: BLE001 - reported to the trainer as the reason
-            conn.send(("init_error", f"{name}: {type(err).__name__}: {err}"))
+            wire.send(sock, {"kind": "init_error", "text": f"{name}: {type(err).__name__}: {err}"})
             return
-    libc().prctl(PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0)
     isolation = Isolation("process") if setting == "process" else probe(limits.memory_mb)
     network = network_isolation_works() if isolation.level == "process" else True
-    conn.send(("ready", isolation))
+    signal.signal(signal.SIGCHLD, signal.SIG_IGN)  # keepers are collected by the kernel
+    wire.send(sock, {"kind": "ready", "isolation": asdict(isolation),
+                     "takes": {name: context_names(fn) for name, fn in functions.items()}})
     while True:
         try:
-            index, job = conn.recv()
-        except EOFError:
+            message, fds = wire.recv(sock)
+        except (EOFError, OSError, wire.WireError):
             return
-        conn.send(("result", (index, run_call(functions[job.name], job, limits, isolation, network))))
+        header = wire.expect(message, "call", "index", "network")
+        if len(fds) != 1:
+            return
+        if os.fork() == 0:
+            _keeper(sock, functions, header, fds[0], limits, isolation, network)
+        os.close(fds[0])
 
 
 def worker_entry(fd: int) -> None:
-    """A worker process's start (`python -c`): its arguments come over the socket `fd` from the trainer."""
-    conn = Connection(fd)
-    targets, limits, setting, parent_pid = conn.recv()
-    _worker_main(conn, targets, limits, setting, parent_pid)
+    """A worker process's start (`python -c`): its settings come over the socket `fd` from the trainer."""
+    sock = socket.socket(fileno=fd)
+    start, _ = wire.recv(sock)
+    _worker_main(sock, wire.expect(start, "start", "targets", "limits", "setting", "parent_pid", "tempdir"))
 
 
 class _Worker:
-    """A worker process, started with a clean environment (PATH, LANG, HOME): a call is a fork of it, so it must
-    never have held the trainer's secrets, not even in /proc/<pid>/environ."""
+    """A worker process, started with a clean environment (PATH, LANG, HOME): a call is forked from it, so it must
+    never have held the trainer's secrets, not even in /proc/<pid>/environ, nor any job."""
 
     def __init__(self, targets: dict[str, str], limits: Limits, setting: str) -> None:
         ours, theirs = socket.socketpair()
@@ -336,8 +441,10 @@ class _Worker:
             self.proc = subprocess.Popen([sys.executable, "-P", "-c", code], env=env, pass_fds=[theirs.fileno()],
                                          stdin=subprocess.DEVNULL, close_fds=True)
         theirs.close()
-        self.conn = Connection(ours.detach())
-        self.conn.send((targets, limits, setting, os.getpid()))
+        ours.settimeout(READ_TIMEOUT_S)  # a frame that starts must finish: a worker that stalls mid-frame is dead
+        self.sock = ours
+        wire.send(self.sock, {"kind": "start", "targets": targets, "limits": asdict(limits), "setting": setting,
+                              "parent_pid": os.getpid(), "tempdir": tempfile.gettempdir()})
         self.ready = False
         self.importing: str | None = None  # the tool this worker is importing, while it starts
         self.task: int | None = None
@@ -347,6 +454,9 @@ class _Worker:
     def exitcode(self) -> int | None:
         return self.proc.poll()
 
+    def fileno(self) -> int:
+        return self.sock.fileno()
+
     def kill(self) -> None:
         if self.proc.poll() is None:
             self.proc.kill()
@@ -354,7 +464,33 @@ class _Worker:
             self.proc.wait(timeout=5)
         except subprocess.TimeoutExpired:
             pass
-        self.conn.close()
+        self.sock.close()
+
+
+def job_pipe(job: ToolJob, takes: list[str]) -> int:
+    """The read end of a pipe that holds the call's job, written whole (the worker passes it on unread): the tool's
+    name, its arguments, and only the context keys the tool names. ValueError where it would not fit."""
+    context = {k: v for k, v in job.context.items() if k in takes and k not in job.arguments}
+    data = json.dumps({"name": job.name, "arguments": job.arguments, "context": context}, default=str).encode()
+    read_fd, write_fd = os.pipe2(os.O_CLOEXEC | os.O_NONBLOCK)
+    try:
+        if len(data) > 65536:
+            try:
+                fcntl.fcntl(write_fd, fcntl.F_SETPIPE_SZ, min(max(len(data), 65536), MAX_JOB_BYTES))
+            except OSError:
+                pass
+        capacity = fcntl.fcntl(write_fd, fcntl.F_GETPIPE_SZ)
+        if len(data) > capacity:
+            raise ValueError(f"the call's arguments and context are {len(data)} bytes, over the {capacity}-byte "
+                             f"limit of one call")
+        os.write(write_fd, data)
+    except BaseException:
+        os.close(read_fd)
+        raise
+    finally:
+        os.close(write_fd)
+    os.set_blocking(read_fd, True)
+    return read_fd
 
 
 class ToolSandbox:
@@ -371,6 +507,7 @@ class ToolSandbox:
         self._workers: list[_Worker] = []
         self._deaths_at_start = 0
         self.isolation: Isolation | None = None  # known once a worker is ready
+        self.takes: dict[str, list[str]] = {}  # each tool's parameter names, from the first ready worker
 
     def start(self, import_timeout_s: float | None = None) -> Isolation:
         """Start the workers and wait until each has imported the tools and tried its isolation: a tool that
@@ -396,8 +533,8 @@ class ToolSandbox:
                 raise UserError(f"rank {self.rank}: {what} within {timeout_s:g}s (rollout.multi_turn."
                                 f"tool_config_path); make its module import quickly (no work or waiting at import "
                                 f"time).")
-            for conn in wait([w.conn for w in self._workers if not w.ready], timeout=1.0):
-                self._receive(next(w for w in self._workers if w.conn is conn), [])
+            for w in wait([w for w in self._workers if not w.ready], timeout=1.0):
+                self._receive(w, [])
             self._fill()
         self._check_isolation()
         return self.isolation  # type: ignore[return-value]
@@ -426,27 +563,61 @@ class ToolSandbox:
             for w in self._workers:
                 if w.ready and w.task is None and queue:
                     i = queue.pop(0)
-                    w.conn.send((i, jobs[i]))
-                    w.task, w.deadline = i, time.monotonic() + self.limits.timeout_s + GRACE_S
+                    self._dispatch(w, i, jobs[i], results)
             busy = [w for w in self._workers if not w.ready or w.task is not None]
             now = time.monotonic()
             timeout = max(0.0, min([w.deadline - now for w in busy if w.task is not None] + [1.0]))
-            for conn in wait([w.conn for w in busy], timeout=timeout):
-                self._receive(next(w for w in self._workers if w.conn is conn), results)
+            for w in wait(busy, timeout=timeout):
+                self._receive(w, results)
             now = time.monotonic()
             for w in [w for w in self._workers if w.task is not None and w.deadline <= now]:
                 self._replace(w, results, ToolResult(f"Error: the tool ran past its {self.limits.timeout_s:g}s "
                                                      f"limit and was stopped.", "timeout"))
         return results  # type: ignore[return-value]
 
+    def _dispatch(self, w: _Worker, index: int, job: ToolJob, results: list) -> None:
+        """Hand a job to an idle worker: its pipe, filled here, and a header; the worker never reads the job."""
+        try:
+            fd = job_pipe(job, self.takes.get(job.name, []))
+        except ValueError as err:
+            results[index] = ToolResult(f"Error: {err}.", "arguments")
+            return
+        try:
+            wire.send(w.sock, {"kind": "call", "index": index, "network": job.network}, (fd,))
+        except OSError:
+            w.task = index  # the worker is gone: the call is told so, and the worker replaced
+            self._replace(w, results, ToolResult("Error: the tool's worker process died.", "crash"))
+            return
+        finally:
+            os.close(fd)
+        w.task, w.deadline = index, time.monotonic() + self.limits.timeout_s + GRACE_S
+
     def _receive(self, w: _Worker, results: list) -> None:
         try:
-            kind, payload = w.conn.recv()
-        except (EOFError, OSError):
+            message, fds = wire.recv(w.sock)
+            for fd in fds:  # nothing a worker sends carries a descriptor
+                os.close(fd)
+            if not isinstance(message, dict):
+                raise wire.WireError("a message is a JSON object")
+            kind = message.get("kind")
+        except (EOFError, OSError, wire.WireError) as err:
+            self._lost(w, results, err)
+            return
+        try:
+            self._handle(w, kind, message, results)
+        except (KeyError, TypeError, ValueError) as err:
+            self._lost(w, results, wire.WireError(str(err)))
+
+    def _lost(self, w: _Worker, results: list, err: BaseException) -> None:
+        """A worker that died, or sent what is not a message: its call fails, and it is replaced."""
+        if isinstance(err, wire.WireError):
+            result = ToolResult("Error: the tool's worker sent a malformed message; the call failed.", "crash")
+        else:
             try:
                 w.proc.wait(timeout=5)
             except subprocess.TimeoutExpired:
                 pass
+            result = ToolResult("Error: the tool's worker process died.", "crash")
             if not w.ready:
                 self._deaths_at_start += 1
                 if self._deaths_at_start > 3:
@@ -454,21 +625,28 @@ class ToolSandbox:
                     raise UserError(f"rank {self.rank}: tool workers die while starting (exit code "
                                     f"{w.exitcode}); check that rollout.multi_turn.tool_config_path's tools "
                                     f"import.") from None
-            self._replace(w, results, ToolResult("Error: the tool's worker process died.", "crash"))
-            return
+        self._replace(w, results, result)
+
+    def _handle(self, w: _Worker, kind: str, message: dict, results: list) -> None:
         if kind == "importing":
-            w.importing = payload
+            w.importing = str(message["name"])
             return
         if kind == "init_error":
             self.close()
             raise UserError(f"rank {self.rank}: rollout.multi_turn.tool_config_path: a tool cannot be loaded in a "
-                            f"tool worker: {payload}")
+                            f"tool worker: {message['text']}")
         if kind == "ready":
+            level, reason = message["isolation"]["level"], str(message["isolation"]["reason"])
+            if level not in LEVELS:
+                raise ValueError(f"no isolation level {level!r}")
             w.ready, w.importing = True, None
-            self.isolation = self.isolation or payload
+            self.isolation = self.isolation or Isolation(level, reason)
+            self.takes = self.takes or {str(k): [str(n) for n in v] for k, v in message["takes"].items()}
             return
-        index, result = payload
-        results[index], w.task, w.deadline = result, None, math.inf
+        if kind != "result" or message["index"] != w.task or w.task is None:
+            raise ValueError(f"an unexpected {kind!r} message")
+        results[w.task] = _result(message["result"])
+        w.task, w.deadline = None, math.inf
 
     def _fill(self) -> None:
         while len(self._workers) < self.num_workers:
@@ -490,6 +668,17 @@ class ToolSandbox:
             self.close()
         except Exception:  # noqa: BLE001 - interpreter shutdown
             pass
+
+
+ERROR_KINDS = (None, "parse", "unknown_tool", "arguments", "exception", "timeout", "memory", "output", "crash")
+
+
+def _result(data: Any) -> ToolResult:
+    """A keeper's result, read as data: ValueError where it is not one."""
+    if not isinstance(data, dict) or not isinstance(data.get("text"), str) or data.get("error") not in ERROR_KINDS \
+            or data.get("network_isolated") not in (None, True, False):
+        raise ValueError("not a tool result")
+    return ToolResult(data["text"], data["error"], data["network_isolated"])
 
 
 def describe(result: ToolResult) -> dict[str, Any]:
