@@ -22,7 +22,7 @@ from typing import Any
 import torch
 
 from portagrpo.errors import UserError
-from portagrpo.fileio import atomic_path
+from portagrpo.fileio import WriteError, atomic_path, describe_os_error, system_error_in
 
 MANIFEST = "manifest.json"
 PREFIX = "step_"
@@ -105,7 +105,14 @@ def save_sharded_checkpoint(
     final = checkpoint_dir(run_dir, step)
     if not comm.is_main:
         tmp = Path(comm.broadcast_object(None))
-        comm.all_gather_object(_write_shards(tmp, shards, comm))
+        try:
+            mine = _write_shards(tmp, shards, comm)
+        except Exception as err:  # torch.distributed.checkpoint raises the same failure on every rank: one sentence
+            system = system_error_in(err, tmp.parent)
+            if system is None:
+                raise
+            raise WriteError(describe_os_error(system, final, f"saving checkpoint step {step} to")) from None
+        comm.all_gather_object(mine)
         comm.barrier()
         return None
     with atomic_path(final, directory=True, what=f"saving checkpoint step {step} to") as tmp:
@@ -129,7 +136,10 @@ def _write_shards(tmp: Path, shards: dict[str, Any], comm) -> dict[str, dict[str
     import torch.distributed.checkpoint as dcp
 
     folder = tmp / SHARDS
-    dcp.save(shards, storage_writer=dcp.FileSystemWriter(str(folder)))
+    try:
+        dcp.save(shards, storage_writer=dcp.FileSystemWriter(str(folder)))
+    except dcp.api.CheckpointException as err:  # a BaseException, raised on every rank with every rank's failure:
+        raise RuntimeError(str(err)) from None  # an Exception, which the writers read for the system's refusal
     # torch.distributed.checkpoint names rank r's files `__r_<n>.distcp`; rank 0 hashes any other file (.metadata)
     files = sorted(p for p in folder.iterdir() if p.is_file())
     others = tuple(f"__{r}_" for r in range(comm.world_size) if r != comm.rank)

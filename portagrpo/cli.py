@@ -56,8 +56,10 @@ def _dry_run(config_path, overrides: list[str]) -> int:
     machine lacks (models, datasets) are listed, not errors: a recipe is usually checked
     away from the cluster that holds them."""
     from portagrpo.backends import get_backend
-    from portagrpo.config import ConfigError, load_config, missing_files, validate_world
+    from portagrpo.config import ConfigError, load_config, missing_files, strategy_problems, validate_world
     from portagrpo.rewards.functions import RewardResolver
+    from portagrpo.rollout.generators import generator_problem
+    from portagrpo.tools.plan import strategy_of
 
     notices: list[str] = []
     cfg = load_config(config_path, overrides, check_files=False, notices=notices)
@@ -66,6 +68,10 @@ def _dry_run(config_path, overrides: list[str]) -> int:
     t = cfg.trainer
     world = t.nnodes * t.devices_per_node if t.nnodes > 1 else t.nproc_per_node
     problems = validate_world(cfg, world)
+    if not problems:
+        problems = strategy_problems(cfg, world, strategy_of(cfg, world, _dry_run_device(t.device)))
+    generator = generator_problem(cfg.rollout.generator, _vision_policy(cfg), cfg.rollout.multi_turn.enable)
+    problems += [generator] if generator else []
     if ":" not in cfg.reward.function:
         try:
             RewardResolver(cfg.reward.function)
@@ -101,6 +107,28 @@ def _dry_run(config_path, overrides: list[str]) -> int:
         if problem:
             raise UserError(problem)
     return 0
+
+
+def _vision_policy(cfg) -> bool | None:
+    """Whether the policy is a vision-language one, where this machine can tell (the tiny one, or a model.path it
+    holds); None for a model directory elsewhere (a recipe checked away from its cluster)."""
+    from pathlib import Path
+
+    from portagrpo.paths import uses_vision
+
+    if cfg.model.path is not None and not Path(cfg.model.path).is_dir():
+        return None
+    return uses_vision(cfg.model)
+
+
+def _dry_run_device(device: str) -> str | None:
+    """The device kind a run of `device` would take on this machine (auto: what is here), None where unknown."""
+    from portagrpo.backends import get_backend
+
+    try:
+        return get_backend(device).name
+    except UserError:
+        return None if device == "auto" else device
 
 
 def _launch_ranks(cfg, argv: list[str]) -> int:

@@ -178,13 +178,15 @@ def atomic_path(final: str | Path, *, what: str = "writing", directory: bool = F
 def system_error_in(err: BaseException, where: Path) -> OSError | None:
     """The operating-system error behind a writer's own exception type, or None. safetensors reports
     "I/O error: ... (os error 28)", torch.save "file write failed" with no errno: then a nearly full
-    device is taken as the cause (its free space is read after the temporary was removed)."""
+    device is taken as the cause (its free space is read after the temporary was removed). torch's zip writer says
+    "unexpected pos" after a short write, and torch.distributed.checkpoint's CheckpointException carries every rank's
+    failure in its text."""
     text = str(err)
     found = re.search(r"os error (\d+)|\[Errno (\d+)\]", text)
     if found:
         code = int(found.group(1) or found.group(2))
         return OSError(code, os.strerror(code))
-    if "write failed" in text or "No space left" in text:
+    if "write failed" in text or "No space left" in text or "unexpected pos" in text:
         try:
             free = shutil.disk_usage(where).free
         except OSError:

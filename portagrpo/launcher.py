@@ -82,12 +82,23 @@ class _Signalled(Exception):
         self.signum = signum
 
 
+RANKS_PREFIX = "portagrpo-ranks-"  # + the launcher's pid: the folder its ranks report failures into
+
+
+def remove_stale_rank_dirs() -> int:
+    """Report folders whose launcher is gone: removed at the next start. Returns how many."""
+    from portagrpo.procs import remove_orphaned_dirs
+
+    return remove_orphaned_dirs(RANKS_PREFIX)
+
+
 def launch_local(nproc: int, command: list[str], grace_s: float = STOP_GRACE_S) -> int:
     """Run `command` as `nproc` ranks; their exit status, or one sentence on stderr and a failure status."""
     listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
     listener.bind(("127.0.0.1", 0))
     listener.listen(max(128, 4 * nproc))
-    reports = tempfile.mkdtemp(prefix="portagrpo-ranks-")
+    remove_stale_rank_dirs()
+    reports = tempfile.mkdtemp(prefix=f"{RANKS_PREFIX}{os.getpid()}-")
     try:
         return _launch(nproc, command, grace_s, listener, reports)
     finally:

@@ -30,7 +30,6 @@ Whatever goes wrong (a hang, a crash, an exception, too much output, too much me
 from __future__ import annotations
 
 import fcntl
-import glob
 import inspect
 import json
 import math
@@ -49,10 +48,20 @@ from multiprocessing.connection import wait
 from typing import Any
 
 from portagrpo.agent import wire
-from portagrpo.agent.isolation import (LEVELS, SANDBOX_ID, Isolation, SetupError, drop_network, drop_privileges,
-                                       enter_namespaces, libc, set_limits, task_limit)
+from portagrpo.agent.isolation import (
+    LEVELS,
+    SANDBOX_ID,
+    Isolation,
+    SetupError,
+    drop_network,
+    drop_privileges,
+    enter_namespaces,
+    libc,
+    set_limits,
+    task_limit,
+)
 from portagrpo.errors import UserError
-from portagrpo.procs import pid_alive, sigint_ignored
+from portagrpo.procs import remove_orphaned_dirs, sigint_ignored
 
 PR_SET_CHILD_SUBREAPER = 36
 STATUS_OK, STATUS_EXCEPTION, STATUS_MEMORY, STATUS_SETUP = b"ok", b"exception", b"memory", b"setup"
@@ -343,15 +352,9 @@ def network_isolation_works() -> bool:
 
 
 def remove_stale_dirs() -> int:
-    """`process`-level call directories whose worker is gone (killed with -9, say): removed at the next start.
+    """`process`-level call directories whose keeper is gone (killed with -9, say): removed at the next start.
     Returns how many."""
-    removed = 0
-    for path in glob.glob(os.path.join(tempfile.gettempdir(), f"{TEMP_PREFIX}*")):
-        owner = os.path.basename(path)[len(TEMP_PREFIX):].split("-", 1)[0]
-        if owner.isdigit() and not pid_alive(int(owner)):
-            shutil.rmtree(path, ignore_errors=True)
-            removed += 1
-    return removed
+    return remove_orphaned_dirs(TEMP_PREFIX)
 
 
 # ---------------------------------------------------------------- the worker: the template every call is forked from

@@ -12,7 +12,7 @@ from portagrpo.config.load import (
     to_dict,
     to_yaml,
 )
-from portagrpo.config.rules import missing_files, validate, validate_world
+from portagrpo.config.rules import missing_files, strategy_problems, validate, validate_world
 from portagrpo.config.schema import (
     PRESETS,
     ActorConfig,
@@ -33,5 +33,5 @@ __all__ = [
     "PRESETS", "ActorConfig", "AlgorithmConfig", "Config", "ConfigError", "DataConfig", "KernelsConfig",
     "LoraSettings", "ModelConfig", "RewardConfig", "RolloutConfig", "TinyModelConfig", "TrainerConfig",
     "all_keys", "correction_bounds", "from_dict", "load_config", "merge_raw", "missing_files", "parse_override",
-    "read_yaml", "replace", "to_dict", "to_yaml", "validate", "validate_world",
+    "read_yaml", "replace", "to_dict", "to_yaml", "strategy_problems", "validate", "validate_world",
 ]

@@ -223,6 +223,10 @@ def _run_settings(cfg: Config) -> list[str]:
         p.append(f"trainer.nproc_per_node={t.nproc_per_node} must be at least 1.")
     if t.nnodes < 1 or t.devices_per_node < 1:
         p.append(f"trainer.nnodes={t.nnodes} and trainer.devices_per_node={t.devices_per_node} must be at least 1.")
+    for name in ("device_memory_gb", "host_memory_gb"):
+        value = getattr(t, name)
+        if value is not None and not value > 0:  # nan too
+            p.append(f"trainer.{name}={value} must be a positive number of GiB, or null.")
     if t.dist_timeout_s <= 0:
         p.append(f"trainer.dist_timeout_s={t.dist_timeout_s} must be positive.")
     if t.max_ckpt_to_keep < 1:
@@ -365,6 +369,21 @@ def validate_world(cfg: Config, world_size: int) -> list[str]:
         p.append(f"actor.ppo_mini_batch_size={a.ppo_mini_batch_size} cannot be split over {world_size} ranks; "
                  f"use a multiple of {world_size}.")
     return p
+
+
+def strategy_problems(cfg: Config, world_size: int, strategy: str) -> list[str]:
+    """trainer.fsdp_size against the strategy the backend resolves trainer.parallel to (`strategy`: none, ddp or
+    fsdp2): a shard group is applied or refused, never ignored. `train` and `portagrpo plan` ask the same."""
+    k = cfg.trainer.fsdp_size
+    if k <= 0 or k == world_size == 1:
+        return []
+    if world_size == 1:
+        return [f"trainer.fsdp_size={k} asks for shard groups of {k} ranks, and this run has 1; use "
+                f"trainer.fsdp_size=-1, or run on a multiple of {k} ranks."]
+    if strategy != "fsdp2":
+        return [f"trainer.fsdp_size={k} sets FSDP2's shard groups, and trainer.parallel={cfg.trainer.parallel} runs "
+                f"{strategy} here; set trainer.parallel=fsdp2, or trainer.fsdp_size=-1."]
+    return []
 
 
 def missing_files(cfg: Config) -> list[str]:

@@ -26,9 +26,9 @@ from portagrpo.model.ulysses import (
     GatherTokens,
     Packing,
     SequenceGroup,
-    check_heads,
     check_same_rows,
     plan_row,
+    sequence_parallel_problem,
     use_packed_attention,
 )
 from portagrpo.model.vision import vl_body, vl_hidden_states, vl_inputs
@@ -176,15 +176,11 @@ class ResponseScorer(torch.nn.Module):
         # model.use_remove_padding: packed rows attend within each sequence through model/ulysses.py's attention
         self.remove_padding = remove_padding
         self.packs = remove_padding and use_packed_attention(decoder_of(lm).config, flash=sequence_parallel is not None)
-        if sequence_parallel is not None and moe.moe_layers(lm):
-            raise UserError(f"actor.ulysses_sequence_parallel_size={sequence_parallel.size} splits each row over "
-                            f"ranks, and a mixture-of-experts policy's routes (recorded, replayed and compared per "
-                            f"token of the whole row, model/moe.py) are not split with it yet; use "
-                            f"actor.ulysses_sequence_parallel_size=1.")
         if sequence_parallel is not None:
             c = decoder_of(lm).config
-            problem = check_heads(c.num_attention_heads, getattr(c, "num_key_value_heads", None)
-                                  or c.num_attention_heads, sequence_parallel.size)
+            problem = sequence_parallel_problem(sequence_parallel.size, c.num_attention_heads,
+                                                getattr(c, "num_key_value_heads", None) or c.num_attention_heads,
+                                                bool(moe.moe_layers(lm)))
             if problem:
                 raise UserError(problem)
         if sequence_parallel is not None and not self.packs:

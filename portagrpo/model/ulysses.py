@@ -66,6 +66,16 @@ def sequence_groups(world: int, rank: int, sp: int, new_group: Callable = None) 
     return SequenceGroup(mine, sp, rank % sp)
 
 
+def sequence_parallel_problem(sp: int, heads: int, kv_heads: int, moe: bool) -> str | None:
+    """Why a model cannot be split over `sp` sequence-parallel ranks (its experts, its heads), or None: the run and
+    `portagrpo plan` say the same sentence."""
+    if moe:
+        return (f"actor.ulysses_sequence_parallel_size={sp} splits each row over ranks, and a mixture-of-experts "
+                f"policy's routes (recorded, replayed and compared per token of the whole row, model/moe.py) are not "
+                f"split with it yet; use actor.ulysses_sequence_parallel_size=1.")
+    return check_heads(heads, kv_heads, sp)
+
+
 def check_heads(heads: int, kv_heads: int, sp: int) -> str | None:
     """Why a model with these heads cannot be split over `sp` ranks, or None."""
     if heads % sp:

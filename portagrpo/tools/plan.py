@@ -1,17 +1,22 @@
 """`portagrpo plan`: the memory plan of a run before it starts (portagrpo/model/memory_plan.py has the model).
 
-    portagrpo plan --config C [overrides] [--nodes N --devices-per-node D --device-memory-gb M --host-memory-gb H]
-                   [--json F]
+    portagrpo plan --config C [overrides] [--device D] [--nodes N --devices-per-node D --device-memory-gb M
+                   --host-memory-gb H] [--json F]
 
 The model is read from its config.json alone (a directory without weights is enough); where model.path has none
 on this machine, the shape of a well-known model of the same name shipped with portagrpo (tools/model_shapes/) is
 used, and the plan says so. The cluster comes from the flags, else from the config (trainer.nnodes,
 trainer.devices_per_node or trainer.nproc_per_node, trainer.device_memory_gb, trainer.host_memory_gb).
+
+It is as strict as `train`: a layout `train` refuses (batch divisions, shard groups, sequence-parallel groups) is
+refused here with the same sentence, from the same rule; nonsense cluster numbers and a config.json transformers
+cannot read are one sentence; `--json` writes a new file or replaces an earlier plan report, never another file.
 """
 from __future__ import annotations
 
 import argparse
 import json
+import math
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
@@ -35,7 +40,7 @@ def _config_source(cfg) -> tuple[Any, str]:
         return None, "the built-in tiny model (model.tiny)"
     local = Path(path)
     if (local / "config.json").is_file():
-        return AutoConfig.from_pretrained(str(local), local_files_only=True), f"{local / 'config.json'}"
+        return _read_config(local / "config.json"), f"{local / 'config.json'}"
     shipped = SHAPES / f"{local.name}.json"
     if shipped.is_file():
         data = json.loads(shipped.read_text())
@@ -45,6 +50,38 @@ def _config_source(cfg) -> tuple[Any, str]:
     raise UserError(f"model.path={path!r} has no config.json on this machine and {local.name!r} is not a shape "
                     f"portagrpo ships ({', '.join(shipped_shape_names())}); copy the model's config.json (no weights "
                     f"needed) into {path}, or plan on a machine that has it.")
+
+
+def _read_config(path: Path):
+    """A model's config.json as transformers reads it, or one sentence naming the file and what is wrong."""
+    from transformers import AutoConfig
+
+    from portagrpo.fileio import shorten
+
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, UnicodeDecodeError, ValueError) as err:
+        raise UserError(f"{path} is not a JSON file ({shorten(str(err))}); give model.path a model directory whose "
+                        f"config.json transformers wrote.") from None
+    if not isinstance(data, dict):
+        raise UserError(f"{path} holds a JSON {type(data).__name__}, not an object of model settings; give "
+                        f"model.path a model directory whose config.json transformers wrote.")
+    try:
+        return AutoConfig.from_pretrained(str(path.parent), local_files_only=True)
+    except Exception as err:  # noqa: BLE001 - transformers' many ways of refusing a config: one sentence here
+        said = shorten(" ".join(str(err).split()), 200)
+        raise UserError(f"{path}: transformers cannot read it ({type(err).__name__}: {said}); check "
+                        f"its model_type and the types of its fields.") from None
+
+
+SHAPE_FIELDS = ("hidden_size", "num_attention_heads", "num_hidden_layers", "vocab_size")
+
+
+def _check_text_config(text, source: str) -> None:
+    for name in SHAPE_FIELDS:
+        value = getattr(text, name, None)
+        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+            raise UserError(f"{source}: {name}={value!r} must be a positive integer; fix the model's config.json.")
 
 
 def _empty(config):
@@ -77,7 +114,16 @@ def model_shape(cfg) -> tuple[ModelShape, Any, str]:
     from portagrpo.model.vision import is_vision_language, vision_blocks, vision_tower
 
     config, source = _config_source(cfg)
-    model = _tiny_model(cfg) if config is None else _empty(config)
+    if config is not None:
+        _check_text_config(config.get_text_config(), source)
+        try:
+            model = _empty(config)
+        except Exception as err:  # noqa: BLE001 - a field of the wrong type or size: one sentence, not a traceback
+            said = " ".join(str(err).split())[:200]
+            raise UserError(f"{source}: transformers cannot build the model it describes ({type(err).__name__}: "
+                            f"{said}); check the types and sizes of its fields.") from None
+    else:
+        model = _tiny_model(cfg)
     params = sum(p.numel() for p in model.parameters())  # a tied tensor once
     units = [*vision_blocks(model), *getattr(decoder_of(model), "layers", [])]
     unit_sizes = [sum(p.numel() for p in u.parameters()) for u in units]
@@ -119,26 +165,72 @@ def _lora_params(model, lora) -> int:
 
 
 def cluster_of(cfg, args: argparse.Namespace | None = None) -> Cluster:
+    """The cluster from the flags, else from the config; each number checked in one sentence naming where it came
+    from."""
     t = cfg.trainer
-    nodes = getattr(args, "nodes", None) or t.nnodes
-    per_node = getattr(args, "devices_per_node", None) or (t.devices_per_node if t.nnodes > 1 else t.nproc_per_node)
-    device_gb = getattr(args, "device_memory_gb", None) or t.device_memory_gb
-    host_gb = getattr(args, "host_memory_gb", None) or t.host_memory_gb
-    if device_gb is None:
-        raise UserError("the plan needs the memory of one device: give --device-memory-gb (e.g. 80 for an H100, 64 "
-                        "for an Ascend 910B), or set trainer.device_memory_gb in the config.")
-    return Cluster(nodes=nodes, devices_per_node=per_node, device_memory_gb=float(device_gb),
-                   host_memory_gb=float(host_gb if host_gb is not None else 1024.0))
+    fields = {
+        "nodes": ("--nodes", "trainer.nnodes", t.nnodes),
+        "devices_per_node": ("--devices-per-node", "trainer.devices_per_node" if t.nnodes > 1
+                             else "trainer.nproc_per_node", t.devices_per_node if t.nnodes > 1 else t.nproc_per_node),
+        "device_memory_gb": ("--device-memory-gb", "trainer.device_memory_gb", t.device_memory_gb),
+        "host_memory_gb": ("--host-memory-gb", "trainer.host_memory_gb", t.host_memory_gb),
+    }
+    values = {}
+    for name, (flag, key, default) in fields.items():
+        given = getattr(args, name, None)
+        value, where = (default, key) if given is None else (given, flag)
+        if value is None and name == "host_memory_gb":
+            value = 1024.0
+        elif value is None:
+            raise UserError("the plan needs the memory of one device: give --device-memory-gb (e.g. 80 for an H100, "
+                            "64 for an Ascend 910B), or set trainer.device_memory_gb in the config.")
+        elif name.endswith("_gb") and not (isinstance(value, (int, float)) and math.isfinite(value) and value > 0):
+            raise UserError(f"{where} {value} must be a positive, finite number of GiB (80 for an H100, 64 for an "
+                            f"Ascend 910B).")
+        elif not name.endswith("_gb") and not (isinstance(value, int) and value >= 1):
+            raise UserError(f"{where} {value} must be a whole number of at least 1.")
+        values[name] = value
+    return Cluster(nodes=values["nodes"], devices_per_node=values["devices_per_node"],
+                   device_memory_gb=float(values["device_memory_gb"]),
+                   host_memory_gb=float(values["host_memory_gb"]))
+
+
+def strategy_of(cfg, world: int, device: str | None = None) -> str:
+    """The training strategy `train` would take on `world` ranks of `device` (default trainer.device, auto planned
+    as cuda): the backend row's answer to trainer.parallel."""
+    from portagrpo.backends import backend_spec
+
+    spec = backend_spec(device or _device(cfg))
+    requested = cfg.trainer.parallel
+    return "none" if world == 1 else (spec.default_parallel if requested == "auto" else requested)
+
+
+def _device(cfg) -> str:
+    return cfg.trainer.device if cfg.trainer.device not in ("auto", None) else "cuda"
+
+
+def layout_problems(cfg, world: int, shape: ModelShape) -> list[str]:
+    """What `train` would refuse about this layout on `world` ranks, in its own sentences (the same rules)."""
+    from portagrpo.config import strategy_problems, validate_world
+    from portagrpo.model.ulysses import sequence_parallel_problem
+
+    problems = validate_world(cfg, world)
+    if problems:
+        return problems
+    problems = strategy_problems(cfg, world, strategy_of(cfg, world))
+    sp = cfg.actor.ulysses_sequence_parallel_size
+    if sp > 1:
+        problem = sequence_parallel_problem(sp, shape.heads, shape.kv_heads, shape.is_moe)
+        problems += [problem] if problem else []
+    return problems
 
 
 def run_shape(cfg, cluster: Cluster, shape: ModelShape, model) -> RunShape:
     from portagrpo.backends import backend_spec
 
     world = cluster.world
-    device = cfg.trainer.device if cfg.trainer.device not in ("auto", None) else "cuda"
-    spec = backend_spec(device)
-    requested = cfg.trainer.parallel
-    strategy = "none" if world == 1 else (spec.default_parallel if requested == "auto" else requested)
+    spec = backend_spec(_device(cfg))
+    strategy = strategy_of(cfg, world)
     group = cfg.trainer.fsdp_size if cfg.trainer.fsdp_size > 0 else world
     a, d, r = cfg.actor, cfg.data, cfg.rollout
     lora = cfg.model.lora.rank > 0
@@ -182,8 +274,13 @@ def run_shape(cfg, cluster: Cluster, shape: ModelShape, model) -> RunShape:
 
 def plan_config(cfg, args: argparse.Namespace | None = None) -> tuple[Plan, str]:
     """The plan of `cfg` on its cluster (or the one `args` gives), and where the model's shape came from."""
+    from portagrpo.config import ConfigError
+
     cluster = cluster_of(cfg, args)
     shape, model, source = model_shape(cfg)
+    problems = layout_problems(cfg, cluster.world, shape)
+    if problems:
+        raise ConfigError(problems)
     return plan(shape, cluster, run_shape(cfg, cluster, shape, model)), source
 
 
@@ -235,6 +332,8 @@ def describe(p: Plan, source: str) -> list[str]:
 def add_parser(sub) -> None:
     p = sub.add_parser("plan", help="the memory plan of a run: each device's peak per phase, whether it fits")
     p.add_argument("--config", help="YAML recipe (see configs/)")
+    p.add_argument("--device", help="the device kind to plan for, as `train --device` takes it (default "
+                   "trainer.device; auto plans for cuda)")
     p.add_argument("--nodes", type=int, help="nodes (default trainer.nnodes)")
     p.add_argument("--devices-per-node", type=int, help="devices per node (default trainer.devices_per_node, or "
                    "trainer.nproc_per_node on one node)")
@@ -248,15 +347,18 @@ def add_parser(sub) -> None:
 
 def cmd_plan(args) -> int:
     from portagrpo.config import load_config
-    from portagrpo.fileio import write_text_atomic
+    from portagrpo.fileio import check_report_destination, write_report
 
+    if args.json:
+        check_report_destination(args.json, "plan --json", "plan")
     notices: list[str] = []
-    cfg = load_config(args.config, list(args.overrides), check_files=False, notices=notices)
+    overrides = list(args.overrides) + ([f"trainer.device={args.device}"] if args.device else [])
+    cfg = load_config(args.config, overrides, check_files=False, notices=notices)
     for line in notices:
         print(f"portagrpo: {line}")
     p, source = plan_config(cfg, args)
     for line in describe(p, source):
         print(line)
     if args.json:
-        write_text_atomic(Path(args.json), json.dumps({**p.as_json(), "shape_source": source}, indent=1) + "\n")
+        write_report(args.json, {**p.as_json(), "shape_source": source}, "plan")
     return 0 if p.fits else 1

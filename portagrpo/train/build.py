@@ -17,7 +17,7 @@ from portagrpo.algo.objective import Objective, Shaping
 from portagrpo.algo.schedule import lr_multiplier
 from portagrpo.backends import Backend, get_backend
 from portagrpo.backends.dist import Collectives, init_collectives
-from portagrpo.config import Config, ConfigError, validate_world
+from portagrpo.config import Config, ConfigError, strategy_problems, validate_world
 from portagrpo.data.images import image_limits, shrink_notice
 from portagrpo.data.records import (
     PromptLoader,
@@ -166,8 +166,11 @@ def set_threads(threads: int | None, comm: Collectives, backend: Backend, proces
 def build(cfg: Config, runtime: Runtime, run_dir: Path, log: Callable[[str], None], apart: bool = False) -> Parts:
     """Every part of a run, in the order each needs the one before. `apart`: the run's schedule samples in a sampler
     process of its own (train/schedule.py), which is built here; the trainer's engine then only validates."""
-    strategy = make_strategy(runtime.backend.parallel_strategy(cfg.trainer.parallel), runtime.comm,
-                             cfg.trainer.fsdp_size, runtime.backend.spec.pinned_offload)
+    chosen = runtime.backend.parallel_strategy(cfg.trainer.parallel)
+    problems = strategy_problems(cfg, runtime.comm.world_size, chosen if runtime.comm.world_size > 1 else "none")
+    if problems:
+        raise ConfigError(problems)
+    strategy = make_strategy(chosen, runtime.comm, cfg.trainer.fsdp_size, runtime.backend.spec.pinned_offload)
     data = build_data(cfg, log)
     try:
         models = build_models(cfg, runtime, strategy, data.tokenizer, run_dir, log)

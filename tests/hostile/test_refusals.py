@@ -214,6 +214,38 @@ def test_full_disk_at_a_checkpoint_keeps_the_last_whole_one(small_disk, tmp_path
     assert train(None, "trainer.total_steps=2", resume=copy) == 0
 
 
+def test_full_disk_at_a_sharded_checkpoint_on_two_ranks_is_one_sentence(small_disk, tmp_path):
+    """torch.distributed.checkpoint raises every rank's failure (ENOSPC on one, torch's zip writer's "unexpected pos"
+    on another) as a BaseException on every rank: the run says one sentence, names the last whole checkpoint, and
+    leaves no temporary."""
+    import os
+    import sys
+
+    disk = small_disk("2600k")  # init_model and one sharded checkpoint (~1.4 MB) fit; a second does not
+    run = disk / "run"
+    res = subprocess.run([sys.executable, "-m", "portagrpo", "train", "--output-dir", str(run), *TINY,
+                          "actor.micro_batch_size=2", "trainer.total_steps=4", "trainer.save_freq=1",
+                          "trainer.max_ckpt_to_keep=3", "trainer.nproc_per_node=2", "trainer.parallel=fsdp2"],
+                         capture_output=True, text=True, timeout=900, cwd=tmp_path,
+                         env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert res.returncode != 0 and "Traceback" not in res.stderr and "CheckpointException" not in res.stderr, \
+        res.stderr[-3000:]
+    errors = [line for line in res.stderr.splitlines() if line.startswith("portagrpo: error:")]
+    assert len(errors) == 1, res.stderr[-3000:]
+    assert "no space left" in errors[0] and "The last whole checkpoint, step_00000001, is untouched" in errors[0]
+    assert [p.name for p in (run / "checkpoints").iterdir()] == ["step_00000001"]
+    assert not [p for p in run.rglob(".tmp_*")]
+
+
+def test_torchs_short_write_is_read_as_a_full_disk(tmp_path, monkeypatch):
+    from portagrpo.fileio import system_error_in
+
+    monkeypatch.setattr(shutil, "disk_usage", lambda where: shutil._ntuple_diskusage(10 << 20, 10 << 20, 1 << 20))
+    found = system_error_in(RuntimeError("[enforce fail at inline_container.cc:672] . unexpected pos 704 vs 598"),
+                            tmp_path)
+    assert found is not None and found.errno == errno.ENOSPC
+
+
 def test_a_write_refused_by_the_system_mid_checkpoint_is_cleaned_up(tmp_path, capsys, monkeypatch):
     """The same as the tmpfs test where mounting is not allowed: the system says ENOSPC mid-checkpoint."""
     import portagrpo.checkpoint as ckpt_mod

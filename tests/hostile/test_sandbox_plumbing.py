@@ -294,8 +294,14 @@ def _run_bpf(rows, arch: int, nr: int, arg0: int) -> int:
 def test_the_user_namespace_filter_refuses_only_what_it_should(machine):
     import errno
 
-    from portagrpo.agent.isolation import (CLONE_NEWNET, CLONE_NEWUSER, SECCOMP_ARCHES, SECCOMP_RET_ALLOW,
-                                           SECCOMP_RET_ERRNO, user_namespace_filter)
+    from portagrpo.agent.isolation import (
+        CLONE_NEWNET,
+        CLONE_NEWUSER,
+        SECCOMP_ARCHES,
+        SECCOMP_RET_ALLOW,
+        SECCOMP_RET_ERRNO,
+        user_namespace_filter,
+    )
 
     rows = user_namespace_filter(machine)
     arch, unshare, clone, clone3 = SECCOMP_ARCHES[machine]

@@ -224,3 +224,26 @@ def test_engines_declare_whether_they_hold_weights_and_vllm_loads_only_when_aske
 
     assert ROLLOUT_ENGINES.get("vllm") is engine_mod.VLLMRollout
     assert sys.modules["portagrpo.rollout.vllm"] is engine_mod
+
+
+def test_the_engines_generate_calls_warn_nothing(tiny_model_dir, tokenizer, monkeypatch):
+    """transformers warns at every generate that sees min_new_tokens and min_length both set (146 times in a 2-step
+    multi-turn run, issue 49): the engine sets min_new_tokens alone."""
+    import contextlib
+
+    import transformers.generation.utils as gen_utils
+    from transformers import AutoModelForCausalLM
+
+    from portagrpo.data.records import left_pad
+
+    said = []
+    monkeypatch.setattr(gen_utils.logger, "warning", lambda message, *a, **k: said.append(str(message)))
+    monkeypatch.setattr(gen_utils.logger, "warning_once", lambda message, *a, **k: said.append(str(message)),
+                        raising=False)
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, local_files_only=True)
+    engine = HFRollout(model, tokenizer, contextlib.nullcontext)
+    ids, mask = left_pad([tokenizer("u:repeat 4\na:")["input_ids"]], tokenizer.pad_token_id)
+    for temperature in (1.0, 0.0):
+        responses, rmask, *_ = engine.generate(ids, mask, SamplingParams(max_tokens=5, temperature=temperature))
+        assert responses.shape == (1, 5)
+    assert not [m for m in said if "min_new_tokens" in m or "min_length" in m], said

@@ -210,11 +210,11 @@ def test_no_getattr_probe_of_a_protocol_member():
 def test_a_generator_is_one_module_that_registers_itself():
     """Every module in rollout/generators/ registers one generator, found by make_generator without being named
     elsewhere; the group filters and the schedules are registries too."""
-    from portagrpo.rollout.generators import GENERATORS, _discover
+    from portagrpo.rollout.generators import GENERATORS, discover
     from portagrpo.train.filters import FILTERS
     from portagrpo.train.schedule import SCHEDULES
 
-    _discover()
+    discover()
     files = sorted(p.stem for p in (ROOT / "portagrpo/rollout/generators").glob("*.py") if p.stem != "__init__")
     assert sorted(GENERATORS.names()) == files == ["conversation", "echo", "text", "vision"]
     assert {"acc", "all", "score"} <= set(FILTERS.names()) and sorted(SCHEDULES.names()) == list(sorted(MODES))

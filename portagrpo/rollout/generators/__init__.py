@@ -99,14 +99,41 @@ class Generator(Protocol):
 GENERATORS: Registry[Callable[[GeneratorInputs], Generator]] = Registry("generator")
 
 
-def _discover() -> None:
+def discover() -> None:
     for module in pkgutil.iter_modules(__path__):
         importlib.import_module(f"{__name__}.{module.name}")
 
 
+CONVERSATION_NEEDS = ("rollout.generator=conversation needs rollout.multi_turn.enable=true and its tool_config_path "
+                      "(the tools a conversation calls).")
+VISION_NEEDS = ("rollout.generator=vision makes a vision-language policy's rows, and this policy is text-only (no "
+                "processor at model.path, or model.tokenizer_path set); use rollout.generator=auto or text, or a "
+                "vision-language model.")
+
+
+def generator_problem(name: str, vision_policy: bool | None, multi_turn: bool) -> str | None:
+    """Why rollout.generator=`name` cannot run, or None: an unknown name, `vision` for a policy known to be text-only
+    (`vision_policy` False; None where this machine cannot tell), `conversation` without rollout.multi_turn. The
+    same sentences the run stops with (`make_generator` and the generators' own)."""
+    from portagrpo.errors import UnknownNameError
+
+    if name == "auto":
+        return None
+    discover()
+    try:
+        GENERATORS.get(name, field="rollout.generator")
+    except UnknownNameError as err:
+        return str(err)
+    if name == "vision" and vision_policy is False:
+        return VISION_NEEDS
+    if name == "conversation" and not multi_turn:
+        return CONVERSATION_NEEDS
+    return None
+
+
 def make_generator(name: str, inputs: GeneratorInputs) -> Generator:
     """The generator `name` (rollout.generator, resolved), built from `inputs`."""
-    _discover()
+    discover()
     return GENERATORS.get(name, field="rollout.generator")(inputs)
 
 

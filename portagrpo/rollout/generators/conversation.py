@@ -31,7 +31,15 @@ from portagrpo.data.records import PromptRecord, left_pad, tokenize_prompts
 from portagrpo.errors import UserError
 from portagrpo.model.vision import PromptImages, vision_prompts, with_rows
 from portagrpo.rollout.engines import RolloutEngine, SamplingParams, decode_responses
-from portagrpo.rollout.generators import GENERATORS, Generated, GeneratorInputs, RoundPrompts, group_ids, repeat
+from portagrpo.rollout.generators import (
+    CONVERSATION_NEEDS,
+    GENERATORS,
+    Generated,
+    GeneratorInputs,
+    RoundPrompts,
+    group_ids,
+    repeat,
+)
 from portagrpo.rollout.generators.vision import check_takes_images
 
 if TYPE_CHECKING:
@@ -67,8 +75,7 @@ def conversations(inputs: GeneratorInputs) -> "Conversations":
     """The run's conversations: its tools (rollout.multi_turn.tool_config_path) in a sandbox started here."""
     mt = inputs.multi_turn
     if mt is None:
-        raise UserError("rollout.generator=conversation needs rollout.multi_turn.enable=true and its "
-                        "tool_config_path (the tools a conversation calls).")
+        raise UserError(CONVERSATION_NEEDS)
     too_many = tool_workers_problem(mt.tool_workers, inputs.local_world_size)
     if too_many:
         raise UserError(too_many)

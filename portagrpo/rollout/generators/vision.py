@@ -6,14 +6,17 @@ from __future__ import annotations
 from dataclasses import replace
 
 from portagrpo.data.records import PromptRecord, left_pad
+from portagrpo.errors import UserError
 from portagrpo.model.vision import VisionError, vision_prompts, with_rows
 from portagrpo.rollout.engines import GroupPrompts, RolloutEngine, SamplingParams, rollout_batch
-from portagrpo.rollout.generators import GENERATORS, Generated, GeneratorInputs, RoundPrompts, repeat
+from portagrpo.rollout.generators import GENERATORS, VISION_NEEDS, Generated, GeneratorInputs, RoundPrompts, repeat
 
 
 @GENERATORS.register("vision")
 class VisionRows:
     def __init__(self, inputs: GeneratorInputs) -> None:
+        if inputs.processor is None:
+            raise UserError(VISION_NEEDS)
         self.tokenizer, self.processor = inputs.tokenizer, inputs.processor
 
     def prompts(self, records: list[PromptRecord], uid_base: int, device) -> RoundPrompts:
