@@ -112,11 +112,11 @@ def unshare(flags: int) -> None:
 
 
 def drop_network() -> bool:
-    """A network namespace of this process's own (a down loopback only); False where refused (`process`)."""
-    for flags in (CLONE_NEWNET, CLONE_NEWUSER | CLONE_NEWNET):
-        if libc().unshare(flags) == 0:
-            return True
-    return False
+    """A network namespace of this process's own (a down loopback only); False where refused (`process`). A root
+    process never takes the user-namespace way: with no uid map it would read its uid as 65534 while the kernel
+    still counts it as root, so the call would skip leaving root (the sandbox review of issue 49)."""
+    ways = (CLONE_NEWNET,) if os.geteuid() == 0 else (CLONE_NEWNET, CLONE_NEWUSER | CLONE_NEWNET)
+    return any(libc().unshare(flags) == 0 for flags in ways)
 
 
 # ---------------------------------------------------------------- what the new root shows

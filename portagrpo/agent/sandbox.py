@@ -112,12 +112,20 @@ def _address_space() -> int:
 
 def keep_only(fds: tuple[int, ...]) -> None:
     """Close every descriptor of this process but `fds` (a call must hold nothing that leads back out)."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    top = min(max(soft, hard if hard != resource.RLIM_INFINITY else soft), 1 << 20)  # close_range(2) where it exists
     low = 0
     for fd in sorted(set(fds)):
         if fd > low:
             os.closerange(low, fd)
         low = fd + 1
-    os.closerange(low, resource.getrlimit(resource.RLIMIT_NOFILE)[0])
+    os.closerange(low, max(top, low))
+
+
+def _above_stdio(fd: int) -> int:
+    """`fd`, or a copy of it above 2 where the worker started without a standard stream (so dup2 onto 0-2 cannot
+    clobber it)."""
+    return fd if fd > 2 else fcntl.fcntl(fd, fcntl.F_DUPFD, 3)
 
 
 def _read_job(fd: int) -> dict:
@@ -141,11 +149,17 @@ def _isolate(network: bool, limits: Limits, level: str, workdir: str | None) -> 
     """Enter the call's isolation: (its home directory, its RLIMIT_NPROC, 0 for none)."""
     if level == "namespaces":
         return "/tmp", enter_namespaces(network, limits.memory_mb)
+    as_root = os.geteuid() == 0  # read before anything may change what geteuid() answers
+    keeper = os.getppid()
     os.chdir(workdir)
     if not network:
         drop_network()
-    as_root = os.geteuid() == 0
     drop_privileges(as_root, userns_required=False)
+    from portagrpo.procs import set_parent_death_signal
+
+    set_parent_death_signal()  # after the uid switch, which clears it: the call dies with its keeper
+    if os.getppid() != keeper:
+        os._exit(1)  # the keeper went in between
     # a root trainer's calls run as SANDBOX_ID, whose processes can be counted; a trainer's own uid may run many
     # threads: no count that would not break its own forks
     return workdir, task_limit(True) if as_root else 0
@@ -159,6 +173,7 @@ def _child(functions: dict, job_fd: int, network: bool, limits: Limits, level: s
         from portagrpo.agent.tools import call_tool
         from portagrpo.procs import set_parent_death_signal
 
+        job_fd, out_fd, status_fd = (_above_stdio(fd) for fd in (job_fd, out_fd, status_fd))
         keep_only((0, 1, 2, job_fd, out_fd, status_fd))
         os.setsid()
         set_parent_death_signal()  # a keeper killed mid-call takes the call with it
@@ -380,7 +395,10 @@ def _keeper(sock: socket.socket, functions: dict, header: dict, job_fd: int, lim
         signal.signal(signal.SIGCHLD, signal.SIG_DFL)  # the worker ignores it; the keeper waits for its call
         set_parent_death_signal()  # a worker killed (at the trainer's deadline) takes the keeper with it
         libc().prctl(PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0)
-        result = run_call(functions, job_fd, bool(header["network"]), limits, isolation, network_isolated)
+        try:
+            result = run_call(functions, job_fd, bool(header["network"]), limits, isolation, network_isolated)
+        except Exception as err:  # noqa: BLE001 - the sandbox's own failure (no descriptors, no temp dir): one call
+            result = ToolResult(f"Error: the sandbox could not run the call ({type(err).__name__}: {err}).", "crash")
         wire.send(sock, {"kind": "result", "index": header["index"], "result": asdict(result)})
         code = 0
     finally:
@@ -440,14 +458,22 @@ class _Worker:
         code = (f"import sys; sys.path[:0] = {[p for p in sys.path if p]!r}; "
                 f"from portagrpo.agent.sandbox import worker_entry; worker_entry({theirs.fileno()})")
         env = {k: os.environ[k] for k in WORKER_ENV_KEEP if k in os.environ}
-        with sigint_ignored():
-            self.proc = subprocess.Popen([sys.executable, "-P", "-c", code], env=env, pass_fds=[theirs.fileno()],
-                                         stdin=subprocess.DEVNULL, close_fds=True)
-        theirs.close()
-        ours.settimeout(READ_TIMEOUT_S)  # a frame that starts must finish: a worker that stalls mid-frame is dead
+        try:
+            with sigint_ignored():
+                self.proc = subprocess.Popen([sys.executable, "-P", "-c", code], env=env,
+                                             pass_fds=[theirs.fileno()], stdin=subprocess.DEVNULL, close_fds=True)
+        except BaseException:
+            ours.close()
+            raise
+        finally:
+            theirs.close()
         self.sock = ours
-        wire.send(self.sock, {"kind": "start", "targets": targets, "limits": asdict(limits), "setting": setting,
-                              "parent_pid": os.getpid(), "tempdir": tempfile.gettempdir()})
+        try:
+            wire.send(self.sock, {"kind": "start", "targets": targets, "limits": asdict(limits), "setting": setting,
+                                  "parent_pid": os.getpid(), "tempdir": tempfile.gettempdir()})
+        except BaseException:
+            self.kill()
+            raise
         self.ready = False
         self.importing: str | None = None  # the tool this worker is importing, while it starts
         self.task: int | None = None
@@ -486,7 +512,8 @@ def job_pipe(job: ToolJob, takes: list[str]) -> int:
         if len(data) > capacity:
             raise ValueError(f"the call's arguments and context are {len(data)} bytes, over the {capacity}-byte "
                              f"limit of one call")
-        os.write(write_fd, data)
+        if os.write(write_fd, data) != len(data):
+            raise ValueError(f"the call's job of {len(data)} bytes did not fit its pipe")
     except BaseException:
         os.close(read_fd)
         raise
@@ -597,7 +624,7 @@ class ToolSandbox:
 
     def _receive(self, w: _Worker, results: list) -> None:
         try:
-            message, fds = wire.recv(w.sock)
+            message, fds = wire.recv(w.sock, READ_TIMEOUT_S)
             for fd in fds:  # nothing a worker sends carries a descriptor
                 os.close(fd)
             if not isinstance(message, dict):
@@ -608,7 +635,9 @@ class ToolSandbox:
             return
         try:
             self._handle(w, kind, message, results)
-        except (KeyError, TypeError, ValueError) as err:
+        except UserError:
+            raise
+        except Exception as err:  # noqa: BLE001 - whatever a message makes fail fails its call, never the run
             self._lost(w, results, wire.WireError(str(err)))
 
     def _lost(self, w: _Worker, results: list, err: BaseException) -> None:
@@ -631,6 +660,8 @@ class ToolSandbox:
         self._replace(w, results, result)
 
     def _handle(self, w: _Worker, kind: str, message: dict, results: list) -> None:
+        if kind in ("importing", "init_error", "ready") and w.ready:
+            raise ValueError(f"a {kind!r} message from a worker that is ready")
         if kind == "importing":
             w.importing = str(message["name"])
             return
@@ -639,21 +670,44 @@ class ToolSandbox:
             raise UserError(f"rank {self.rank}: rollout.multi_turn.tool_config_path: a tool cannot be loaded in a "
                             f"tool worker: {message['text']}")
         if kind == "ready":
-            level, reason = message["isolation"]["level"], str(message["isolation"]["reason"])
-            if level not in LEVELS:
-                raise ValueError(f"no isolation level {level!r}")
-            w.ready, w.importing = True, None
-            self.isolation = self.isolation or Isolation(level, reason)
-            self.takes = self.takes or {str(k): [str(n) for n in v] for k, v in message["takes"].items()}
+            self._ready(w, message)
             return
         if kind != "result" or message["index"] != w.task or w.task is None:
             raise ValueError(f"an unexpected {kind!r} message")
         results[w.task] = _result(message["result"])
         w.task, w.deadline = None, math.inf
 
+    def _ready(self, w: _Worker, message: dict) -> None:
+        isolation, takes = message["isolation"], message["takes"]
+        level, reason = isolation["level"], str(isolation["reason"])
+        if level not in LEVELS or not isinstance(takes, dict) or not all(isinstance(v, list) for v in takes.values()):
+            raise ValueError("not a ready message")
+        if self.isolation is not None and level != self.isolation.level:
+            # a worker started later (a replacement) whose namespaces were refused: never a lower level unnoticed
+            self._deaths_at_start += 1
+            self._replace(w, [], ToolResult("", None))
+            if self._deaths_at_start > 3:
+                self.close()
+                raise UserError(f"rank {self.rank}: the tool sandbox runs at {self.isolation.level}, and new tool "
+                                f"workers could only reach {level} ({reason}); the host stopped allowing what the "
+                                f"run started with (user namespaces, their count), so the run stops rather than run "
+                                f"tools less isolated.")
+            return
+        w.ready, w.importing = True, None
+        self.isolation = self.isolation or Isolation(level, reason)
+        self.takes = self.takes or {str(k): [str(n) for n in v] for k, v in takes.items()}
+
     def _fill(self) -> None:
         while len(self._workers) < self.num_workers:
-            self._workers.append(_Worker(self.targets, self.limits, self.setting))
+            try:
+                self._workers.append(_Worker(self.targets, self.limits, self.setting))
+            except OSError as err:  # no process or descriptor to be had: counted as a death at start
+                self._deaths_at_start += 1
+                if self._deaths_at_start > 3:
+                    self.close()
+                    raise UserError(f"rank {self.rank}: tool workers cannot be started ({err}); free processes or "
+                                    f"descriptors, or lower rollout.multi_turn.tool_workers.") from None
+                return
 
     def _replace(self, w: _Worker, results: list, result: ToolResult) -> None:
         if w.task is not None:

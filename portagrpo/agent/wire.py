@@ -13,6 +13,7 @@ import json
 import os
 import socket
 import struct
+import time
 from typing import Any
 
 HEADER = struct.Struct("!I")
@@ -38,12 +39,21 @@ def send(sock: socket.socket, message: Any, fds: tuple[int, ...] = ()) -> None:
         sock.sendall(frame[sent:])
 
 
-def _read_exactly(sock: socket.socket, size: int, fds: list[int], at_start: bool = False) -> bytes:
+CHUNK = 1 << 20  # bytes asked of one recvmsg: a huge frame is read in pieces, never one buffer of its whole size
+
+
+def _read_exactly(sock: socket.socket, size: int, fds: list[int], deadline: float | None,
+                  at_start: bool = False) -> bytes:
     chunks, got = [], 0
     space = socket.CMSG_SPACE(MAX_FDS * array.array("i").itemsize)
     flags = getattr(socket, "MSG_CMSG_CLOEXEC", 0)
     while got < size:
-        data, ancillary, msg_flags, _ = sock.recvmsg(size - got, space, flags)
+        if deadline is not None:  # one deadline for the whole frame: a sender that trickles bytes runs out of it
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise WireError("the message did not arrive whole in time")
+            sock.settimeout(left)
+        data, ancillary, msg_flags, _ = sock.recvmsg(min(size - got, CHUNK), space, flags)
         for level, kind, payload in ancillary:
             if level == socket.SOL_SOCKET and kind == socket.SCM_RIGHTS:
                 received = array.array("i")
@@ -60,23 +70,32 @@ def _read_exactly(sock: socket.socket, size: int, fds: list[int], at_start: bool
     return b"".join(chunks)
 
 
-def recv(sock: socket.socket) -> tuple[Any, list[int]]:
+def recv(sock: socket.socket, timeout_s: float | None = None) -> tuple[Any, list[int]]:
     """One frame: (the decoded JSON value, the descriptors it carried). EOFError at a clean end; WireError for
-    anything that is not a frame of JSON (the descriptors that came with it are closed)."""
+    anything that is not a frame of JSON, or, with `timeout_s`, one not whole within that many seconds of its start
+    (the descriptors that came with it are closed)."""
     fds: list[int] = []
+    deadline = None if timeout_s is None else time.monotonic() + timeout_s
     try:
-        (size,) = HEADER.unpack(_read_exactly(sock, HEADER.size, fds, at_start=True))
+        (size,) = HEADER.unpack(_read_exactly(sock, HEADER.size, fds, deadline, at_start=True))
         if size > MAX_MESSAGE:
             raise WireError(f"a message of {size} bytes is over the {MAX_MESSAGE}-byte limit")
-        body = _read_exactly(sock, size, fds)
+        body = _read_exactly(sock, size, fds, deadline)
         try:
             return json.loads(body.decode("utf-8")), fds
         except (UnicodeDecodeError, ValueError, RecursionError) as err:
             raise WireError(f"not a JSON message ({type(err).__name__})") from None
+    except TimeoutError:
+        for fd in fds:
+            os.close(fd)
+        raise WireError("the message did not arrive whole in time") from None
     except BaseException:
         for fd in fds:
             os.close(fd)
         raise
+    finally:
+        if deadline is not None:
+            sock.settimeout(None)
 
 
 def expect(message: Any, kind: str, *fields: str) -> dict:

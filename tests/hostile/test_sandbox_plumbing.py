@@ -240,6 +240,55 @@ def test_a_pickle_on_the_wire_is_a_malformed_message_not_a_command(tmp_path):
     assert not mark.exists()
 
 
+def test_a_frame_that_trickles_in_runs_out_of_its_one_deadline():
+    import threading
+    import time
+
+    ours, theirs = socket.socketpair()
+    stop = threading.Event()
+
+    def trickle():  # a header that promises 100 bytes, then one byte every 50 ms, never the whole frame in time
+        theirs.sendall(struct.pack("!I", 100))
+        while not stop.is_set():
+            try:
+                theirs.sendall(b" ")
+            except OSError:
+                return
+            time.sleep(0.05)
+
+    thread = threading.Thread(target=trickle, daemon=True)
+    thread.start()
+    started = time.monotonic()
+    with pytest.raises(wire.WireError, match="did not arrive whole in time"):
+        wire.recv(ours, timeout_s=1.0)
+    assert time.monotonic() - started < 30  # one deadline for the frame, not one per byte
+    stop.set()
+    ours.close()
+    theirs.close()
+    thread.join(timeout=5)
+
+
+def test_a_replacement_worker_at_a_lower_level_is_never_used(tools):
+    """A worker started later whose namespaces were refused would run its calls less isolated: it is refused, and a
+    run whose host keeps refusing stops in one sentence."""
+    from portagrpo.agent.isolation import Isolation
+    from portagrpo.errors import UserError
+
+    sandbox = ToolSandbox({"truth": f"{tools / 'plumbing.py'}:truth"}, Limits(timeout_s=10.0), workers=1,
+                          setting="process")
+    try:
+        sandbox.start()
+        sandbox.isolation = Isolation("namespaces")  # as if the run had started with namespaces
+        with pytest.raises(UserError, match="runs at namespaces, and new tool workers could only reach process"):
+            for _ in range(5):
+                sandbox._workers[0].ready = False
+                sandbox._handle(sandbox._workers[0], "ready", {"kind": "ready", "takes": {"truth": []},
+                                                              "isolation": {"level": "process", "reason": "x"}}, [])
+                sandbox._fill()
+    finally:
+        sandbox.close()
+
+
 def test_a_worker_that_sends_garbage_fails_its_call_and_is_replaced(tools):
     sandbox = ToolSandbox({"truth": f"{tools / 'plumbing.py'}:truth"}, Limits(timeout_s=10.0), workers=1,
                           setting="process")
