@@ -111,6 +111,9 @@ class Backend(Protocol):
     @property
     def dist_backend(self) -> str: ...
 
+    @property
+    def group_backend(self) -> str: ...
+
     def is_available(self) -> Availability: ...
 
     def require(self) -> "Backend":
@@ -223,6 +226,17 @@ class BaseBackend:
     @property
     def dist_backend(self) -> str:
         return self.spec.dist_backend
+
+    @property
+    def group_backend(self) -> str:
+        """What the default process group is formed with: the library alone on the CPU; for an accelerator,
+        `cpu:gloo,<device>:<library>` (verl's form). torch gives a group only the devices its backends name
+        (distributed_c10d.py `Backend.backend_capability`: NCCL serves `cuda`; torch_npu registers `hccl` for
+        `npu`), and FSDP2's offloaded shards and gradients are DTensors on the host: their `full_tensor()` and the
+        gradient-norm reduction run on host tensors, which need a CPU backend in the group."""
+        if self.spec.dist_backend == "gloo":
+            return "gloo"
+        return f"cpu:gloo,{self.spec.device_type}:{self.spec.dist_backend}"
 
     def is_available(self) -> Availability:
         raise NotImplementedError

@@ -231,6 +231,6 @@ def init_collectives(backend: BaseBackend, timeout_s: float, env: DistEnv | None
     for var, value in backend.collective_env().items():
         os.environ.setdefault(var, value)  # read by the collective library when the group forms; the user's value wins
     if not dist.is_initialized():
-        dist.init_process_group(backend=backend.dist_backend, rank=env.rank, world_size=env.world_size,
+        dist.init_process_group(backend=backend.group_backend, rank=env.rank, world_size=env.world_size,
                                 timeout=timedelta(seconds=timeout_s), store=launched_store(env, timeout_s))
     return ProcessGroupCollectives(env, backend, timeout_s)

@@ -280,8 +280,20 @@ class FSDP2(SingleProcess):
     def full_tensors(self, scorer: torch.nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
         """One parameter gathered at a time (a collective on every rank, in the same order everywhere)."""
         for name, value in _unique_state(scorer):
-            full = value.full_tensor() if hasattr(value, "full_tensor") else value
-            yield name.removeprefix("lm."), full.detach()
+            yield name.removeprefix("lm."), gathered(value).detach()
+
+
+def gathered(value: torch.Tensor) -> torch.Tensor:
+    """A sharded tensor's whole tensor (a collective), else `value`. An offloaded shard (actor.offload: its local
+    tensor on the host) is moved to its mesh's device first, as torch's own full-state gather does
+    (torch/distributed/_state_dict_utils.py), so the gather runs over the device's library, not the group's gloo:
+    one whole tensor on the device at a time, which the push holds anyway."""
+    if not hasattr(value, "full_tensor"):
+        return value
+    mesh_device = value.device_mesh.device_type
+    if value.device.type != mesh_device:
+        value = value.to(mesh_device)
+    return value.full_tensor()
 
 
 STRATEGIES: Registry[type] = Registry("parallel strategy")

@@ -150,6 +150,25 @@ def check_versions(plugin: str | None) -> tuple[dict[str, str], dict[str, Any]]:
     return settings(have)
 
 
+# From this vLLM release on, only the first rank of a tensor-parallel group holds the routed experts
+# (vllm/distributed/aux_output_connector/worker.py, 0.33.0: "only the executor output rank owns the auxiliary output
+# data plane"), while every rank's scheduler asserts they came (connector.py, take_output). 0.23 and 0.24, and
+# vllm-ascend 0.23, return them on every rank.
+ROUTES_FIRST_RANK_ONLY_SINCE = "0.33"
+
+
+def _vllm_version(vllm) -> str | None:
+    return installed_vllm() or getattr(vllm, "__version__", None)
+
+
+def routes_on_first_tp_rank_only(vllm) -> bool:
+    """Whether this vLLM gives only a tensor-parallel group's first rank its routed experts."""
+    from packaging.version import Version
+
+    found = _vllm_version(vllm)
+    return found is not None and Version(found) >= Version(ROUTES_FIRST_RANK_ONLY_SINCE)
+
+
 def fp8_allowed(precision: str, backend, policy=None, tp: int = 1) -> bool:
     """rollout.precision=fp8 for this backend, model and tensor-parallel size: vLLM's block-FP8 path, or one
     sentence (before vLLM is built, where vLLM's own refusal would come from inside the engine's build)."""
@@ -342,6 +361,15 @@ class VLLMRollout:
         otherwise the engine is built without them and no route agreement is logged."""
         single = common.get("distributed_executor_backend") != "external_launcher"
         fresh_model_parallel_groups(single)
+        if self.route_layers is not None and not single and self.tp.size > 1 and routes_on_first_tp_rank_only(vllm):
+            if self.routes_required:
+                raise UserError(f"actor.router_replay=R3 with rollout.tensor_model_parallel_size={self.tp.size}: "
+                                f"vLLM {_vllm_version(vllm)} returns the routed experts on a tensor-parallel group's "
+                                f"first rank only, and under the external launcher every rank's scheduler expects "
+                                f"them, so ranks 1 to {self.tp.size - 1} would stop at the first generate; use "
+                                f"rollout.tensor_model_parallel_size=1, actor.router_replay=R2, or vLLM "
+                                f"<{ROUTES_FIRST_RANK_ONLY_SINCE}.")
+            self.route_layers = None  # the route agreement is only logged: the engine samples without it
         if self.route_layers is None:
             return vllm.LLM(**common)
         try:

@@ -8,6 +8,7 @@ from typing import Iterable, Iterator
 
 import torch
 
+from portagrpo.model.parallel import gathered
 from portagrpo.rollout.engines import hf_weight_names
 
 
@@ -51,7 +52,7 @@ class PolicyWeights:
             self.policy.merge_adapter()
         try:
             named = vllm_weight_names(self.scorer.state_dict().items(), tied_embeddings=self.tied)
-            yield ((n, (t.full_tensor() if hasattr(t, "full_tensor") else t).detach()) for n, t in named)
+            yield ((n, gathered(t).detach()) for n, t in named)
         finally:
             if self.lora:
                 self.policy.unmerge_adapter()

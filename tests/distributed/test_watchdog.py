@@ -44,7 +44,8 @@ def test_the_watchdog_keeps_the_process_so_python_sees_the_failure(monkeypatch, 
     monkeypatch.delenv(var, raising=False)
     seen = _formed_group_env(monkeypatch, backend)
     assert seen[var] == "2"  # CleanUpOnly in both ProcessGroupNCCL's and ProcessGroupHCCL's ErrorHandlingMode
-    assert seen["backend"] == backend.dist_backend
+    # the library for the device, gloo for host tensors (FSDP2's offloaded shards: issue 50)
+    assert seen["backend"] == f"cpu:gloo,{backend.device_type}:{backend.dist_backend}"
 
 
 def test_a_users_watchdog_setting_wins(monkeypatch):

@@ -9,11 +9,13 @@ import torch.distributed as dist
 from portagrpo.backends import get_backend
 
 
-def group_on(device: str) -> tuple[torch.device, torch.Tensor]:
-    """A one-rank group over `device`'s collective library; its device and a tensor all-reduced there."""
+def group_on(device: str, form: str = "library") -> tuple[torch.device, torch.Tensor]:
+    """A one-rank group over `device`'s collective library (`form`: the library alone, or "run" as portagrpo forms
+    a run's group, with gloo for the host); its device and a tensor all-reduced there."""
     backend = get_backend(device)
     dev = backend.device(0)
-    dist.init_process_group(backend.dist_backend, store=dist.HashStore(), rank=0, world_size=1)
+    name = backend.dist_backend if form == "library" else backend.group_backend
+    dist.init_process_group(name, store=dist.HashStore(), rank=0, world_size=1)
     t = torch.arange(4.0, device=dev)
     dist.all_reduce(t)
     assert t.device == dev and t.cpu().tolist() == [0.0, 1.0, 2.0, 3.0]
@@ -21,24 +23,34 @@ def group_on(device: str) -> tuple[torch.device, torch.Tensor]:
 
 
 def emuccl():
-    dev, t = group_on("emu")
+    group_on("emu")
+    try:  # the library alone serves its device alone, as torch's rule is for NCCL and HCCL
+        dist.all_reduce(torch.ones(3))
+    except RuntimeError as err:
+        assert "No backend type associated with device type cpu" in str(err), str(err)
+    else:
+        raise AssertionError("a group formed with emuccl alone took a host tensor")
+    dist.destroy_process_group()
+    dev, t = group_on("emu", form="run")
+    assert "cpu:gloo" in dist.get_backend_config(), dist.get_backend_config()
     from portagrpo_emu.counters import COUNTERS
 
     host = torch.ones(3, dtype=torch.float64)
-    dist.all_reduce(host)  # emuccl stands for "cpu:gloo,emu:emuccl": host tensors go to gloo as they are
+    dist.all_reduce(host)  # formed as "cpu:gloo,emu:emuccl": host tensors go to gloo as they are
     out = torch.empty(4, device=dev)
     dist.all_gather_into_tensor(out, t)
     dist.reduce_scatter_tensor(out, t)
     box = [{"a": 1}]
     dist.broadcast_object_list(box, 0)
     calls = COUNTERS.total("collectives")
-    assert calls["all_reduce"] == 2 and calls["all_gather"] == 1 and calls["reduce_scatter"] == 1, calls
+    # all-reduces: the library-alone group's device one, then the run's group's device and host ones
+    assert calls["all_reduce"] == 3 and calls["all_gather"] == 1 and calls["reduce_scatter"] == 1, calls
 
 
 def hccl():
     import torch_npu  # noqa: F401 - the stand-in (plugins/npu_sim), as a real run imports the real one
 
-    dev, t = group_on("npu")
+    dev, t = group_on("npu")  # HCCL alone: host tensors refused (below)
     refused = {
         "float64 all_reduce": (lambda: dist.all_reduce(torch.ones(2, dtype=torch.float64, device=dev)),
                                "HCCL allreduce: Unsupported data type at::kDouble"),
@@ -73,6 +85,17 @@ def hccl():
     box = [{"a": 1}]
     dist.broadcast_object_list(box, 0)  # staged on the NPU, as with a real HCCL group
     assert box == [{"a": 1}]
+    dist.destroy_process_group()
+    dev, t = group_on("npu", form="run")  # as a run forms it: "cpu:gloo,npu:hccl"
+    host = torch.ones(2, dtype=torch.float64)
+    dist.all_reduce(host)  # gloo's, which reduces float64; HCCL's refusals bind its device tensors only
+    assert host.tolist() == [1.0, 1.0]
+    try:
+        dist.all_reduce(torch.ones(2, dtype=torch.float64, device=dev))
+    except RuntimeError as err:
+        assert "HCCL allreduce: Unsupported data type at::kDouble" in str(err), str(err)
+    else:
+        raise AssertionError("the simulated HCCL reduced a float64 NPU tensor in a cpu:gloo,npu:hccl group")
 
 
 if __name__ == "__main__":

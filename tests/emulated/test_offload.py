@@ -4,6 +4,7 @@ needs, and the numbers trained do not change."""
 import json
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 from test_emulated_device import ENV, pytestmark  # noqa: F401 - the same skip rule
@@ -59,3 +60,30 @@ def test_rolls_deepspeed_offload_is_honoured():
     raw["actor_train"]["strategy_args"]["strategy_config"]["zero_optimization"] = {"stage": 3}
     out, _, _ = translate(raw)
     assert "actor.offload" not in out
+
+
+def _offload_check(tmp_path, device: str, form: str) -> dict:
+    from npu_sim_env import npu_sim_env
+
+    env = npu_sim_env(tmp_path) if device == "npu" else {**ENV, "PORTAGRPO_EMU_DEVICES": "1"}
+    script = Path(__file__).resolve().parent / "offload_check.py"
+    tmp_path.mkdir(parents=True, exist_ok=True)
+    res = subprocess.run([sys.executable, "-m", "portagrpo.launcher", "--nproc", "2", str(script), device, form],
+                         env=env, capture_output=True, text=True, timeout=600, cwd=tmp_path)
+    lines = [line for line in res.stdout.splitlines() if line.startswith("RESULT ")]
+    assert lines, res.stdout[-3000:] + res.stderr[-3000:]
+    return json.loads(lines[0][len("RESULT "):])
+
+
+@pytest.mark.parametrize("device", ["emu", "npu"])
+def test_offloaded_shards_reduce_and_push_over_the_group_as_a_run_forms_it(tmp_path, device):
+    """issue 50: with the library alone (nccl, hccl), torch gives the group no CPU backend, and the host gradients'
+    norm fails with torch's own words on the strict stand-ins; as portagrpo forms the group (cpu:gloo,<device>:
+    <library>, verl's form) the norm, the host AdamW step and the push's gather all run."""
+    before = _offload_check(tmp_path / "library", device, "library")
+    assert before["host_shards"] is True and before["steps"] == ["backward"], before
+    assert "No backend type associated with device type cpu" in before["error"], before
+    after = _offload_check(tmp_path / "run", device, "run")
+    assert "cpu:gloo" in after["form"] and "error" not in after, after
+    assert after["steps"] == ["backward", "clip_grad_norm", "step", "push"] and after["grad_norm"] > 0
+    assert after["pushed"] == 21 and after["push_devices"] == [device]  # gathered on the device, as torch does

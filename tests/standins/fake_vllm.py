@@ -126,6 +126,15 @@ WORKER_CALLS = {
 }
 
 
+# Which ranks of a tensor-parallel group get the routed experts back (enable_return_routed_experts), as (oldest vLLM,
+# oldest vllm-ascend) from which only the group's first rank does; None: every rank, in every release of that line
+# read. vLLM 0.33.0: vllm/distributed/aux_output_connector/worker.py, AuxOutputWorkerConnector.__init__ ("only the
+# executor output rank owns the auxiliary output data plane": `if not get_tp_group().is_first_rank: return`, no store,
+# no buffer), while each rank's scheduler under the external launcher asserts the rows are there
+# (aux_output_connector/connector.py, AuxOutputSchedulerConnector.take_output: "auxiliary output worker output is
+# missing <request id>"). vLLM 0.23.0 and 0.24.0 and vllm-ascend v0.23.0 return them on every rank.
+ROUTES_ON_FIRST_TP_RANK_ONLY = ((0, 33), None)
+
 # The releases whose sources the stand-in was read against (docs/backends.md says where each was read).
 READ = {"vllm": ("0.11.0", "0.23.0", "0.32.0", "0.33.0"), "vllm-ascend": ("0.11.0", "0.23.0", "0.24.0rc1")}
 
@@ -272,6 +281,15 @@ class FakeLLM:
         return cls.vllm or ("0.32.0" if cls.platform == "cpu" else "0.23.0"), None
 
     @classmethod
+    def routes_on_first_tp_rank_only(cls) -> bool:
+        """Whether the release played gives only a TP group's first rank its routed experts."""
+        vllm_since, ascend_since = ROUTES_ON_FIRST_TP_RANK_ONLY
+        vllm, ascend = cls.release()
+        if ascend is not None:
+            return ascend_since is not None and _minor(ascend) >= ascend_since
+        return vllm_since is not None and _minor(vllm) >= vllm_since
+
+    @classmethod
     def has(cls, call: str) -> bool:
         """Whether the release played has this in-process call (WORKER_CALLS)."""
         vllm_since, ascend_since = WORKER_CALLS[call]
@@ -289,6 +307,7 @@ class FakeLLM:
         if self.return_routes and self.platform == "cpu":
             raise ValueError("AuxOutput Connector requires Model Runner V2; set VLLM_USE_V2_MODEL_RUNNER=1.")
         self._router_model_at: tuple | None = None
+        self.whole: dict[str, torch.Tensor] = {}  # with routes asked: the loaded tensors unsharded
         self.kwargs, self.log = kwargs, []
         self.vision = VisionModel.of(kwargs.get("model"))
         self.fresh: set[str] = set()  # tensors loaded since the dummy weights or the last level-2 sleep
@@ -426,6 +445,8 @@ class FakeLLM:
             elif tensor.dtype == torch.float8_e4m3fn:
                 raise RuntimeError(f"{name}: an FP8 tensor for a layer the FP8 method does not quantize")
             self.shards[name] = self.shard_of(tensor).float().clone() if self.fp8 else self.held(self.shard_of(tensor))
+            if self.return_routes:  # the routes a TP group's forward computes are the whole model's (its collectives)
+                self.whole[name] = self.held(tensor)
             self.fresh.add(name)
         self.loaded = True
 
@@ -490,6 +511,7 @@ class FakeLLM:
             self.host_bytes_peak = max(self.host_bytes_peak, self.host_bytes)
         else:  # discarded: what comes back on wake_up is whatever the memory holds
             self.shards = {name: torch.rand_like(t.float()) for name, t in self.shards.items()}
+            self.whole = {name: torch.rand_like(t.float()) for name, t in self.whole.items()}
             self.loaded = False
             self.fresh = set()
             self.saved_buffers = True
@@ -585,6 +607,9 @@ class FakeLLM:
                     lp = self._logprob()
                     logprobs = [{t: types.SimpleNamespace(logprob=lp, rank=1)} for t in ids]
                 child = types.SimpleNamespace(index=index, token_ids=ids, logprobs=logprobs)
+                if self.return_routes and self.tp_rank > 0 and self.routes_on_first_tp_rank_only():
+                    # this rank's scheduler finds no rows from its worker (ROUTES_ON_FIRST_TP_RANK_ONLY)
+                    raise AssertionError(f"auxiliary output worker output is missing {request_id}")
                 if self.return_routes:
                     child.routed_experts = self._routed_experts(prompt, ids, digest)
                 children.append(child)
@@ -622,7 +647,7 @@ class FakeLLM:
 
         config = AutoConfig.from_pretrained(self.kwargs["model"])
         model = AutoModelForCausalLM.from_config(config).float().eval()
-        state = {name: t.float() for name, t in self.shards.items()}
+        state = {name: t.float() for name, t in self.whole.items()}
         for name, param in model.state_dict().items():
             if name.endswith(".experts.gate_up_proj") and name not in state:
                 prefix = name[: -len("gate_up_proj")]
@@ -717,6 +742,13 @@ def modules(reload: bool = True) -> dict[str, types.ModuleType]:
     package (vLLM 0.16+), whose presence the FP8 path checks."""
     mod = types.ModuleType("vllm")
     mod.LLM = FakeLLM
+
+    def version(name: str):  # vllm.__version__: the release the stand-in plays when it is asked
+        if name == "__version__":
+            return FakeLLM.release()[0]
+        raise AttributeError(name)
+
+    mod.__getattr__ = version
     mod.SamplingParams = sampling_params
     inputs = types.ModuleType("vllm.inputs")
     def tokens_prompt(prompt_token_ids, multi_modal_data=None):  # a TypedDict: a plain dict of what was given

@@ -14,9 +14,14 @@ def _optimization(fused: bool):
     return build_optimization(load_config(None, []), models, total=4, fused=fused)
 
 
-def test_the_cpu_row_steps_fused_and_a_checkpoint_keeps_the_loading_runs_form():
+def test_the_cpu_row_steps_fused_and_a_checkpoint_keeps_the_loading_runs_form(monkeypatch):
+    import portagrpo.train.build as build
+
     assert get_backend("cpu").spec.fused_adamw
-    fused, plain = _optimization(True), _optimization(False)
+    fused = _optimization(True)
+    monkeypatch.setattr(build, "_storage_device", lambda p: "npu")  # parameters on a device whose row is not fused
+    plain = _optimization(False)
+    monkeypatch.undo()
     assert fused.step_form == {"fused": True, "foreach": None} and plain.step_form == {"fused": None, "foreach": None}
     for opt in (fused, plain):
         for p in opt.params:
@@ -47,3 +52,13 @@ def test_the_fused_step_is_adamw_to_rounding():
         out.append(params)
     for a, b in zip(*out):
         torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-8)
+
+
+def test_parameters_that_live_on_the_host_step_fused_whatever_the_device_row():
+    """actor.offload keeps FSDP2's shards on the host: the NPU row (no fused kernel on the device) steps them with
+    torch's fused CPU kernel, not the single-tensor loop (torch's foreach list has no cpu)."""
+    from portagrpo.backends import backend_spec
+
+    assert not backend_spec("npu").fused_adamw
+    hosted = _optimization(False)  # the NPU row's answer, for parameters in host memory
+    assert hosted.step_form["fused"] is True

@@ -2,8 +2,8 @@
 
 It subclasses portagrpo's shared accelerator behaviour, states its data row, and installs its
 torch device only when asked whether it can run (never at import). Its collective library,
-`emuccl` (portagrpo_emu.collectives), takes device tensors as NCCL or HCCL does and carries them
-over gloo through the host; portagrpo's own reductions keep the strictest vendor rule (HCCL's:
+`emuccl` (portagrpo_emu.collectives), takes device tensors as NCCL or HCCL does (and host tensors only in
+a group formed with a CPU backend beside it, as torch's rule is) and carries them over gloo through the host; portagrpo's own reductions keep the strictest vendor rule (HCCL's:
 no float64). DDP and FSDP2 run on it across ranks, one emulated device per process.
 """
 from __future__ import annotations
@@ -20,7 +20,7 @@ from portagrpo.backends.probe import RuntimeProbe
 SPEC = BackendSpec(
     name="emu",
     device_type="emu",
-    dist_backend="emuccl",  # registered when the device is installed; device and host tensors
+    dist_backend="emuccl",  # registered when the device is installed, for its device alone (as NCCL, HCCL)
     visible_devices_env=("PORTAGRPO_EMU_VISIBLE_DEVICES",),
     ray_resource="CPU",
     default_attention="sdpa",
@@ -44,7 +44,7 @@ def _device_module(device_type: str) -> Any:
     from . import collectives, device
 
     device.install()
-    collectives.register("emuccl", device.NAME, payload=lambda t: t._inner, host_tensors=True)
+    collectives.register("emuccl", device.NAME, payload=lambda t: t._inner)
     return getattr(torch, device.NAME)
 
 

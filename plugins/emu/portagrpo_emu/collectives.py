@@ -7,7 +7,16 @@ reach NCCL or HCCL.
 
 Each group counts what it moved (collectives by kind, elements and bytes), so tests can hold a
 training step to a budget. A vendor personality (the simulated HCCL) adds its refusals through
-`refuse`, called with the op name and every tensor before anything moves.
+`refuse`, called with the op name and every device tensor before anything moves.
+
+Host tensors follow torch's device rule for the group as it was formed: torch gives a process group only the
+devices its backends name (torch/distributed/distributed_c10d.py, `Backend.backend_capability` and
+`_new_process_group_helper`, torch 2.10 and 2.14 alike: NCCL serves `cuda` alone; torch_npu registers `hccl` with
+`devices=["npu"]`, torch_npu/_init/registry/distributed.py v2.10.0.post4). A group formed with the library alone
+refuses a CPU tensor with torch's own words, "No backend type associated with device type cpu"; one formed as
+`cpu:gloo,<device>:<library>` hands it to gloo, where the library's refusals do not apply. A Python process group
+stands for the whole group (torch breaks out of its per-device loop for one), so the group reads its own backend
+string (`torch.distributed.get_backend_config`) to decide.
 """
 from __future__ import annotations
 
@@ -35,9 +44,9 @@ class HostStagedGroup(dist.ProcessGroup):
 
     def __init__(self, store: dist.Store, rank: int, size: int, timeout: timedelta, *, device_type: str,
                  backend_name: str, payload: Callable[[torch.Tensor], torch.Tensor],
-                 refuse: Refusal | None = None, host_tensors: bool = False) -> None:
+                 refuse: Refusal | None = None) -> None:
         super().__init__(rank, size)
-        self._host_tensors = host_tensors
+        self._serves_host: bool | None = None  # known once torch has recorded how the group was formed
         self._rank, self._size = rank, size
         self._device_type, self._name = device_type, backend_name
         self._payload, self._refuse = payload, refuse
@@ -70,10 +79,22 @@ class HostStagedGroup(dist.ProcessGroup):
         return getattr(self, "_group_desc", "undefined")
 
     @property
+    def host_tensors(self) -> bool:
+        """Whether the group was formed with a CPU backend beside the library (`cpu:gloo,<device>:<library>`)."""
+        if self._serves_host is None:
+            try:
+                config = dist.get_backend_config(self)
+            except (ValueError, KeyError, RuntimeError, AttributeError, TypeError):
+                return False  # not recorded yet (while torch forms the group): not cached
+            pairs = [part.split(":", 1) for part in config.split(",") if ":" in part]
+            self._serves_host = any(device.strip() == "cpu" for device, _ in pairs)
+        return self._serves_host
+
+    @property
     def _device_types(self) -> list[torch.device]:
         """The devices the group serves; torch's object collectives pick their staging device from it
         (a CPU tensor for a group that takes host tensors, a device tensor for an HCCL-like one)."""
-        return [torch.device("cpu"), torch.device(self._device_type)] if self._host_tensors \
+        return [torch.device("cpu"), torch.device(self._device_type)] if self.host_tensors \
             else [torch.device(self._device_type)]
 
     def getGroupName(self) -> str:  # noqa: N802
@@ -98,12 +119,13 @@ class HostStagedGroup(dist.ProcessGroup):
                     raise RuntimeError(f"{op}: the {self._name} group of this rank runs on {self._device_type}:{bound} "
                                        f"(set_device), got a tensor on {t.device}")
                 continue
-            if t.device.type == "cpu" and self._host_tensors:
+            if t.device.type == "cpu" and self.host_tensors:
                 continue
             # the words torch's ProcessGroup uses when no library of the group serves the device
             raise RuntimeError(f"No backend type associated with device type {t.device.type}")
-        if self._refuse is not None:
-            self._refuse(op, tensors, opts)
+        on_device = [t for t in tensors if t.device.type == self._device_type]
+        if self._refuse is not None and on_device:  # host tensors go to gloo, which the library's rules do not bind
+            self._refuse(op, on_device, opts)
         return [self._payload(t) if t.device.type == self._device_type else t for t in tensors]
 
     def _run(self, op: str, counted: list[torch.Tensor], work: Any, result: Any) -> Any:
@@ -208,17 +230,14 @@ def _reduce_options(opts: Any) -> dist.AllreduceOptions:
 
 
 def register(backend_name: str, device_type: str, payload: Callable[[torch.Tensor], torch.Tensor],
-             refuse: Refusal | None = None, host_tensors: bool = False) -> None:
-    """Make `init_process_group(backend_name)` form a HostStagedGroup. A Python process group stands
-    for the whole group (torch does not combine it with gloo per device), so `host_tensors` says
-    whether it also takes CPU tensors (as "cpu:gloo,<device>:<library>" would) or refuses them (as
-    HCCL does). Idempotent."""
+             refuse: Refusal | None = None) -> None:
+    """Make `init_process_group(backend_name)` (or `cpu:gloo,<device_type>:<backend_name>`) form a HostStagedGroup,
+    registered for its device alone, as NCCL and HCCL are. Idempotent."""
     if backend_name in dist.Backend.backend_list:
         return
 
     def create(store, rank, size, timeout):
         return HostStagedGroup(store, rank, size, timeout, device_type=device_type, backend_name=backend_name,
-                               payload=payload, refuse=refuse, host_tensors=host_tensors)
+                               payload=payload, refuse=refuse)
 
-    devices = ["cpu", device_type] if host_tensors else [device_type]
-    dist.Backend.register_backend(backend_name, create, devices=devices)
+    dist.Backend.register_backend(backend_name, create, devices=[device_type])
