@@ -2,9 +2,10 @@
 
 It subclasses portagrpo's shared accelerator behaviour, states its data row, and installs its
 torch device only when asked whether it can run (never at import). Its collective library,
-`emuccl` (portagrpo_emu.collectives), takes device tensors as NCCL or HCCL does (and host tensors only in
-a group formed with a CPU backend beside it, as torch's rule is) and carries them over gloo through the host; portagrpo's own reductions keep the strictest vendor rule (HCCL's:
-no float64). DDP and FSDP2 run on it across ranks, one emulated device per process.
+`emuccl` (portagrpo_emu.collectives), takes device tensors as NCCL or HCCL does (and host tensors only
+in a group formed with a CPU backend beside it, as torch's rule is) and carries them over gloo through the
+host; portagrpo's own reductions keep the strictest vendor rule (HCCL's: no float64). DDP and FSDP2 run on
+it across ranks, one emulated device per process.
 """
 from __future__ import annotations
 
