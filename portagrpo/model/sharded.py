@@ -9,8 +9,11 @@ shards it: 4 bytes a parameter on every device at load (123 GiB for 32B). Here, 
 - each parameter's shard is read from the checkpoint (safetensors, memory-mapped) by its global rows, one tensor at
   a time: a rank's host holds at most one shard of one tensor beyond what it keeps.
 Which runs take it: FSDP2 on several ranks, a Hugging Face directory with safetensors weights whose tensor names are
-the model's own, and no LoRA (peft's adapters are created after loading; that path stays whole). Everything else
-loads whole, as before (`model.sharded_load`, docs/config.md).
+the model's own, or a mixture-of-experts checkpoint in the hub's per-expert layout (`experts.<e>.gate_proj.weight`,
+`up_proj`, `down_proj`: what transformers 5 saves and the hub publishes, where the model in memory packs them as
+`experts.gate_up_proj` [E, 2I, H] and `experts.down_proj` [E, H, I]; FSDP2 splits those over experts, so a rank reads
+only its experts' tensors), and no LoRA (peft's adapters are created after loading; that path stays whole).
+Everything else loads whole, as before (`model.sharded_load`, docs/config.md).
 """
 from __future__ import annotations
 
@@ -149,16 +152,23 @@ def materialize(scorer: torch.nn.Module, device: torch.device, path: str | Path,
         with torch.no_grad():
             for name, param in scorer.named_parameters():
                 key = name.removeprefix(prefix)
-                if key not in files:
+
+                def handle(file: Path):
+                    if file not in handles:
+                        handles[file] = safe_open(str(file), framework="pt").__enter__()
+                    return handles[file]
+
+                experts = per_expert_keys(key, param.shape[0]) if key not in files else None
+                if key not in files and not (experts and all(k in files for row in experts for k in row)):
                     if key in tied:
                         continue
                     raise UserError(f"model.path={str(path)!r} has no tensor {key!r}, which the model needs; give a "
                                     f"complete checkpoint, or set model.sharded_load=false to load it as "
                                     f"transformers does.")
-                file = files[key]
-                if file not in handles:
-                    handles[file] = safe_open(str(file), framework="pt").__enter__()
-                rows = handles[file].get_slice(key)[local_rows(param)]
+                if key in files:
+                    rows = handle(files[key]).get_slice(key)[local_rows(param)]
+                else:
+                    rows = _expert_rows(experts, local_rows(param), lambda k: handle(files[k]).get_slice(k)[:])
                 local = param.to_local() if isinstance(param, DTensor) else param
                 if tuple(local.shape) != tuple(rows.shape):
                     raise UserError(f"model.path={str(path)!r}: tensor {key!r} has shape {tuple(rows.shape)} where "
@@ -170,6 +180,30 @@ def materialize(scorer: torch.nn.Module, device: torch.device, path: str | Path,
         for handle in handles.values():
             handle.__exit__(None, None, None)
     return read
+
+
+EXPERT_PARTS = {"gate_up_proj": ("gate_proj", "up_proj"), "down_proj": ("down_proj",)}
+
+
+def per_expert_keys(key: str, experts: int) -> list[list[str]] | None:
+    """For a packed experts tensor (`<layer>.mlp.experts.gate_up_proj` or `.down_proj`), the per-expert checkpoint
+    names that make it, expert by expert (`experts.<e>.gate_proj.weight`, `experts.<e>.up_proj.weight`, whose rows
+    are stacked in that order); None for any other tensor. model/moe.py's `packed_experts` is the same layout."""
+    head, _, last = key.rpartition(".")
+    if not head.endswith(".experts") or last not in EXPERT_PARTS:
+        return None
+    return [[f"{head}.{e}.{part}.weight" for part in EXPERT_PARTS[last]] for e in range(experts)]
+
+
+def _expert_rows(experts: list[list[str]], rows: tuple[slice, ...], read) -> torch.Tensor:
+    """This rank's block of a packed experts tensor from the per-expert tensors: only the experts in its slice of
+    dim 0 are read (FSDP2 shards the packed tensor over experts), each expert's parts stacked, then cut to the
+    slice's other dims."""
+    blocks = [torch.cat([read(k) for k in experts[e]])[rows[1:]] for e in range(rows[0].start, rows[0].stop)]
+    if blocks:
+        return torch.stack(blocks)
+    whole = torch.cat([read(k) for k in experts[0]])[rows[1:]]  # a rank with no expert: an empty block of that shape
+    return whole.new_empty((0, *whole.shape))
 
 
 def _tied_names(module: torch.nn.Module, prefix: str = "lm.") -> set[str]:
@@ -184,8 +218,14 @@ def _tied_names(module: torch.nn.Module, prefix: str = "lm.") -> set[str]:
 
 
 def missing_tensors(model: torch.nn.Module, path: str | Path) -> list[str]:
-    """The model's tensors (a bare LM's names) that the checkpoint does not hold by that name: a layout transformers
-    converts while loading, which this path does not, so such a model loads whole."""
+    """The model's tensors (a bare LM's names) that the checkpoint does not hold by that name, nor as per-expert
+    tensors: a layout transformers converts while loading, which this path does not, so such a model loads whole."""
     files = weight_files(path) or {}
-    needed = {n for n, _ in model.named_parameters()} - _tied_names(model, prefix="")
-    return sorted(needed - set(files))
+    shapes = {n: p.shape for n, p in model.named_parameters()}
+    needed = set(shapes) - _tied_names(model, prefix="")
+    missing = []
+    for name in sorted(needed - set(files)):
+        experts = per_expert_keys(name, shapes[name][0]) if len(shapes[name]) == 3 else None
+        if not experts or not all(k in files for row in experts for k in row):
+            missing.append(name)
+    return missing

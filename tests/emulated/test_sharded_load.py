@@ -72,3 +72,38 @@ def test_four_ranks_halve_the_load_and_train_the_same(runs):
     for row, _, _ in runs.values():
         for key in ("loss_policy", "kl", "grad_norm", "entropy"):
             assert row[key] == pytest.approx(two[key], rel=2e-5, abs=1e-7), key
+
+
+# A Qwen3-MoE whose experts outweigh everything else (8 experts of 512 in each of 4 layers of 256): the checkpoint the
+# run saves is transformers 5's, per-expert names (`experts.<e>.gate_proj.weight`), the hub's layout; the model holds
+# them packed (`experts.gate_up_proj`). Before issue 51 such a run loaded whole on every rank.
+MOE = ["model.tiny.moe=qwen3_moe", "model.tiny.num_experts=8", "model.tiny.moe_intermediate_size=512",
+       "actor.use_kl_loss=false"]
+
+
+def _train_moe(out, ranks: int, sharded: bool) -> tuple[dict, str]:
+    cmd = [sys.executable, "-m", "portagrpo", "train", "--device", "emu", "--output-dir", str(out),
+           f"trainer.nproc_per_node={ranks}", f"model.sharded_load={str(sharded).lower()}", *RUN, *MOE]
+    res = subprocess.run(cmd, env={**ENV, "PORTAGRPO_EMU_DEVICES": "1"}, capture_output=True, text=True, timeout=1200,
+                         cwd=out.parent)
+    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
+    return json.loads((out / "metrics.jsonl").read_text().splitlines()[0]), res.stdout + res.stderr
+
+
+def test_a_moe_checkpoint_in_per_expert_names_loads_by_shards_and_equals_a_whole_load(tmp_path):
+    """Issue 51's bar: the tiny Qwen3-MoE saved with per-expert names loads by shards on 2 and 4 emulated ranks, the
+    load peak from 2 to 4 ranks falls to at most 0.55 of itself, and the numbers trained equal a whole load's."""
+    two, log2 = _train_moe(tmp_path / "two", 2, True)
+    four, log4 = _train_moe(tmp_path / "four", 4, True)
+    whole, logw = _train_moe(tmp_path / "whole", 2, False)
+    assert "loaded whole" not in log2 + log4, (log2 + log4)[-2000:]
+    from safetensors import safe_open
+
+    with safe_open(str(tmp_path / "two" / "init_model" / "model.safetensors"), framework="pt") as f:
+        assert any(".experts.0.gate_proj.weight" in k for k in f.keys())  # the hub's layout, as saved
+    assert four["mem/load_peak_gb"] <= 0.55 * two["mem/load_peak_gb"], (two["mem/load_peak_gb"],
+                                                                        four["mem/load_peak_gb"])
+    assert whole["mem/load_peak_gb"] >= 1.8 * two["mem/load_peak_gb"]  # the whole load held every expert
+    for key in ("loss_policy", "grad_norm", "entropy"):
+        assert two[key] == pytest.approx(whole[key], rel=1e-6, abs=1e-9), key
+        assert four[key] == pytest.approx(whole[key], rel=2e-5, abs=1e-7), key
