@@ -12,8 +12,9 @@ Which runs take it: FSDP2 on several ranks, a Hugging Face directory with safete
 the model's own, or a mixture-of-experts checkpoint in the hub's per-expert layout (`experts.<e>.gate_proj.weight`,
 `up_proj`, `down_proj`: what transformers 5 saves and the hub publishes, where the model in memory packs them as
 `experts.gate_up_proj` [E, 2I, H] and `experts.down_proj` [E, H, I]; FSDP2 splits those over experts, so a rank reads
-only its experts' tensors), and no LoRA (peft's adapters are created after loading; that path stays whole).
-Everything else loads whole, as before (`model.sharded_load`, docs/config.md).
+only its experts' tensors), or a vision-language checkpoint under Qwen2.5-VL's names (`model.*`, `visual.*` for the
+model's `model.language_model.*`, `model.visual.*`), and no LoRA (peft's adapters are created after loading; that
+path stays whole). Everything else loads whole, as before (`model.sharded_load`, docs/config.md).
 """
 from __future__ import annotations
 
@@ -158,6 +159,7 @@ def materialize(scorer: torch.nn.Module, device: torch.device, path: str | Path,
                         handles[file] = safe_open(str(file), framework="pt").__enter__()
                     return handles[file]
 
+                key = checkpoint_key(key, files)
                 experts = per_expert_keys(key, param.shape[0]) if key not in files else None
                 if key not in files and not (experts and all(k in files for row in experts for k in row)):
                     if key in tied:
@@ -180,6 +182,22 @@ def materialize(scorer: torch.nn.Module, device: torch.device, path: str | Path,
         for handle in handles.values():
             handle.__exit__(None, None, None)
     return read
+
+
+# Qwen2-VL/Qwen2.5-VL in memory (transformers 5) against their checkpoints (what save_pretrained writes and the hub
+# publishes): the language model under `model.language_model.` is saved under `model.`, the vision tower under
+# `model.visual.` as `visual.` (the same renames vLLM's loader and tests/standins/fake_vllm.py's VisionModel make).
+CHECKPOINT_PREFIXES = (("model.language_model.", "model."), ("model.visual.", "visual."))
+
+
+def checkpoint_key(key: str, files: dict) -> str:
+    """The name the checkpoint holds a model tensor under: its own, else its vision-language checkpoint name."""
+    if key in files:
+        return key
+    for ours, theirs in CHECKPOINT_PREFIXES:
+        if key.startswith(ours) and theirs + key[len(ours):] in files:
+            return theirs + key[len(ours):]
+    return key
 
 
 EXPERT_PARTS = {"gate_up_proj": ("gate_proj", "up_proj"), "down_proj": ("down_proj",)}
@@ -225,6 +243,8 @@ def missing_tensors(model: torch.nn.Module, path: str | Path) -> list[str]:
     needed = set(shapes) - _tied_names(model, prefix="")
     missing = []
     for name in sorted(needed - set(files)):
+        if checkpoint_key(name, files) in files:
+            continue
         experts = per_expert_keys(name, shapes[name][0]) if len(shapes[name]) == 3 else None
         if not experts or not all(k in files for row in experts for k in row):
             missing.append(name)
