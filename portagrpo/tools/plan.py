@@ -209,7 +209,7 @@ def _device(cfg) -> str:
     return cfg.trainer.device if cfg.trainer.device not in ("auto", None) else "cuda"
 
 
-def layout_problems(cfg, world: int, shape: ModelShape) -> list[str]:
+def layout_problems(cfg, world: int, shape: ModelShape, per_node: int | None = None) -> list[str]:
     """What `train` would refuse about this layout on `world` ranks, in its own sentences (the same rules)."""
     from portagrpo.config import strategy_problems, validate_world
     from portagrpo.model.ulysses import sequence_parallel_problem
@@ -218,11 +218,40 @@ def layout_problems(cfg, world: int, shape: ModelShape) -> list[str]:
     if problems:
         return problems
     problems = strategy_problems(cfg, world, strategy_of(cfg, world))
+    per_node = per_node or world
     sp = cfg.actor.ulysses_sequence_parallel_size
     if sp > 1:
         problem = sequence_parallel_problem(sp, shape.heads, shape.kv_heads, shape.is_moe)
         problems += [problem] if problem else []
-    return problems
+    problem = engine_layout_problem(cfg, world, per_node, shape)
+    return problems + ([problem] if problem else [])
+
+
+def engine_layout_problem(cfg, world: int, per_node: int, shape: ModelShape) -> str | None:
+    """vLLM's tensor-parallel layout as the engine would refuse it at build (rollout/vllm_parallel.py `tp_layout`:
+    a group within one node, dividing the ranks and the heads), with the largest size it takes here."""
+    from portagrpo.rollout.vllm_parallel import tp_layout
+
+    size = cfg.rollout.tensor_model_parallel_size
+    if cfg.rollout.engine != "vllm" or size <= 1:
+        return None
+    try:
+        tp_layout(size, 0, world, per_node, shape.heads, shape.kv_heads)
+    except UserError as err:
+        fits = [t for t in range(1, per_node + 1) if _tp_fits(t, world, per_node, shape)]
+        return (f"{err} The largest rollout.tensor_model_parallel_size vLLM takes here is {max(fits)} (vLLM does not "
+                f"span a tensor-parallel group over nodes in portagrpo's colocated engine).")
+    return None
+
+
+def _tp_fits(size: int, world: int, per_node: int, shape: ModelShape) -> bool:
+    from portagrpo.rollout.vllm_parallel import tp_layout
+
+    try:
+        tp_layout(size, 0, world, per_node, shape.heads, shape.kv_heads)
+    except UserError:
+        return False
+    return True
 
 
 def run_shape(cfg, cluster: Cluster, shape: ModelShape, model) -> RunShape:
@@ -278,7 +307,7 @@ def plan_config(cfg, args: argparse.Namespace | None = None) -> tuple[Plan, str]
 
     cluster = cluster_of(cfg, args)
     shape, model, source = model_shape(cfg)
-    problems = layout_problems(cfg, cluster.world, shape)
+    problems = layout_problems(cfg, cluster.world, shape, cluster.devices_per_node)
     if problems:
         raise ConfigError(problems)
     return plan(shape, cluster, run_shape(cfg, cluster, shape, model)), source

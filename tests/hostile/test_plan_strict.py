@@ -90,3 +90,13 @@ def test_a_malformed_config_json_is_one_sentence(tmp_path, capsys, content, word
 def test_plan_takes_device_as_train_does(capsys):
     assert main(["plan", "--config", str(SEVEN_B), "--device", "npu"]) in (0, 1)
     assert "memory plan: Qwen2.5-7B-Instruct" in capsys.readouterr().out
+
+
+def test_a_vllm_group_over_nodes_is_refused_with_the_largest_size_that_fits(capsys):
+    """verl's 72B script asks for TP 16 over nodes of 8: the engine refuses that at build (a tensor-parallel group
+    sits on one node), so the plan does too, and names the largest size it takes."""
+    seventy = ROOT / "configs" / "qwen2.5-72b-gsm8k-cuda.yaml"
+    assert main(["plan", "--config", str(seventy), "rollout.engine=vllm", "rollout.tensor_model_parallel_size=16"]) == 2
+    err = capsys.readouterr().err
+    assert "rollout.tensor_model_parallel_size=16 does not divide the 8 rank(s) per node" in err
+    assert "The largest rollout.tensor_model_parallel_size vLLM takes here is 8" in err and "Traceback" not in err
