@@ -45,8 +45,10 @@ def explicit_generation_config(params: SamplingParams, eos_ids: list[int], pad_i
 
     greedy = params.temperature <= 0
     return GenerationConfig(
-        # min_new_tokens alone: transformers warns at every generate that sees both it and min_length set
-        do_sample=not greedy, num_beams=1, max_new_tokens=params.max_tokens, min_new_tokens=0, min_length=None,
+        # no minimum length, and neither min_new_tokens nor min_length named: transformers warns at every generate
+        # that sees both set (5.x: min_length not None; 4.57: min_length None), and the blank generation config
+        # the model gets meanwhile holds no minimum
+        do_sample=not greedy, num_beams=1, max_new_tokens=params.max_tokens,
         temperature=1.0, top_k=0, top_p=1.0, min_p=None,
         typical_p=1.0, epsilon_cutoff=0.0, eta_cutoff=0.0, no_repeat_ngram_size=0,
         repetition_penalty=params.repetition_penalty, encoder_repetition_penalty=1.0,

@@ -228,7 +228,7 @@ def test_engines_declare_whether_they_hold_weights_and_vllm_loads_only_when_aske
 
 def test_the_engines_generate_calls_warn_nothing(tiny_model_dir, tokenizer, monkeypatch):
     """transformers warns at every generate that sees min_new_tokens and min_length both set (146 times in a 2-step
-    multi-turn run, issue 49): the engine sets min_new_tokens alone."""
+    multi-turn run, issue 49): the engine names neither (no minimum length)."""
     import contextlib
 
     import transformers.generation.utils as gen_utils
