@@ -66,6 +66,10 @@ def _read_config(path: Path):
     if not isinstance(data, dict):
         raise UserError(f"{path} holds a JSON {type(data).__name__}, not an object of model settings; give "
                         f"model.path a model directory whose config.json transformers wrote.")
+    text = data.get("text_config") if isinstance(data.get("text_config"), dict) else data
+    for name in SHAPE_FIELDS:  # before transformers, which may divide by them while it builds the config
+        if name in text:
+            _check_field(name, text[name], str(path))
     try:
         return AutoConfig.from_pretrained(str(path.parent), local_files_only=True)
     except Exception as err:  # noqa: BLE001 - transformers' many ways of refusing a config: one sentence here
@@ -77,11 +81,14 @@ def _read_config(path: Path):
 SHAPE_FIELDS = ("hidden_size", "num_attention_heads", "num_hidden_layers", "vocab_size")
 
 
+def _check_field(name: str, value, source: str) -> None:
+    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+        raise UserError(f"{source}: {name}={value!r} must be a positive integer; fix the model's config.json.")
+
+
 def _check_text_config(text, source: str) -> None:
     for name in SHAPE_FIELDS:
-        value = getattr(text, name, None)
-        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-            raise UserError(f"{source}: {name}={value!r} must be a positive integer; fix the model's config.json.")
+        _check_field(name, getattr(text, name, None), source)
 
 
 def _empty(config):

@@ -69,7 +69,7 @@ def test_every_layout_train_refuses_plan_refuses_in_the_same_words(capsys, recip
     ("{not json", "is not a JSON file"),
     ("[1, 2]", "holds a JSON list, not an object"),
     (json.dumps({"model_type": "nosuchmodel", "hidden_size": 8}), "transformers cannot read it"),
-    ("HIDDEN_TEXT", "hidden_size"),
+    ("HIDDEN_TEXT", "hidden_size='big' must be a positive integer"),
     ("HEADS_ZERO", "num_attention_heads=0 must be a positive integer"),
 ])
 def test_a_malformed_config_json_is_one_sentence(tmp_path, capsys, content, words):
