@@ -246,6 +246,9 @@ class ActorConfig:
     # reference's shards in host memory, copied in per unit for its forward (verl's ref param_offload).
     offload: bool = False
     ref_offload: bool = False
+    # the offloaded shards in page-locked host memory where the backend row pins them (CUDA, ROCm, Ascend: faster
+    # copies, but pinned memory is memory the OS cannot page out; 72B on one node pins about 1.1 TB). false: pageable
+    pin_offload: bool = True
     clip_ratio: float = 0.2
     clip_ratio_low: Optional[float] = None
     clip_ratio_high: Optional[float] = None

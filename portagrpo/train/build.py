@@ -170,7 +170,8 @@ def build(cfg: Config, runtime: Runtime, run_dir: Path, log: Callable[[str], Non
     problems = strategy_problems(cfg, runtime.comm.world_size, chosen if runtime.comm.world_size > 1 else "none")
     if problems:
         raise ConfigError(problems)
-    strategy = make_strategy(chosen, runtime.comm, cfg.trainer.fsdp_size, runtime.backend.spec.pinned_offload)
+    strategy = make_strategy(chosen, runtime.comm, cfg.trainer.fsdp_size,
+                             runtime.backend.spec.pinned_offload and cfg.actor.pin_offload)
     data = build_data(cfg, log)
     try:
         models = build_models(cfg, runtime, strategy, data.tokenizer, run_dir, log)

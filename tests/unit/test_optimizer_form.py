@@ -62,3 +62,23 @@ def test_parameters_that_live_on_the_host_step_fused_whatever_the_device_row():
     assert not backend_spec("npu").fused_adamw
     hosted = _optimization(False)  # the NPU row's answer, for parameters in host memory
     assert hosted.step_form["fused"] is True
+
+
+def test_pin_offload_false_keeps_offloaded_shards_pageable(monkeypatch):
+    """actor.pin_offload=false (issue 51): the strategy the run builds is told not to pin, whatever the row says."""
+    import portagrpo.train.build as build
+    from portagrpo.backends.dist import Collectives, DistEnv
+
+    seen = {}
+    monkeypatch.setattr(build, "make_strategy", lambda *a, **k: seen.update(pinned=a[3]) or (_ for _ in ()).throw(
+        RuntimeError("stop here")))
+    runtime = types.SimpleNamespace(backend=types.SimpleNamespace(
+        parallel_strategy=lambda requested: "fsdp2", spec=types.SimpleNamespace(pinned_offload=True)),
+        comm=Collectives(DistEnv(rank=0, world_size=2)))
+    for pin, pinned in ((True, True), (False, False)):
+        cfg = load_config(None, [f"actor.pin_offload={str(pin).lower()}", "trainer.parallel=fsdp2"])
+        try:
+            build.build(cfg, runtime, None, print)
+        except RuntimeError:
+            pass
+        assert seen["pinned"] is pinned
