@@ -31,19 +31,29 @@ def pid_alive(pid: int) -> bool:
     return True
 
 
+_STARTING = {"depth": 0, "stopped": False}  # inside `sigint_ignored`: a SIGTERM's Stopped waits for its end
+
+
 @contextlib.contextmanager
 def sigint_ignored():
     """Start child processes inside this: a SIGINT disposition of "ignore" is inherited through exec, so
     Python in the child never turns the terminal's Ctrl-C (sent to the whole process group) into a
-    traceback of its own; the parent stops its children itself."""
+    traceback of its own; the parent stops its children itself. A SIGTERM meanwhile (`stop_on_sigterm`) is
+    raised at the end, not in the middle of a start: a spawn cut while it writes the child's preparation data
+    leaves a child that prints its own traceback ("Ran out of input", a flaky CI failure of issue 49)."""
     if threading.current_thread() is not threading.main_thread():
         yield
         return
     previous = signal.signal(signal.SIGINT, signal.SIG_IGN)
+    _STARTING["depth"] += 1
     try:
         yield
     finally:
         signal.signal(signal.SIGINT, previous)
+        _STARTING["depth"] -= 1
+        if _STARTING["depth"] == 0 and _STARTING["stopped"]:
+            _STARTING["stopped"] = False
+            raise Stopped()
 
 
 def set_parent_death_signal(sig: int = signal.SIGKILL) -> None:
@@ -88,6 +98,9 @@ def stop_on_sigterm():
         return None
 
     def handler(signum, frame):  # noqa: ARG001 - signal handler signature
+        if _STARTING["depth"]:
+            _STARTING["stopped"] = True  # raised when the child's start is complete (sigint_ignored)
+            return
         raise Stopped()
 
     return signal.signal(signal.SIGTERM, handler)
