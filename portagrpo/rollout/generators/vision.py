@@ -15,11 +15,13 @@ from portagrpo.rollout.generators import GENERATORS, VISION_NEEDS, Generated, Ge
 @GENERATORS.register("vision")
 class VisionRows:
     def __init__(self, inputs: GeneratorInputs) -> None:
-        if inputs.processor is None:
-            raise UserError(VISION_NEEDS)
+        # a sampler process (rollout.mode=one_step_off) has no processor: it only generates rows whose prompts the
+        # trainer made
         self.tokenizer, self.processor = inputs.tokenizer, inputs.processor
 
     def prompts(self, records: list[PromptRecord], uid_base: int, device) -> RoundPrompts:
+        if self.processor is None:  # a text-only policy (the run's first round: one sentence, not an AttributeError)
+            raise UserError(VISION_NEEDS)
         ids, images = vision_prompts(self.processor, records, device)
         return RoundPrompts(records, ids, images, uid_base)
 
