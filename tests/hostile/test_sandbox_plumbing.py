@@ -4,6 +4,7 @@ no trainer's environment for a root trainer.
 
 Each attack runs as a real call, from a user tool and from the `python` built-in's model-written code, at both
 levels (`namespaces` skipped with the host's reason where the host forbids it)."""
+import contextlib
 import json
 import os
 import pickle
@@ -154,6 +155,18 @@ def box(request, tools, venv_under_tmp):
     sandbox.close()
 
 
+@contextlib.contextmanager
+def truth_box(tools):
+    """A one-worker `process`-level sandbox with the `truth` tool, started, closed after."""
+    sandbox = ToolSandbox({"truth": f"{tools / 'plumbing.py'}:truth"}, Limits(timeout_s=10.0), workers=1,
+                          setting="process")
+    try:
+        sandbox.start()
+        yield sandbox
+    finally:
+        sandbox.close()
+
+
 def call(box, name, context=None, **arguments):
     [result] = box.run([ToolJob(name, "", arguments, context or {})])
     return result
@@ -274,10 +287,7 @@ def test_a_replacement_worker_at_a_lower_level_is_never_used(tools):
     from portagrpo.agent.isolation import Isolation
     from portagrpo.errors import UserError
 
-    sandbox = ToolSandbox({"truth": f"{tools / 'plumbing.py'}:truth"}, Limits(timeout_s=10.0), workers=1,
-                          setting="process")
-    try:
-        sandbox.start()
+    with truth_box(tools) as sandbox:
         sandbox.isolation = Isolation("namespaces")  # as if the run had started with namespaces
         with pytest.raises(UserError, match="runs at namespaces, and new tool workers could only reach process"):
             for _ in range(5):
@@ -285,15 +295,10 @@ def test_a_replacement_worker_at_a_lower_level_is_never_used(tools):
                 sandbox._handle(sandbox._workers[0], "ready", {"kind": "ready", "takes": {"truth": []},
                                                               "isolation": {"level": "process", "reason": "x"}}, [])
                 sandbox._fill()
-    finally:
-        sandbox.close()
 
 
 def test_a_worker_that_sends_garbage_fails_its_call_and_is_replaced(tools):
-    sandbox = ToolSandbox({"truth": f"{tools / 'plumbing.py'}:truth"}, Limits(timeout_s=10.0), workers=1,
-                          setting="process")
-    try:
-        sandbox.start()
+    with truth_box(tools) as sandbox:
         worker = sandbox._workers[0]
         worker.sock.close()
         peer_a, peer_b = socket.socketpair()
@@ -307,20 +312,13 @@ def test_a_worker_that_sends_garbage_fails_its_call_and_is_replaced(tools):
         assert worker not in sandbox._workers
         peer_b.close()
         assert call(sandbox, "truth", context={"ground_truth": "y"}).text == "seen"  # a new worker answers
-    finally:
-        sandbox.close()
 
 
 def test_an_oversized_job_is_an_arguments_error(tools):
-    sandbox = ToolSandbox({"truth": f"{tools / 'plumbing.py'}:truth"}, Limits(timeout_s=10.0), workers=1,
-                          setting="process")
-    try:
-        sandbox.start()
+    with truth_box(tools) as sandbox:
         result = call(sandbox, "truth", context={"ground_truth": "z" * (3 << 20)})
         assert result.error == "arguments" and "limit of one call" in result.text
         assert call(sandbox, "truth", context={"ground_truth": "z"}).text == "seen"
-    finally:
-        sandbox.close()
 
 
 def _run_bpf(rows, arch: int, nr: int, arg0: int) -> int:
