@@ -165,3 +165,17 @@ def test_dry_run_checks_the_sequence_parallel_size_against_the_models_heads(caps
     capsys.readouterr()
     assert main(["train", "--config", str(recipe), "--dry-run", "actor.ulysses_sequence_parallel_size=8"]) == 2
     assert "must divide the model's 28 attention heads" in capsys.readouterr().err
+
+
+def test_an_offloaded_run_is_not_charged_a_second_host_copy_at_checkpoint():
+    """Issue 51: the sharded checkpoint of an offloaded run writes the states from host memory where they already are;
+    the plan counted a staging copy on top (72B on one node: 2063 GiB against about 1.25 TiB)."""
+    cfg = load_config(ROOT / "configs" / "qwen2.5-72b-gsm8k-cuda.yaml", check_files=False)
+    from argparse import Namespace
+
+    p, _ = plan_config(cfg, Namespace(nodes=1, devices_per_node=None, device_memory_gb=None, host_memory_gb=None))
+    host = p.host_per_node
+    assert not any("staging" in k for k in host) and 1200 < sum(host.values()) / GIB < 1300, host
+    on_device = replace(p.run, offload=False)
+    staged = plan(p.model, p.cluster, on_device).host_per_node
+    assert any("staging" in k for k in staged)  # without offload the shards are copied to the host to be written
