@@ -120,6 +120,7 @@ class RunShape:
     image_tokens: int = 0  # image tokens a row may carry (a vision-language run: its prompt length bounds them)
     routes: float = 0.0  # router replay: the global batch's recorded experts (int16), held on every rank
     fused_adamw: bool = False  # the backend row's fused AdamW: it updates in place, no temporaries
+    token_budget: bool = False  # actor.use_dynamic_bsz: micro-batches are cut by ppo_max_token_len_per_gpu
 
 
 @dataclass
@@ -348,8 +349,11 @@ def advise(p: Plan) -> list[str]:
     from dataclasses import replace
 
     cap = p.cluster.device_memory_gb * GIB
-    tries: list[tuple[str, RunShape]] = []
     r = p.run
+    if p.fits_device:  # the host overflows: only settings that take host memory back can fix it
+        return _host_advice(p) or ["none of the single settings tried fits the host: more nodes (trainer.nnodes) "
+                                   "spread the offloaded shards, or plan for more host memory (trainer.host_memory_gb)"]
+    tries: list[tuple[str, RunShape]] = []
     if r.no_sync:
         tries.append(("actor.use_no_sync_for_gradient_accumulation=false", replace(r, no_sync=False)))
     if not r.gradient_checkpointing:
@@ -360,8 +364,12 @@ def advise(p: Plan) -> list[str]:
         tries.append(("rollout.vllm_gpu_memory_utilization=0.3", replace(r, vllm_fraction=0.3)))
     if r.update_rows > 1:
         half = max(1, r.update_rows // 2)
-        tries.append((f"actor.micro_batch_size={half}",
-                      replace(r, update_rows=half, update_tokens=r.update_tokens * half // r.update_rows)))
+        tokens = r.update_tokens * half // r.update_rows
+        # under a token budget micro_batch_size changes nothing: the budget is the knob (per rank, an SP group's
+        # micro-batch holds sp x budget tokens)
+        knob = (f"actor.ppo_max_token_len_per_gpu={tokens // max(r.sequence_parallel, 1)}" if r.token_budget
+                else f"actor.micro_batch_size={half}")
+        tries.append((knob, replace(r, update_rows=half, update_tokens=tokens)))
     if not r.offload and r.strategy == "fsdp2":
         tries.append(("actor.offload=true", replace(r, offload=True)))
     out = []
@@ -376,6 +384,27 @@ def advise(p: Plan) -> list[str]:
     if not out:
         out.append("none of the single settings tried fits: more devices (trainer.nnodes), offload with a shorter "
                    "response length, or a smaller model")
+    return out
+
+
+def _host_advice(p: Plan) -> list[str]:
+    """Host-side settings, each kept where the whole plan (device and host) then fits."""
+    from dataclasses import replace
+
+    r, out = p.run, []
+    tries = []
+    if r.ref_offload and r.has_ref:
+        tries.append(("actor.ref_offload=false", replace(r, ref_offload=False)))
+    if r.offload:
+        tries.append(("actor.offload=false", replace(r, offload=False)))
+    if r.activation_offload:
+        tries.append(("model.enable_activation_offload=false", replace(r, activation_offload=False)))
+    for setting, run in tries:
+        trial = plan(p.model, p.cluster, run)
+        if trial.fits:
+            host = sum(trial.host_per_node.values())
+            out.append(f"{setting} (host {host / GIB:.0f} of {p.cluster.host_memory_gb:g} GiB per node, device "
+                       f"peak {trial.peak.total / GIB:.1f} GiB)")
     return out
 
 

@@ -305,7 +305,7 @@ def run_shape(cfg, cluster: Cluster, shape: ModelShape, model) -> RunShape:
         image_tokens=d.max_prompt_length if shape.vision_depth else 0,
         routes=(cfg.rollout_batch_size * seq * shape.layers * shape.experts_per_token * 2
                 if shape.is_moe and a.router_replay else 0.0),
-        fused_adamw=spec.fused_adamw)
+        fused_adamw=spec.fused_adamw, token_budget=a.use_dynamic_bsz)
 
 
 def plan_config(cfg, args: argparse.Namespace | None = None) -> tuple[Plan, str]:

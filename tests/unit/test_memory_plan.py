@@ -179,3 +179,20 @@ def test_an_offloaded_run_is_not_charged_a_second_host_copy_at_checkpoint():
     on_device = replace(p.run, offload=False)
     staged = plan(p.model, p.cluster, on_device).host_per_node
     assert any("staging" in k for k in staged)  # without offload the shards are copied to the host to be written
+
+
+def test_advice_fixes_what_overflows():
+    """Issue 51: a host shortfall gets host-side advice (never a device setting that cannot help it), and a run under a
+    token budget is told to lower the budget, not actor.micro_batch_size."""
+    from argparse import Namespace
+
+    cfg = load_config(ROOT / "configs" / "qwen2.5-32b-gsm8k-cuda.yaml", check_files=False)
+    p, _ = plan_config(cfg, Namespace(nodes=None, devices_per_node=None, device_memory_gb=None, host_memory_gb=64))
+    assert p.fits_device and not p.fits_host
+    assert p.advice and all("offload" in a or "host" in a or "nnodes" in a for a in p.advice), p.advice
+    assert not any("micro_batch_size" in a or "gradient_checkpointing" in a for a in p.advice), p.advice
+    budget = load_config(ROOT / "configs" / "qwen2.5-7b-gsm8k-cuda.yaml",
+                         ["actor.use_dynamic_bsz=true", "actor.ppo_max_token_len_per_gpu=96000"], check_files=False)
+    q, _ = plan_config(budget)
+    assert not q.fits and any("actor.ppo_max_token_len_per_gpu=" in a for a in q.advice), q.advice
+    assert not any("actor.micro_batch_size" in a for a in q.advice), q.advice
