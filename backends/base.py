@@ -114,6 +114,8 @@ class Backend(Protocol):
     @property
     def group_backend(self) -> str: ...
 
+    def fused_adamw_for(self, params: list[torch.Tensor]) -> bool: ...
+
     def is_available(self) -> Availability: ...
 
     def require(self) -> "Backend":
@@ -226,6 +228,15 @@ class BaseBackend:
     @property
     def dist_backend(self) -> str:
         return self.spec.dist_backend
+
+    def fused_adamw_for(self, params: list[torch.Tensor]) -> bool:
+        """Whether AdamW steps `params` with torch's fused kernel: the row's answer for its device, and yes for
+        parameters that live on the host (actor.offload keeps FSDP2's shards there; torch's foreach list has no `cpu`,
+        utils/_foreach_utils.py, while the fused CPU kernel exists and DTensor takes `_fused_adamw_`)."""
+        def where(p: torch.Tensor) -> str:
+            return (p.to_local() if hasattr(p, "to_local") else p).device.type
+
+        return self.spec.fused_adamw or (bool(params) and all(where(p) == "cpu" for p in params))
 
     @property
     def group_backend(self) -> str:

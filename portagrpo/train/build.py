@@ -176,7 +176,8 @@ def build(cfg: Config, runtime: Runtime, run_dir: Path, log: Callable[[str], Non
     try:
         models = build_models(cfg, runtime, strategy, data.tokenizer, run_dir, log)
         total = total_steps(cfg, data.loader)
-        optim = build_optimization(cfg, models, total, fused=runtime.backend.spec.fused_adamw)
+        trainable = [p for p in models.scorer.parameters() if p.requires_grad]
+        optim = build_optimization(cfg, models, total, fused=runtime.backend.fused_adamw_for(trainable))
         engine = build_engine(cfg, runtime, models, data.tokenizer, run_dir, log if runtime.comm.is_main else None,
                               apart=apart)
         sampler = build_sampler_process(cfg, runtime, models, data.tokenizer, run_dir) if apart else None
@@ -351,24 +352,15 @@ def _model_paths(cfg: Config, runtime: Runtime, tokenizer, run_dir: Path) -> tup
 
 
 def build_optimization(cfg: Config, models: Models, total: int, fused: bool = False) -> Optimization:
-    """AdamW over the trainable parameters, in its fused form where torch builds it for where they live: the
-    backend row's answer for its device (`BackendSpec.fused_adamw`), and fused on the host, where actor.offload keeps
-    FSDP2's shards (torch's foreach list has no `cpu`, utils/_foreach_utils.py, so the host step would otherwise be
-    the single-tensor loop; the fused CPU kernel exists and DTensor takes `_fused_adamw_`); and the learning-rate
-    schedule."""
+    """AdamW over the trainable parameters, in its fused form where the backend says so for where they live
+    (`Backend.fused_adamw_for`), and the learning-rate schedule."""
     a = cfg.actor
     params = [p for p in models.scorer.parameters() if p.requires_grad]
-    fused = fused or (bool(params) and all(_storage_device(p) == "cpu" for p in params))
     optimizer = torch.optim.AdamW(params, lr=a.lr, betas=tuple(a.betas), weight_decay=a.weight_decay,
                                   **({"fused": True} if fused else {}))
     form = {k: optimizer.defaults[k] for k in STEP_FORM}
     schedule = functools.partial(lr_multiplier, warmup_steps=a.warmup_steps, total_steps=total, kind=a.lr_schedule)
     return Optimization(params, optimizer, torch.optim.lr_scheduler.LambdaLR(optimizer, schedule), form)
-
-
-def _storage_device(param: torch.Tensor) -> str:
-    """Where a parameter's values live: a sharded one's local shard (an offloaded shard's is on the host)."""
-    return (param.to_local() if hasattr(param, "to_local") else param).device.type
 
 
 STEP_FORM = ("fused", "foreach")

@@ -14,14 +14,9 @@ def _optimization(fused: bool):
     return build_optimization(load_config(None, []), models, total=4, fused=fused)
 
 
-def test_the_cpu_row_steps_fused_and_a_checkpoint_keeps_the_loading_runs_form(monkeypatch):
-    import portagrpo.train.build as build
-
+def test_the_cpu_row_steps_fused_and_a_checkpoint_keeps_the_loading_runs_form():
     assert get_backend("cpu").spec.fused_adamw
-    fused = _optimization(True)
-    monkeypatch.setattr(build, "_storage_device", lambda p: "npu")  # parameters on a device whose row is not fused
-    plain = _optimization(False)
-    monkeypatch.undo()
+    fused, plain = _optimization(True), _optimization(False)  # plain: a device whose row has no fused kernel
     assert fused.step_form == {"fused": True, "foreach": None} and plain.step_form == {"fused": None, "foreach": None}
     for opt in (fused, plain):
         for p in opt.params:
@@ -57,11 +52,13 @@ def test_the_fused_step_is_adamw_to_rounding():
 def test_parameters_that_live_on_the_host_step_fused_whatever_the_device_row():
     """actor.offload keeps FSDP2's shards on the host: the NPU row (no fused kernel on the device) steps them with
     torch's fused CPU kernel, not the single-tensor loop (torch's foreach list has no cpu)."""
-    from portagrpo.backends import backend_spec
+    from portagrpo.backends.npu import NPUBackend
 
-    assert not backend_spec("npu").fused_adamw
-    hosted = _optimization(False)  # the NPU row's answer, for parameters in host memory
-    assert hosted.step_form["fused"] is True
+    npu = NPUBackend()  # its row only: no runtime is started
+    assert not npu.spec.fused_adamw
+    assert npu.fused_adamw_for([torch.nn.Parameter(torch.ones(2))]) is True  # offloaded: in host memory
+    assert npu.fused_adamw_for([torch.nn.Parameter(torch.ones(2, device="meta"))]) is False  # on its device
+    assert npu.fused_adamw_for([]) is False
 
 
 def test_pin_offload_false_keeps_offloaded_shards_pageable(monkeypatch):
