@@ -48,6 +48,8 @@ class DistEnv:
 class Collectives:
     """One process: every collective is the identity."""
 
+    grouped = False  # a torch process group is formed (several ranks, or FSDP2 on one)
+
     def __init__(self, env: DistEnv | None = None) -> None:
         self.env = env or DistEnv()
 
@@ -103,6 +105,8 @@ class Collectives:
 
 
 class ProcessGroupCollectives(Collectives):
+    grouped = True
+
     def __init__(self, env: DistEnv, backend: BaseBackend, timeout_s: float) -> None:
         super().__init__(env)
         self.backend, self.timeout_s = backend, timeout_s
@@ -218,11 +222,20 @@ def launched_store(env: DistEnv, timeout_s: float):
     return dist.TCPStore(host, port, env.world_size, False, timeout=timeout)
 
 
-def init_collectives(backend: BaseBackend, timeout_s: float, env: DistEnv | None = None) -> Collectives:
-    """Form the process group over the backend's collective library, or return the one-process stub."""
+def init_collectives(backend: BaseBackend, timeout_s: float, env: DistEnv | None = None,
+                     group_of_one: bool = False) -> Collectives:
+    """Form the process group over the backend's collective library, or return the one-process stub.
+    `group_of_one`: one process that runs FSDP2 (model/parallel.py `strategy_name`) gets a real group of one rank,
+    formed over an in-process store (nothing listens), with the same `cpu:gloo,<device>:<library>` form."""
     env = env or DistEnv.from_environ()
-    if env.world_size == 1:
+    if env.world_size == 1 and not group_of_one:
         return Collectives(env)
+    if env.world_size == 1:
+        backend.set_device(env.local_rank)
+        if not dist.is_initialized():
+            dist.init_process_group(backend=backend.group_backend, rank=0, world_size=1,
+                                    timeout=timedelta(seconds=timeout_s), store=dist.HashStore())
+        return ProcessGroupCollectives(env, backend, timeout_s)
     missing = [v for v in ("MASTER_ADDR", "MASTER_PORT") if not os.environ.get(v)]
     if missing:
         raise UserError(f"WORLD_SIZE={env.world_size} but {', '.join(missing)} is not set; launch with torchrun "

@@ -302,10 +302,21 @@ STRATEGIES.register("ddp")(Replicated)
 STRATEGIES.register("fsdp2")(FSDP2)
 
 
+def strategy_name(requested: str, resolved: str, world: int, offload: bool) -> str:
+    """The strategy a run of `world` ranks takes: `resolved` is the backend's answer to trainer.parallel=`requested`
+    (`BaseBackend.parallel_strategy`). On one rank that is plain `none`, unless FSDP2 is what the backend resolves to
+    and the run asks for it by name or offloads (actor.offload / ref_offload): then FSDP2 over a group of one, whose
+    CPUOffloadPolicy keeps the states in host memory, as verl runs FSDP on one GPU. `train`, the planner and the
+    hardware check's one-device offload run all take it from here."""
+    if world > 1:
+        return resolved
+    return "fsdp2" if resolved == "fsdp2" and (requested == "fsdp2" or offload) else "none"
+
+
 def make_strategy(name: str, comm: Collectives, shard_group: int = -1, pinned_offload: bool = False):
-    """`name` is the backend's answer to trainer.parallel (see `BaseBackend.parallel_strategy`); `shard_group` is
-    trainer.fsdp_size; `pinned_offload` the backend row's."""
-    if comm.world_size == 1:
+    """`name` is `strategy_name`'s answer; `shard_group` is trainer.fsdp_size; `pinned_offload` the backend row's.
+    FSDP2 on one rank needs the group of one that `make_runtime` formed for it."""
+    if name == "none" or (comm.world_size == 1 and not comm.grouped):
         return SingleProcess(comm)
     return STRATEGIES.get(name, field="trainer.parallel")(comm, shard_group, pinned_offload)
 
@@ -334,4 +345,4 @@ def refuse_offload(offload: bool, where: str, scorer: torch.nn.Module) -> None:
     backend), else one sentence."""
     if offload and any(p.device.type != "cpu" for p in scorer.parameters()):
         raise UserError(f"actor.offload / actor.ref_offload move FSDP2's shards to host memory, and {where} has none; "
-                        f"use trainer.parallel=fsdp2 on several ranks, or turn offload off.")
+                        f"use trainer.parallel=fsdp2 (on one rank too), or turn offload off.")

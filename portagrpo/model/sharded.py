@@ -52,8 +52,8 @@ def weight_files(path: str | Path) -> dict[str, Path] | None:
 
 def sharded_load_problem(path: str | Path, *, strategy: str, world_size: int, lora: bool) -> str | None:
     """Why a model loads whole instead (None: it loads by shards)."""
-    if strategy != "fsdp2" or world_size < 2:
-        return "only FSDP2 on several ranks shards a model"
+    if strategy != "fsdp2":
+        return "only FSDP2 shards a model (on one rank too: its shard is the whole, read straight to where it lives)"
     if tuple(int(x) for x in torch.__version__.split("+")[0].split(".")[:2]) < MIN_TORCH:
         return f"the sharded build is tested on torch {MIN_TORCH[0]}.{MIN_TORCH[1]} and newer, not {torch.__version__}"
     if lora:

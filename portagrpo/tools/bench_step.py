@@ -3,7 +3,8 @@
 Each variant (a set of config overrides) runs in a fresh subprocess with a pinned thread count:
 it trains `--warmup` steps that are not counted, then `--steps` measured ones, and reports the
 median time of each phase (generate, reward, log-probs, update), response tokens/s, tokens/s per
-device counted as verl does ((prompt + response) / (step time x devices)), peak memory, and each
+device counted as verl does ((prompt + response) / (step time x devices)), MFU (the step's model FLOPs per device
+and second over the device's datasheet peak, backends/peaks.py; none for a device without a row), peak memory, and each
 phase's floor: the phase's model FLOPs divided by the matmul rate this process measured on this
 device in the same run, and for generation the larger of that and the time to read every weight once
 per generated token at the copy bandwidth measured the same way (so "x floor" is a ratio on the same
@@ -20,6 +21,8 @@ import tempfile
 import time
 from pathlib import Path
 from typing import Any
+
+from portagrpo.backends.peaks import peak_flops
 
 PHASES = ("generate", "reward", "logprobs", "update")
 
@@ -87,6 +90,8 @@ def run_variant(config: str | None, overrides: list[str], steps: int, warmup: in
             bandwidth = copy_bytes_per_s(trainer.runtime.device)
             param_bytes = sum(p.numel() * p.element_size() for p in trainer.models.policy.parameters())
             world = trainer.runtime.comm.world_size
+            names = rt.backend.is_available().details.get("device_names") or [str(rt.device)]
+            peak, peak_source = peak_flops(names[0], rt.dtype)
         finally:
             trainer.close()
     med = {k: statistics.median(r[k] for r in rows) for k in rows[0] if isinstance(rows[0][k], (int, float))}
@@ -98,6 +103,7 @@ def run_variant(config: str | None, overrides: list[str], steps: int, warmup: in
     flops = phase_flops(params, prompt_tokens, response_tokens, scoring_passes=scoring_passes,
                         ppo_epochs=cfg.actor.ppo_epochs)
     floors = {k: flops[k] / rate for k in PHASES}
+    model_flops_per_s = sum(flops.values()) / med["time_step_s"] / world  # per device
     # Every decode step reads every weight at least once, and a response of L tokens needs L steps: at
     # small batches this, not the FLOPs, is what generation cannot beat.
     read_floor = med["response_len_mean"] * param_bytes / bandwidth
@@ -111,6 +117,10 @@ def run_variant(config: str | None, overrides: list[str], steps: int, warmup: in
         "response_tokens_per_s": med["response_tokens_per_s"],
         "tokens_per_s_per_device": med["tokens_per_s_per_device"], "mem_peak_gb": med["mem_peak_gb"],
         "response_len_mean": med["response_len_mean"],
+        # MFU: the step's model FLOPs per device and second over the datasheet peak (None where the table has no
+        # row: backends/peaks.py); and the same over the matmul rate measured here, which needs no table
+        "model_flops_per_s_per_device": model_flops_per_s, "mfu": model_flops_per_s / peak if peak else None,
+        "mfu_peak_source": peak_source, "matmul_utilization": model_flops_per_s / rate,
     }
 
 
@@ -153,6 +163,11 @@ def render(results: list[dict]) -> str:
             for p in PHASES
         )
         lines.append(f"{r['variant']:<14}{r['time_step_s']:>8.3f}{cells}{r['response_tokens_per_s']:>12.1f}")
+    for r in results:
+        mfu = f"MFU {r['mfu']:.1%}" if r["mfu"] is not None else "MFU -"
+        mfu += f" ({r['mfu_peak_source']})"
+        lines.append(f"{r['variant']}: {r['model_flops_per_s_per_device'] / 1e12:.3g} model TFLOP/s per device, {mfu}, "
+                     f"{r['matmul_utilization']:.1%} of the matmul rate measured here")
     base = results[0]["time_step_s"]
     lines += [f"{r['variant']}: step time {r['time_step_s'] / base:.2f}x {results[0]['variant']}" for r in results[1:]]
     return "\n".join(lines)

@@ -12,8 +12,10 @@ are recorded:
 4. a run recorded on the CPU, replayed on DEVICE;
 5. a Qwen2.5-0.5B-shaped random-init model (its config written here, nothing downloaded) trained for
    30 steps under every parallel strategy the machine can run (one process; ddp and fsdp2 on two
-   devices when it has two) with `rollout.engine` hf and, where vLLM is installed, vllm;
-6. `bench kernels` and `bench step`.
+   devices when it has two) with `rollout.engine` hf and, where vLLM is installed, vllm; the one-process
+   hf run's measured peak per phase against `portagrpo plan` for the same config; 30 steps of the
+   embedded default; 30 steps under FSDP2 with `actor.offload` on one rank (a group of one);
+6. `bench kernels` and `bench step` (tokens/s, and MFU where backends/peaks.py has the device's peak).
 
 `--size tiny` shrinks every step (a tiny model, 2 steps, small benchmark shapes) so that CI runs the
 script itself on `cpu` and `emu` within minutes; the report says which size ran. A step that cannot run
@@ -159,9 +161,13 @@ def run_check(device: str, out: Path, size: str = "full", log=print, tests: Path
     shapes = ["--shapes", s["shapes"]] if s["shapes"] else []
     check.run("bench kernels", _cli("bench", "kernels", "--device", device, "--repeats", "1", *shapes,
                                     "--json", str(out / "bench-kernels.json")))
-    check.run("bench step", _cli("bench", "step", "--steps", str(s["bench_steps"]), "--warmup", "0",
-                                 "--json", str(out / "bench-step.json"), f"trainer.device={device}",
-                                 f"model.path={model}", f"model.dtype={dtype}", *s["batch"]))
+    bench = check.run("bench step", _cli("bench", "step", "--steps", str(s["bench_steps"]), "--warmup", "0",
+                                         "--json", str(out / "bench-step.json"), f"trainer.device={device}",
+                                         f"model.path={model}", f"model.dtype={dtype}", *s["batch"]))
+    if bench["status"] == "passed":
+        r = json.loads((out / "bench-step.json").read_text())["results"][0]
+        bench["numbers"] = {k: r[k] for k in ("time_step_s", "tokens_per_s_per_device", "model_flops_per_s_per_device",
+                                              "mfu", "mfu_peak_source", "matmul_utilization", "mem_peak_gb")}
     report = {"device": device, "backend": facts, "size": size, "host": platform.node(),
               "date": datetime.now(timezone.utc).isoformat(timespec="seconds"), "python": platform.python_version(),
               "steps": check.steps, "passed": all(st["status"] != "failed" for st in check.steps)}
@@ -208,10 +214,53 @@ def _check_training(check: Check, device: str, out: Path, facts: dict, s: dict, 
                 check.skip(name, "this machine has one device")
                 continue
             run_dir = str(out / "runs" / f"{engine}-{parallel}")
-            check.run(name, _cli("train", "--device", device, "--output-dir", run_dir, *QUIET, f"model.path={model}",
-                                 f"model.dtype={dtype}", f"rollout.engine={engine}",
-                                 f"trainer.total_steps={s['steps']}", f"trainer.nproc_per_node={nproc}",
-                                 f"trainer.parallel={parallel}", *s["batch"]))
+            run = [f"model.path={model}", f"model.dtype={dtype}", f"rollout.engine={engine}",
+                   f"trainer.total_steps={s['steps']}", f"trainer.nproc_per_node={nproc}",
+                   f"trainer.parallel={parallel}", *s["batch"]]
+            step = check.run(name, _cli("train", "--device", device, "--output-dir", run_dir, *QUIET, *run))
+            if engine == "hf" and nproc == 1:
+                _check_plan(check, device, out, run, Path(run_dir), step["status"] == "passed")
+    check.run(f"{s['steps']}-step run, embedded default, one process",
+              _cli("train", "--device", device, "--output-dir", str(out / "runs" / "embedded-default"), *QUIET,
+                   f"trainer.total_steps={s['steps']}"))
+    name = f"{s['steps']}-step run, FSDP2 with actor.offload on one rank"
+    if "fsdp2" not in facts["strategies"]:
+        check.skip(name, f"the {device} backend has no FSDP2")
+    else:
+        check.run(name, _cli("train", "--device", device, "--output-dir", str(out / "runs" / "fsdp2-offload-1"),
+                             *QUIET, f"model.path={model}", f"model.dtype={dtype}", f"trainer.total_steps={s['steps']}",
+                             "trainer.parallel=fsdp2", "actor.offload=true", "actor.ref_offload=true", *s["batch"]))
+
+
+def _check_plan(check: Check, device: str, out: Path, run: list[str], run_dir: Path, ran: bool) -> None:
+    """The one-process run's measured peak per phase (`mem/<phase>_peak_gb`, the largest over its steps) against
+    `portagrpo plan` for the same config on one device: the ratio of each phase, recorded, never a pass bar."""
+    name = "peak memory against portagrpo plan"
+    if not ran:
+        check.skip(name, "the one-process run it measures did not pass")
+        return
+    plan_json = out / "plan.json"
+    # the capacities only decide the plan's verdict, not its phases, which are what is compared here
+    step = check.run(name, _cli("plan", "--device", device, "--nodes", "1", "--devices-per-node", "1",
+                                "--device-memory-gb", "1024", "--host-memory-gb", "4096", "--json", str(plan_json),
+                                *[r for r in run if not r.startswith("trainer.nproc_per_node")]))
+    if step["status"] != "passed":
+        return
+    measured: dict[str, float] = {}
+    for line in (run_dir / "metrics.jsonl").read_text().splitlines():
+        for key, value in json.loads(line).items():
+            if key.startswith("mem/") and key.endswith("_peak_gb"):
+                measured[key[4:-8]] = max(measured.get(key[4:-8], 0.0), value)
+    planned = {k: v["peak_gib"] for k, v in json.loads(plan_json.read_text())["phases"].items()}
+    step["phases"] = {k: {"measured_gib": measured[k], "planned_gib": planned[k],
+                          "planned_over_measured": planned[k] / measured[k] if measured[k] else None}
+                      for k in sorted(set(measured) & set(planned))}
+    if device == "cpu":
+        step["note"] = "the CPU backend measures the process's resident memory, the plan a device's: not comparable"
+    lines = [f"{k}: measured {v['measured_gib']:.3f} GiB, planned {v['planned_gib']:.3f} GiB"
+             + (f" ({v['planned_over_measured']:.2f}x)" if v["planned_over_measured"] else "")
+             for k, v in step["phases"].items()]
+    step["tail"] = ([step["note"]] if "note" in step else []) + lines
 
 
 def render(report: dict[str, Any]) -> str:
@@ -223,6 +272,11 @@ def render(report: dict[str, Any]) -> str:
     for st in report["steps"]:
         result = st["status"] + (f" ({st['reason']})" if st.get("reason") else "")
         lines.append(f"| {st['step']} | {result} | {st['seconds']} | `{st['command'][:160]}` |")
+    numbers = [st for st in report["steps"] if st.get("numbers") or st.get("phases")]
+    for st in numbers:
+        lines += ["", f"## {st['step']}", ""]
+        lines += [f"- {k}: {v}" for k, v in st.get("numbers", {}).items()]
+        lines += [f"- {line}" for line in st["tail"]] if st.get("phases") else []
     failed = [st for st in report["steps"] if st["status"] == "failed"]
     for st in failed:
         lines += ["", f"## {st['step']} (exit {st['exit']})", "", "```", *st["tail"], "```"]

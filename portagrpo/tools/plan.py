@@ -206,10 +206,12 @@ def strategy_of(cfg, world: int, device: str | None = None) -> str:
     """The training strategy `train` would take on `world` ranks of `device` (default trainer.device, auto planned
     as cuda): the backend row's answer to trainer.parallel."""
     from portagrpo.backends import backend_spec
+    from portagrpo.model.parallel import strategy_name
 
     spec = backend_spec(device or _device(cfg))
     requested = cfg.trainer.parallel
-    return "none" if world == 1 else (spec.default_parallel if requested == "auto" else requested)
+    resolved = spec.default_parallel if requested == "auto" else requested
+    return strategy_name(requested, resolved, world, cfg.actor.offload or cfg.actor.ref_offload)
 
 
 def _device(cfg) -> str:

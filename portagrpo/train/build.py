@@ -33,7 +33,7 @@ from portagrpo.model.activations import HostActivations, checkpoint_kwargs
 from portagrpo.model.loading import apply_lora, build_tiny_model, check_tiny_matches, load_model, load_tokenizer
 from portagrpo.model.moe import RouteTally, refuse_r3_engine
 from portagrpo.model.moe import configure as configure_routing
-from portagrpo.model.parallel import ParallelStrategy, make_strategy, sequence_parallel_group
+from portagrpo.model.parallel import ParallelStrategy, make_strategy, sequence_parallel_group, strategy_name
 from portagrpo.model.scorer import AdaptersOff, ResponseScorer
 from portagrpo.model.sharded import buffers_to, empty_model, materialize, missing_tensors, sharded_load_problem
 from portagrpo.model.vision import (
@@ -135,7 +135,8 @@ def make_runtime(cfg: Config, processes: int = 1) -> Runtime:
     """The backend, the process group (one process: none) and this rank's device, checked against the config.
     `processes`: per rank, with a sampler process of its own (the schedule's `apart`) 2."""
     backend = get_backend(cfg.trainer.device)
-    comm = init_collectives(backend, cfg.trainer.dist_timeout_s)
+    alone = chosen_strategy(cfg, backend, 1) == "fsdp2"  # FSDP2 on one process: a group of one (model/parallel.py)
+    comm = init_collectives(backend, cfg.trainer.dist_timeout_s, group_of_one=alone)
     try:
         problems = validate_world(cfg, comm.world_size)
         if problems:
@@ -154,6 +155,12 @@ def make_runtime(cfg: Config, processes: int = 1) -> Runtime:
         raise
 
 
+def chosen_strategy(cfg: Config, backend: Backend, world: int) -> str:
+    """none, ddp or fsdp2: the backend's answer to trainer.parallel on `world` ranks (model/parallel.py)."""
+    offload = cfg.actor.offload or cfg.actor.ref_offload
+    return strategy_name(cfg.trainer.parallel, backend.parallel_strategy(cfg.trainer.parallel), world, offload)
+
+
 def set_threads(threads: int | None, comm: Collectives, backend: Backend, processes: int = 1) -> None:
     """`processes`: per rank, with its sampler process 2."""
     if threads is None and comm.world_size * processes > 1 and backend.device_type == "cpu":
@@ -166,8 +173,8 @@ def set_threads(threads: int | None, comm: Collectives, backend: Backend, proces
 def build(cfg: Config, runtime: Runtime, run_dir: Path, log: Callable[[str], None], apart: bool = False) -> Parts:
     """Every part of a run, in the order each needs the one before. `apart`: the run's schedule samples in a sampler
     process of its own (train/schedule.py), which is built here; the trainer's engine then only validates."""
-    chosen = runtime.backend.parallel_strategy(cfg.trainer.parallel)
-    problems = strategy_problems(cfg, runtime.comm.world_size, chosen if runtime.comm.world_size > 1 else "none")
+    chosen = chosen_strategy(cfg, runtime.backend, runtime.comm.world_size)
+    problems = strategy_problems(cfg, runtime.comm.world_size, chosen)
     if problems:
         raise ConfigError(problems)
     strategy = make_strategy(chosen, runtime.comm, cfg.trainer.fsdp_size,
@@ -307,8 +314,8 @@ def _host_if(offload: bool) -> torch.device | None:
 
 def _language_model(cfg: Config, runtime: Runtime, strategy, path, attn: str, dtype: torch.dtype, lora: bool,
                     log: Callable[[str], None], field_name: str = "model.path"):
-    """(the model, whether it is built empty to be filled by shards after wrapping): FSDP2 on several ranks builds
-    it on the meta device when its checkpoint allows (model/sharded.py), so no rank ever holds it whole; otherwise
+    """(the model, whether it is built empty to be filled by shards after wrapping): FSDP2 (on one rank too) builds it
+    on the meta device when its checkpoint allows (model/sharded.py), so no rank ever holds it whole; otherwise
     it is loaded whole onto this rank's device."""
     whole = (not cfg.model.sharded_load
              or sharded_load_problem(path, strategy=strategy.name, world_size=runtime.comm.world_size, lora=lora))

@@ -16,10 +16,10 @@ RUN = ["trainer.total_steps=2", "trainer.test_freq=0", "trainer.save_freq=0", "t
        "model.tiny.intermediate_size=1024"]
 
 
-def _train(out, offload: bool) -> list[dict]:
+def _train(out, offload: bool, *extra: str) -> list[dict]:
     flag = str(offload).lower()
     cmd = [sys.executable, "-m", "portagrpo", "train", "--device", "emu", "--output-dir", str(out), *RUN,
-           f"actor.offload={flag}", f"actor.ref_offload={flag}"]
+           f"actor.offload={flag}", f"actor.ref_offload={flag}", *extra]
     res = subprocess.run(cmd, env={**ENV, "PORTAGRPO_EMU_DEVICES": "1"}, capture_output=True, text=True, timeout=1200,
                          cwd=out.parent)
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
@@ -31,6 +31,19 @@ def test_offload_moves_the_states_off_the_device_and_changes_no_number(tmp_path)
     assert on[0]["mem/load_peak_gb"] < 0.01 * off[0]["mem/load_peak_gb"]  # both models' shards in host memory
     for a, b in zip(on, off):
         assert a["mem/update_peak_gb"] <= 0.5 * b["mem/update_peak_gb"]  # no optimizer state, no gradient shards
+        for key in ("loss_policy", "grad_norm", "kl", "entropy"):
+            assert a[key] == pytest.approx(b[key], rel=1e-6, abs=1e-9), key
+
+
+def test_one_rank_offloads_through_fsdp2_over_a_group_of_one(tmp_path):
+    """One device (a single-GPU machine): actor.offload runs FSDP2 over a process group of one rank, its states in
+    host memory, with the numbers of a plain one-process run (trainer.parallel=auto: ddp here, so none)."""
+    one = ("trainer.nproc_per_node=1",)
+    on = _train(tmp_path / "on", True, *one, "trainer.parallel=fsdp2")
+    plain = _train(tmp_path / "plain", False, *one, "trainer.parallel=auto")
+    assert on[0]["mem/load_peak_gb"] < 0.01 * plain[0]["mem/load_peak_gb"]
+    for a, b in zip(on, plain):
+        assert a["mem/update_peak_gb"] <= 0.5 * b["mem/update_peak_gb"]
         for key in ("loss_policy", "grad_norm", "kl", "entropy"):
             assert a[key] == pytest.approx(b[key], rel=1e-6, abs=1e-9), key
 
