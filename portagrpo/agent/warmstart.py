@@ -9,9 +9,16 @@ in which a Hermes call is a few tokens.
 The examples are random `calc` prompts ('482 times 739'), and
 - half of them (`--call-share`) call the calculator with the prompt's two numbers, in their order, and an operator
   drawn at random from + - * (whatever the prompt's word says), then, after the tool's turn, repeat its result;
-- the others answer at once with a number that is not the prompt's answer (the value of another random problem).
+- the others restate the question ('482 times 739'), then answer at once with a number that is not the prompt's
+  answer (the value of another random problem).
 Nothing in them ties the operator to the word, or calling to being right: the warm-started policy calls about half
-the time, with the right operator a third of the time. When to call (always, on this task) and with what operator
+the time, with the right operator a third of the time.
+
+Why the restated question (issue 49): without it the prompt's word is never a target, its embedding stays at its
+random initialisation, and whether GRPO can tell the three words apart at the call's operator then depends on that
+initialisation and on the CPU's rounding: the same seed with 2 threads sat at one operator (reward 0.3) for 160 steps
+and ended at 0.58, with 1 thread at 0.88. Restating it is a skill an instruct model has (reading the question), and
+still says nothing of which operator a word means; from it both thread counts held 1.0 on held-out prompts by step 40. When to call (always, on this task) and with what operator
 (the one the word names) is what GRPO has to learn from the reward (configs/calc-tool-cpu.yaml).
 
 The policy is model.tiny's default size with untied input and output embeddings: tied, the output side pushes every
@@ -97,9 +104,10 @@ class FormatExamples:
             result = calculator(expression)
             parts += [(self.encode(call_text(expression)) + [self.eos], 1.0), (self.turns.ids([result]), 0.0),
                       (self.encode(result) + [self.eos], 1.0)]
-        else:  # a number shaped like an answer, of numbers that are not the prompt's
+        else:  # the question restated, then a number shaped like an answer, of numbers that are not the prompt's
             x, op, y = calc_problem(rng)
-            parts.append((self.encode(str(calc_value(x, CALC_OPERATORS[op], y))) + [self.eos], 1.0))
+            wrong = str(calc_value(x, CALC_OPERATORS[op], y))
+            parts.append((self.encode(f"{a} {word} {b}\n{wrong}") + [self.eos], 1.0))
         ids = [t for tokens, _ in parts for t in tokens]
         trained = [w for tokens, w in parts for _ in tokens]
         return Example(ids, trained)

@@ -63,6 +63,7 @@ def test_warm_start_examples_teach_the_format_and_not_the_operator():
         found = parse_tool_calls(response)
         if not found:
             assert "\nt:" not in response and own == response  # a direct answer, every token trained
+            assert response.split("\n")[0] == f"{a} {word} {b}"  # the question restated first, word included
             continue
         calls += 1
         expression = found[0].arguments["expression"]
@@ -91,7 +92,9 @@ def test_direct_answers_are_not_the_prompts_answer():
     right = 0
     for _ in range(200):
         text = tok.decode(examples.one().ids, skip_special_tokens=True)
-        prompt, answer = text.split("\na:", 1)
+        prompt, response = text.split("\na:", 1)
         a, word, b = prompt.removeprefix("u:").split()
+        restated, answer = response.split("\n")  # the question, then the answer on the line the reward reads
+        assert restated == f"{a} {word} {b}" and answer.lstrip("-").isdigit()
         right += answer == str(eval(f"{a}{CALC_OPERATORS[word]}{b}"))  # noqa: S307
     assert right <= 2
