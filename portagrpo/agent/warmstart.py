@@ -12,14 +12,14 @@ The examples are random `calc` prompts ('482 times 739'), and
 - the others restate the question ('482 times 739'), then answer at once with a number that is not the prompt's
   answer (the value of another random problem).
 Nothing in them ties the operator to the word, or calling to being right: the warm-started policy calls about half
-the time, with the right operator a third of the time.
+the time, with the right operator a third of the time. When to call (always, on this task) and with what operator
+(the one the word names) is what GRPO has to learn from the reward (configs/calc-tool-cpu.yaml).
 
 Why the restated question (issue 49): without it the prompt's word is never a target, its embedding stays at its
 random initialisation, and whether GRPO can tell the three words apart at the call's operator then depends on that
 initialisation and on the CPU's rounding: the same seed with 2 threads sat at one operator (reward 0.3) for 160 steps
 and ended at 0.58, with 1 thread at 0.88. Restating it is a skill an instruct model has (reading the question), and
-still says nothing of which operator a word means; from it both thread counts held 1.0 on held-out prompts by step 40. When to call (always, on this task) and with what operator
-(the one the word names) is what GRPO has to learn from the reward (configs/calc-tool-cpu.yaml).
+still says nothing of which operator a word means; from it both thread counts held 1.0 on held-out prompts by step 40.
 
 The policy is model.tiny's default size with untied input and output embeddings: tied, the output side pushes every
 token that is never a target (the prompts' words among them) in one direction, so after the warm start 'plus' and

@@ -4,7 +4,8 @@ checkpoint, generated data, small batches, vLLM's tensor parallelism over the 2 
 checkpoints TOTAL steps (with --resume: from the run's last checkpoint; a process forms its group once, so a resume
 is a second launch). Its offload (actor.offload, ref_offload), FSDP2, R2 router replay,
 KL loss, gradient checkpointing and, on the simulated Ascend, vLLM rollout (tests/standins/fake_vllm.py, playing
-vllm-ascend 0.23) are the recipe's own; the emulated device's row has no vLLM, so it samples with the hf engine. Prints RESULT {json} on rank 0: each step's losses, norms and route agreement."""
+vllm-ascend 0.23) are the recipe's own; the emulated device's row has no vLLM, so it samples with the hf engine.
+Prints RESULT {json} on rank 0: each step's losses, norms and route agreement."""
 import json
 import os
 import sys
