@@ -81,6 +81,10 @@ class BackendSpec:
     # Device memory the runtime and the collective library keep for themselves (the context, communicator buffers), in
     # GiB: an allowance the memory plan reserves on every device, not a measurement (none has run on hardware yet).
     runtime_reserve_gb: float = 0.0
+    # The share of a device's nominal memory (the GB of its name: "80 GB", "64 GB") that torch reports it can
+    # allocate (torch.<device>.get_device_properties(i).total_memory): the plan's capacity is the nominal figure
+    # (trainer.device_memory_gb, --device-memory-gb) times this. 1.0 where no figure is known.
+    usable_memory_fraction: float = 1.0
     # AdamW's fused step (torch.optim.AdamW(fused=True): one kernel over all parameters) where torch builds it for the
     # device: CPU (torch 2.4+), CUDA and ROCm. Elsewhere torch's default (a loop over the parameters, or its foreach
     # form). The fused step rounds differently in the last bit (not a different algorithm).

@@ -80,12 +80,18 @@ class ModelShape:
 class Cluster:
     nodes: int
     devices_per_node: int
-    device_memory_gb: float
+    device_memory_gb: float  # nominal, as the device's name says (80 for an H100 80GB)
     host_memory_gb: float  # per node
+    usable_fraction: float = 1.0  # of the nominal figure, what torch can allocate (the backend row's)
 
     @property
     def world(self) -> int:
         return self.nodes * self.devices_per_node
+
+    @property
+    def capacity(self) -> float:
+        """Bytes of one device that torch can allocate: the nominal figure times the backend row's usable share."""
+        return self.device_memory_gb * self.usable_fraction * GIB
 
 
 @dataclass(frozen=True)
@@ -148,7 +154,7 @@ class Plan:
 
     @property
     def fits_device(self) -> bool:
-        return self.peak.total <= self.cluster.device_memory_gb * GIB
+        return self.peak.total <= self.cluster.capacity
 
     @property
     def fits_host(self) -> bool:
@@ -277,7 +283,7 @@ def _push(m: ModelShape, r: RunShape, t: _Terms) -> PhasePlan:
 def _rollout(m: ModelShape, cluster: Cluster, r: RunShape, t: _Terms) -> PhasePlan:
     rollout, bc = dict(t.steady), r.compute_bytes
     if r.engine == "vllm":
-        rollout["vLLM (weights, KV cache, its activations)"] = r.vllm_fraction * cluster.device_memory_gb * GIB
+        rollout["vLLM (weights, KV cache, its activations)"] = r.vllm_fraction * cluster.capacity
     elif r.engine == "hf":
         if t.fsdp:
             rollout["the policy gathered whole for sampling"] = bc * m.params + GEN_GATHER_UNITS * m.unit_params * bc
@@ -348,7 +354,7 @@ def advise(p: Plan) -> list[str]:
         return []
     from dataclasses import replace
 
-    cap = p.cluster.device_memory_gb * GIB
+    cap = p.cluster.capacity
     r = p.run
     if p.fits_device:  # the host overflows: only settings that take host memory back can fix it
         return _host_advice(p) or ["none of the single settings tried fits the host: more nodes (trainer.nnodes) "
@@ -411,7 +417,7 @@ def _host_advice(p: Plan) -> list[str]:
 def plan_fits(m: ModelShape, cluster: Cluster, r: RunShape) -> float | None:
     """The device peak of `r` when it fits `cluster`, else None."""
     peak = max(ph.total for ph in _phases(m, cluster, r)[0])
-    return peak if peak <= cluster.device_memory_gb * GIB else None
+    return peak if peak <= cluster.capacity else None
 
 
 def ceil_div(a: int, b: int) -> int:

@@ -197,9 +197,12 @@ def cluster_of(cfg, args: argparse.Namespace | None = None) -> Cluster:
         elif not name.endswith("_gb") and not (isinstance(value, int) and value >= 1):
             raise UserError(f"{where} {value} must be a whole number of at least 1.")
         values[name] = value
+    from portagrpo.backends import backend_spec
+
+    usable = backend_spec(getattr(args, "device", None) or _device(cfg)).usable_memory_fraction
     return Cluster(nodes=values["nodes"], devices_per_node=values["devices_per_node"],
                    device_memory_gb=float(values["device_memory_gb"]),
-                   host_memory_gb=float(values["host_memory_gb"]))
+                   host_memory_gb=float(values["host_memory_gb"]), usable_fraction=usable)
 
 
 def strategy_of(cfg, world: int, device: str | None = None) -> str:
@@ -328,12 +331,16 @@ def refusal(p: Plan) -> str | None:
         return None
     c = p.cluster
     where = (f"peak {p.peak.total / GIB:.1f} GiB in {p.peak.name} per device of trainer.device_memory_gb="
-             f"{c.device_memory_gb:g}" if not p.fits_device else
+             f"{c.device_memory_gb:g}{_usable(c)}" if not p.fits_device else
              f"{sum(p.host_per_node.values()) / GIB:.0f} GiB of host memory per node of trainer.host_memory_gb="
              f"{c.host_memory_gb:g}")
     fix = p.advice[0] if p.advice else "plan for a larger cluster"
     return (f"the memory plan does not fit ({where}); {fix} (portagrpo plan lists what each phase holds; "
             f"trainer.device_memory_gb=null skips the plan).")
+
+
+def _usable(c: Cluster) -> str:
+    return f" ({c.capacity / GIB:.1f} usable)" if c.usable_fraction != 1.0 else ""
 
 
 def describe(p: Plan, source: str) -> list[str]:
@@ -342,8 +349,8 @@ def describe(p: Plan, source: str) -> list[str]:
     moe = (f", MoE {m.experts} experts (top {m.experts_per_token}): {m.active_params / 1e9:.2f}B active"
            if m.is_moe else "")
     lines = [f"memory plan: {m.name}, {m.params / 1e9:.2f}B parameters{moe} (shape from {source})",
-             f"  cluster: {c.nodes} node(s) x {c.devices_per_node} device(s) of {c.device_memory_gb:g} GiB, "
-             f"{c.host_memory_gb:g} GiB host memory per node; {r.strategy}"
+             f"  cluster: {c.nodes} node(s) x {c.devices_per_node} device(s) of {c.device_memory_gb:g} GiB"
+             f"{_usable(c)}, {c.host_memory_gb:g} GiB host memory per node; {r.strategy}"
              + (f" (shard groups of {r.shard_group})" if r.strategy == "fsdp2" else "")
              + f"; rollout engine {r.engine}",
              "  per device, each phase's peak (GiB):"]
@@ -360,8 +367,8 @@ def describe(p: Plan, source: str) -> list[str]:
     lines.append(f"  host memory per node: {host / GIB:.1f} GiB ("
                  + ", ".join(f"{k} {v / GIB:.1f}" for k, v in p.host_per_node.items() if v > 0) + ")")
     verdict = "fits" if p.fits else "does NOT fit"
-    lines.append(f"  {verdict}: peak {p.peak.total / GIB:.2f} GiB in {p.peak.name} of {c.device_memory_gb:g} GiB per "
-                 f"device; host {host / GIB:.1f} of {c.host_memory_gb:g} GiB per node")
+    lines.append(f"  {verdict}: peak {p.peak.total / GIB:.2f} GiB in {p.peak.name} of {c.capacity / GIB:.1f} usable "
+                 f"GiB per device; host {host / GIB:.1f} of {c.host_memory_gb:g} GiB per node")
     for advice in p.advice:
         lines.append(f"  would fit with: {advice}")
     return lines

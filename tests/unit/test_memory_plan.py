@@ -76,7 +76,7 @@ def test_verls_32b_command_translates_honours_offload_and_fits_two_nodes():
     cfg = load_config(None, [*VERL_32B, "trainer.device=cuda"], check_files=False, notices=notices)
     assert cfg.actor.ref_offload and not cfg.actor.offload
     assert not any("no effect" in n and "offload" in n for n in notices)
-    cluster = Cluster(nodes=2, devices_per_node=8, device_memory_gb=80, host_memory_gb=2048)
+    cluster = Cluster(nodes=2, devices_per_node=8, device_memory_gb=80, host_memory_gb=2048, usable_fraction=0.99)
     cfg = replace(cfg, trainer=replace(cfg.trainer, device_memory_gb=80.0, host_memory_gb=2048.0))
     p, _ = plan_config(cfg)
     assert p.cluster == cluster and p.run.strategy == "fsdp2" and p.run.shard_group == 16
@@ -196,3 +196,20 @@ def test_advice_fixes_what_overflows():
     q, _ = plan_config(budget)
     assert not q.fits and any("actor.ppo_max_token_len_per_gpu=" in a for a in q.advice), q.advice
     assert not any("actor.micro_batch_size" in a for a in q.advice), q.advice
+
+
+def test_the_capacity_is_what_torch_can_allocate_of_the_devices_nominal_memory():
+    """An H100 80GB gives torch 79.2 GiB and a 64 GB 910B about 61 (issue 51): a peak between the usable and the
+    nominal figure does not fit, and the plan says the usable figure."""
+    from portagrpo.backends import backend_spec
+    from portagrpo.tools.plan import describe
+
+    cfg = load_config(ROOT / "configs" / "qwen2.5-7b-gsm8k-cuda.yaml", check_files=False)
+    for device, nominal, usable in (("cuda", 80, 79.2), ("npu", 64, 61.0)):
+        cfg = replace(cfg, trainer=replace(cfg.trainer, device=device, device_memory_gb=float(nominal)))
+        p, source = plan_config(cfg)
+        assert p.cluster.capacity / GIB == pytest.approx(usable)
+        assert backend_spec(device).usable_memory_fraction * nominal == pytest.approx(usable)
+        between = replace(p, phases=[replace(p.phases[0], items={"x": (usable + nominal) / 2 * GIB})])
+        assert not between.fits_device
+        assert f"of {nominal} GiB ({usable:.1f} usable)" in "\n".join(describe(p, source))
