@@ -30,6 +30,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 GIB = 2**30
+PINNED = " (page-locked)"  # marks a host-memory item that is pinned
 DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2, "fp64": 8}
 
 # per token and decoder layer, what training saves for backward (fitted on the emulated device, Llama layers)
@@ -127,6 +128,8 @@ class RunShape:
     routes: float = 0.0  # router replay: the global batch's recorded experts (int16), held on every rank
     fused_adamw: bool = False  # the backend row's fused AdamW: it updates in place, no temporaries
     token_budget: bool = False  # actor.use_dynamic_bsz: micro-batches are cut by ppo_max_token_len_per_gpu
+    pinned_offload: bool = False  # offloaded shards page-locked (backend row pinned_offload and actor.pin_offload)
+    pinned_activations: bool = False  # offloaded activations page-locked (the backend row's pinned_offload)
 
 
 @dataclass
@@ -157,6 +160,11 @@ class Plan:
         return self.peak.total <= self.cluster.capacity
 
     @property
+    def pinned_per_node(self) -> float:
+        """Of the host memory per node, the bytes that are page-locked (the kernel cannot swap or reclaim them)."""
+        return sum(v for k, v in self.host_per_node.items() if k.endswith(PINNED))
+
+    @property
     def fits_host(self) -> bool:
         return sum(self.host_per_node.values()) <= self.cluster.host_memory_gb * GIB
 
@@ -171,6 +179,7 @@ class Plan:
                        for p in self.phases},
             "peak_phase": self.peak.name, "peak_gib": self.peak.total / GIB,
             "host_per_node_gib": {k: v / GIB for k, v in self.host_per_node.items()},
+            "pinned_host_per_node_gib": self.pinned_per_node / GIB,
             "fits_device": self.fits_device, "fits_host": self.fits_host, "fits": self.fits, "advice": self.advice,
         }
 
@@ -323,15 +332,16 @@ def _update(m: ModelShape, r: RunShape, t: _Terms) -> PhasePlan:
 def _host(m: ModelShape, cluster: Cluster, r: RunShape, t: _Terms) -> dict[str, float]:
     per_node, bm, P, Ptr = cluster.devices_per_node, r.master_bytes, m.params, r.trainable_params
     host = {"working set of each rank": HOST_BUFFER_GB * GIB * per_node}
+    shards = PINNED if r.pinned_offload else ""
     if r.offload:
-        host["offloaded policy, gradients and AdamW state"] = 4 * bm * P / t.shards * per_node
+        host["offloaded policy, gradients and AdamW state" + shards] = 4 * bm * P / t.shards * per_node
     if r.ref_offload and r.has_ref:
-        host["offloaded reference"] = r.compute_bytes * P / t.shards * per_node
+        host["offloaded reference" + shards] = r.compute_bytes * P / t.shards * per_node
     if r.activation_offload:  # each layer's saved tensors (its input, with checkpointing) wait in host memory
         tokens = r.update_tokens / max(r.sequence_parallel, 1)
         per_layer = (GC_H * r.compute_bytes * m.hidden * tokens if r.gradient_checkpointing
                      else layer_activation_bytes(m, r, r.update_tokens, r.seq_len))
-        host["offloaded activations"] = m.layers * per_layer * per_node
+        host["offloaded activations" + (PINNED if r.pinned_activations else "")] = m.layers * per_layer * per_node
     staging = bm * P + 2 * bm * Ptr
     if r.offload and t.fsdp:
         # the sharded checkpoint writes the offloaded states where they already are (host memory, counted above):

@@ -310,7 +310,8 @@ def run_shape(cfg, cluster: Cluster, shape: ModelShape, model) -> RunShape:
         image_tokens=d.max_prompt_length if shape.vision_depth else 0,
         routes=(cfg.rollout_batch_size * seq * shape.layers * shape.experts_per_token * 2
                 if shape.is_moe and a.router_replay else 0.0),
-        fused_adamw=spec.fused_adamw, token_budget=a.use_dynamic_bsz)
+        fused_adamw=spec.fused_adamw, token_budget=a.use_dynamic_bsz,
+        pinned_offload=spec.pinned_offload and a.pin_offload, pinned_activations=spec.pinned_offload)
 
 
 def plan_config(cfg, args: argparse.Namespace | None = None) -> tuple[Plan, str]:
@@ -366,6 +367,9 @@ def describe(p: Plan, source: str) -> list[str]:
     host = sum(p.host_per_node.values())
     lines.append(f"  host memory per node: {host / GIB:.1f} GiB ("
                  + ", ".join(f"{k} {v / GIB:.1f}" for k, v in p.host_per_node.items() if v > 0) + ")")
+    if p.pinned_per_node:
+        lines.append(f"  of which page-locked: {p.pinned_per_node / GIB:.1f} GiB per node (actor.pin_offload=false "
+                     f"keeps the offloaded shards pageable)")
     verdict = "fits" if p.fits else "does NOT fit"
     lines.append(f"  {verdict}: peak {p.peak.total / GIB:.2f} GiB in {p.peak.name} of {c.capacity / GIB:.1f} usable "
                  f"GiB per device; host {host / GIB:.1f} of {c.host_memory_gb:g} GiB per node")

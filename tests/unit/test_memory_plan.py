@@ -213,3 +213,19 @@ def test_the_capacity_is_what_torch_can_allocate_of_the_devices_nominal_memory()
         between = replace(p, phases=[replace(p.phases[0], items={"x": (usable + nominal) / 2 * GIB})])
         assert not between.fits_device
         assert f"of {nominal} GiB ({usable:.1f} usable)" in "\n".join(describe(p, source))
+
+
+def test_the_plan_counts_page_locked_host_memory_apart_and_pin_offload_false_unpins_it():
+    """issue 51 item 4: an offloaded run's shards are pinned where the backend row says so, and the plan says how much
+    of each node's host memory is page-locked; actor.pin_offload=false leaves the same bytes, none of them pinned."""
+    from portagrpo.tools.plan import describe
+
+    cfg = load_config(ROOT / "configs" / "qwen2.5-72b-gsm8k-cuda.yaml", check_files=False)
+    pinned, source = plan_config(cfg)
+    assert cfg.actor.offload and pinned.run.pinned_offload
+    offloaded = sum(v for k, v in pinned.host_per_node.items() if k.startswith("offloaded"))
+    assert pinned.pinned_per_node == pytest.approx(offloaded) and offloaded > 0
+    assert "of which page-locked" in "\n".join(describe(pinned, source))
+    pageable, _ = plan_config(replace(cfg, actor=replace(cfg.actor, pin_offload=False)))
+    assert pageable.pinned_per_node == 0
+    assert sum(pageable.host_per_node.values()) == pytest.approx(sum(pinned.host_per_node.values()))
