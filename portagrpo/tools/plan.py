@@ -199,7 +199,7 @@ def cluster_of(cfg, args: argparse.Namespace | None = None) -> Cluster:
         values[name] = value
     from portagrpo.backends import backend_spec
 
-    usable = backend_spec(getattr(args, "device", None) or _device(cfg)).usable_memory_fraction
+    usable = backend_spec(_device(cfg)).usable_memory_fraction  # `plan --device` is applied as trainer.device
     return Cluster(nodes=values["nodes"], devices_per_node=values["devices_per_node"],
                    device_memory_gb=float(values["device_memory_gb"]),
                    host_memory_gb=float(values["host_memory_gb"]), usable_fraction=usable)
