@@ -348,7 +348,7 @@ COMMANDS: dict[str, Command] = {
     ),
     "warmstart": Command(
         "a tiny policy that knows the Hermes tool-call format, for configs/calc-tool-cpu.yaml (`portagrpo warmstart "
-        "--help`)", _tool("portagrpo.agent.warmstart"),
+        "--help`)", _tool("portagrpo.tools.warmstart"),
     ),
     "hardware-check": Command(
         "the whole check of this machine's device, one report (`portagrpo hardware-check --help`)",

@@ -8,9 +8,9 @@ from pathlib import Path
 import pytest
 from test_refusals import one_error, snapshot  # the house's one-sentence and nothing-changed checks
 
-from portagrpo.agent import warmstart
 from portagrpo.cli import main
 from portagrpo.errors import UserError
+from portagrpo.tools import warmstart
 
 FAST = ["--steps", "1", "--batch-size", "2"]
 

@@ -5,11 +5,11 @@ from collections import Counter
 import pytest
 
 from portagrpo.agent.hermes import ToolTurns, parse_tool_calls
-from portagrpo.agent.warmstart import FormatExamples, build_tool_tokenizer, call_text, main_cli
 from portagrpo.data.tasks import CALC_OPERATORS, TASKS
 from portagrpo.errors import UserError
 from portagrpo.rewards.functions import DATA_SOURCE_REWARDS, REWARDS
 from portagrpo.rewards.tasks import calc_answer, calc_reward
+from portagrpo.tools.warmstart import FormatExamples, build_tool_tokenizer, call_text, main_cli
 
 
 def test_calc_rows_hold_the_exact_answer():

@@ -210,7 +210,7 @@ def warm_start(settings: WarmStart, out: Path, log=print) -> tuple[float, float]
         model.save_pretrained(tmp)
         tokenizer.save_pretrained(tmp)
         (tmp / MARKER).write_text(json.dumps({**vars(settings), "final_loss": final, "repeats_result": repeats,
-                                              "what": "Hermes tool-call format only (portagrpo.agent.warmstart)"},
+                                              "what": "Hermes tool-call format only (portagrpo.tools.warmstart)"},
                                              indent=1) + "\n")
     return final, repeats
 
