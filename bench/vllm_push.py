@@ -107,7 +107,7 @@ def generate_worker(spec: dict) -> dict:
     import torch
     from transformers import AutoModelForCausalLM
 
-    from portagrpo.rollout.engines import SamplingParams
+    from portagrpo.rollout.settings import SamplingParams
 
     engine = _engine(spec)
     policy = AutoModelForCausalLM.from_pretrained(spec["model"], dtype=torch.float32)

@@ -46,7 +46,7 @@ def main(argv: list[str] | None = None) -> int:
     from vllm.inputs import TokensPrompt
     from vs_trl import build_workdir
 
-    from portagrpo.rollout.engines import SamplingParams
+    from portagrpo.rollout.settings import SamplingParams
     from portagrpo.rollout.vllm_sampling import LOGPROBS_MODE, sampling_kwargs, seed_streams
 
     torch.set_num_threads(args.threads)

@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING, Any, Callable, ClassVar, ContextManager, Itera
 import torch
 
 from portagrpo.registry import Registry
-from portagrpo.rollout.settings import EngineSettings, SamplingParams  # noqa: F401 (SamplingParams: re-exported)
+from portagrpo.rollout.settings import EngineSettings, SamplingParams
 
 if TYPE_CHECKING:  # annotations only: the engines are handed these, they import nothing of the trainer
     from portagrpo.backends import Backend

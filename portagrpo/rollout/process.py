@@ -36,9 +36,9 @@ import torch
 
 from portagrpo.errors import UserError
 from portagrpo.procs import sigint_ignored
-from portagrpo.rollout.engines import SamplingParams, hf_weight_names
+from portagrpo.rollout.engines import hf_weight_names
 from portagrpo.rollout.generators import Generated, GeneratorInputs, RoundPrompts, make_generator
-from portagrpo.rollout.settings import MultiTurnSettings
+from portagrpo.rollout.settings import MultiTurnSettings, SamplingParams
 from portagrpo.rollout.vllm_sampling import seed_streams
 
 

@@ -9,7 +9,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from portagrpo.rollout.engines import SamplingParams
+from portagrpo.rollout.settings import SamplingParams
 
 
 def sampling_kwargs(

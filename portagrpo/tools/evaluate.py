@@ -76,7 +76,8 @@ def evaluate(model_spec: str, data_files: list[str], *, n: int = 1, temperature:
     from portagrpo.data.records import load_records
     from portagrpo.errors import UserError
     from portagrpo.rewards.functions import RewardResolver
-    from portagrpo.rollout.engines import HFRollout, SamplingParams
+    from portagrpo.rollout.engines import HFRollout
+    from portagrpo.rollout.settings import SamplingParams
 
     backend = get_backend(device)
     keys = dict(max_image_pixels=max_image_pixels, pixels_field=PIXELS_FIELD)

@@ -13,7 +13,7 @@ from portagrpo.batch import RolloutBatch, TrainBatch
 from portagrpo.config import Config, correction_bounds
 from portagrpo.errors import UserError
 from portagrpo.metrics import pass_at_k
-from portagrpo.rollout.engines import SamplingParams
+from portagrpo.rollout.settings import SamplingParams
 
 
 def seed_for(seed: int, step: int, salt: int) -> int:

@@ -35,8 +35,9 @@ from portagrpo.errors import UserError
 from portagrpo.metrics import ValMetrics
 from portagrpo.model.vision_gather import gather_images
 from portagrpo.rewards.functions import ScoredBatch, score_responses
-from portagrpo.rollout.engines import RolloutEngine, SamplingParams
+from portagrpo.rollout.engines import RolloutEngine
 from portagrpo.rollout.generators import Generated, Generator, RoundPrompts
+from portagrpo.rollout.settings import SamplingParams
 from portagrpo.train.build import Data, Models, Runtime
 from portagrpo.train.experience import ExperienceSettings, Scored, ScoredRollout, seed_for, solved_of
 from portagrpo.train.filters import FILTERS

@@ -13,10 +13,10 @@ import pytest
 import torch
 
 from portagrpo.data.records import PromptRecord
-from portagrpo.rollout.engines import SamplingParams
 from portagrpo.rollout.generators import RoundPrompts
 from portagrpo.rollout.process import SamplerProcess, SamplerSpec
 from portagrpo.rollout.sampler_copy import SamplerCopy
+from portagrpo.rollout.settings import SamplingParams
 
 ROOT = Path(__file__).resolve().parents[2]
 

@@ -8,7 +8,8 @@ import pytest
 import torch
 
 from portagrpo.config import load_config
-from portagrpo.rollout.engines import HFRollout, SamplingParams
+from portagrpo.rollout.engines import HFRollout
+from portagrpo.rollout.settings import SamplingParams
 
 FAST = ["trainer.progress_bar=false", "data.train_batch_size=2", "rollout.n=4", "data.train_size=16",
         "data.val_size=4", "data.max_response_length=6", "trainer.test_freq=0", "trainer.save_freq=0",

@@ -65,7 +65,8 @@ def test_tiny_vl_model_and_processor_are_built_locally_and_load_from_a_local_pat
 
 def _rollout(n=3):
     from portagrpo.model.scorer import ResponseScorer
-    from portagrpo.rollout.engines import HFRollout, SamplingParams
+    from portagrpo.rollout.engines import HFRollout
+    from portagrpo.rollout.settings import SamplingParams
 
     torch.manual_seed(0)
     processor = vision.build_tiny_processor()

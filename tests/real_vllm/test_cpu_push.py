@@ -12,7 +12,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from portagrpo.rollout.engines import SamplingParams
+from portagrpo.rollout.settings import SamplingParams
 from portagrpo.tolerances import assert_close, relative_error, tolerance
 
 pytestmark = pytest.mark.real_vllm

@@ -28,7 +28,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from portagrpo.rollout.engines import SamplingParams
+from portagrpo.rollout.settings import SamplingParams
 from portagrpo.rollout.vllm_parallel import _process_state_kept
 from portagrpo.rollout.vllm_sampling import LOGPROBS_MODE, sampling_kwargs, seed_streams
 

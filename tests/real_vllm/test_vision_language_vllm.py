@@ -20,7 +20,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from portagrpo.rollout.engines import SamplingParams
+from portagrpo.rollout.settings import SamplingParams
 from portagrpo.tolerances import assert_close, relative_error, tolerance
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "standins"))

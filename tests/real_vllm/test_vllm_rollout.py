@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from portagrpo.rollout.engines import SamplingParams
+from portagrpo.rollout.settings import SamplingParams
 from portagrpo.tolerances import assert_close, relative_error, tolerance
 
 pytestmark = pytest.mark.real_vllm

@@ -15,8 +15,9 @@ from portagrpo.batch import RolloutBatch
 from portagrpo.config import load_config
 from portagrpo.data.records import PromptRecord
 from portagrpo.model.loading import build_char_tokenizer
-from portagrpo.rollout.engines import Sampled, SamplingParams
+from portagrpo.rollout.engines import Sampled
 from portagrpo.rollout.generators.conversation import Conversations, tool_counts
+from portagrpo.rollout.settings import SamplingParams
 from portagrpo.train.experience import ExperienceMaker, ExperienceSettings
 
 TOK = build_char_tokenizer()

@@ -14,8 +14,8 @@ from portagrpo.agent.hermes import ToolTurns
 from portagrpo.data.records import PromptRecord, filter_long_prompts, tokenize_prompts, truncate_long_prompts
 from portagrpo.errors import UserError
 from portagrpo.model.loading import build_char_tokenizer
-from portagrpo.rollout.engines import SamplingParams
 from portagrpo.rollout.generators.conversation import Conversations
+from portagrpo.rollout.settings import SamplingParams
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "standins"))
 import fake_vllm  # noqa: E402

@@ -3,7 +3,8 @@ import pytest
 import torch
 
 from portagrpo.backends import BackendUnavailable, get_backend
-from portagrpo.rollout.engines import HFRollout, SamplingParams, decode_responses, response_mask_from_tokens
+from portagrpo.rollout.engines import HFRollout, decode_responses, response_mask_from_tokens
+from portagrpo.rollout.settings import SamplingParams
 
 
 def test_response_mask_includes_first_eos_only():

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from portagrpo.rollout.engines import SamplingParams
+from portagrpo.rollout.settings import SamplingParams
 from portagrpo.rollout.vllm_sampling import sampling_kwargs
 from portagrpo.rollout.vllm_weights import bucket_tensors, vllm_weight_names
 

@@ -14,7 +14,7 @@ from PIL import Image  # noqa: E402
 
 from portagrpo.errors import UserError  # noqa: E402
 from portagrpo.model.vision import vision_support_problem  # noqa: E402
-from portagrpo.rollout.engines import SamplingParams  # noqa: E402
+from portagrpo.rollout.settings import SamplingParams  # noqa: E402
 from portagrpo.rollout.vllm_images import ImageGeometry, VisionPrompt, check_expanded, unpatch  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "standins"))

@@ -30,7 +30,7 @@ from portagrpo.batch import RolloutBatch
 from portagrpo.data.records import PromptRecord, left_pad, tokenize_prompts
 from portagrpo.errors import UserError
 from portagrpo.model.vision import PromptImages, vision_prompts, with_rows
-from portagrpo.rollout.engines import RolloutEngine, SamplingParams, decode_responses
+from portagrpo.rollout.engines import RolloutEngine, decode_responses
 from portagrpo.rollout.generators import (
     CONVERSATION_NEEDS,
     GENERATORS,
@@ -41,6 +41,7 @@ from portagrpo.rollout.generators import (
     repeat,
 )
 from portagrpo.rollout.generators.vision import check_takes_images
+from portagrpo.rollout.settings import SamplingParams
 
 if TYPE_CHECKING:
     from portagrpo.backends.dist import Collectives

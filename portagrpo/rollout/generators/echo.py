@@ -7,8 +7,9 @@ import torch
 
 from portagrpo.batch import RolloutBatch
 from portagrpo.data.records import PromptRecord, left_pad, tokenize_prompts
-from portagrpo.rollout.engines import RolloutEngine, SamplingParams, decode_responses
+from portagrpo.rollout.engines import RolloutEngine, decode_responses
 from portagrpo.rollout.generators import GENERATORS, Generated, GeneratorInputs, RoundPrompts, group_ids, repeat
+from portagrpo.rollout.settings import SamplingParams
 
 
 @GENERATORS.register("echo")

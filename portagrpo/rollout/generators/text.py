@@ -2,8 +2,9 @@
 from __future__ import annotations
 
 from portagrpo.data.records import PromptRecord, left_pad, tokenize_prompts
-from portagrpo.rollout.engines import GroupPrompts, RolloutEngine, SamplingParams, rollout_batch
+from portagrpo.rollout.engines import GroupPrompts, RolloutEngine, rollout_batch
 from portagrpo.rollout.generators import GENERATORS, Generated, GeneratorInputs, RoundPrompts, repeat
+from portagrpo.rollout.settings import SamplingParams
 
 
 @GENERATORS.register("text")

@@ -8,8 +8,9 @@ from dataclasses import replace
 from portagrpo.data.records import PromptRecord, left_pad
 from portagrpo.errors import UserError
 from portagrpo.model.vision import VisionError, vision_prompts, with_rows
-from portagrpo.rollout.engines import GroupPrompts, RolloutEngine, SamplingParams, rollout_batch
+from portagrpo.rollout.engines import GroupPrompts, RolloutEngine, rollout_batch
 from portagrpo.rollout.generators import GENERATORS, VISION_NEEDS, Generated, GeneratorInputs, RoundPrompts, repeat
+from portagrpo.rollout.settings import SamplingParams
 
 
 @GENERATORS.register("vision")
