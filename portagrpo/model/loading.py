@@ -257,6 +257,12 @@ def lm_head_of(model) -> tuple[torch.Tensor, torch.Tensor | None]:
     return weight, getattr(base, "bias", None)
 
 
+def run_in_head(fn, *args):
+    """The scorer's head computation `fn(*args)`; as `through_head` of an FSDP2 head unit it runs between the unit's
+    gather and reshard, and its backward reduce-scatters the head's gradient."""
+    return fn(*args)
+
+
 def position_ids_from_mask(attention_mask: torch.Tensor) -> torch.Tensor:
     """Positions for left-padded rows, as transformers' generate computes them."""
     pos = attention_mask.long().cumsum(-1) - 1
@@ -292,6 +298,46 @@ def apply_lora(model, lora):
             f"model.lora.target_modules={list(lora.target_modules)} cannot be adapted ({str(err)[:120]}); "
             f"this model's linear layers are named {names}."
         ) from None
+
+
+# How peft initialises each adapter tensor (peft/tuners/lora/layer.py reset_lora_parameters, init_lora_weights=True):
+# a linear layer's A as nn.Linear's default (Kaiming-uniform, a=sqrt(5)) and its B zero; an embedding's A zero and
+# its B standard normal.
+ADAPTER_INIT = {"lora_A": "kaiming", "lora_B": "zeros", "lora_embedding_A": "zeros", "lora_embedding_B": "normal"}
+
+
+def adapter_values(shapes: dict[str, tuple[int, ...]], seed: int) -> dict[str, torch.Tensor]:
+    """The initial value of every LoRA tensor among `shapes` (parameter name -> its whole shape), drawn in name order
+    from one generator seeded with `seed`: the same values whether the model was loaded whole (`seed_adapters`) or
+    built empty and filled by shards (model/sharded.py materialize, each rank taking its rows). A LoRA tensor of a kind
+    peft initialises otherwise raises, naming it."""
+    import math
+
+    g = torch.Generator().manual_seed(seed)
+    values = {}
+    for name in sorted(shapes):
+        if "lora_" not in name:
+            continue
+        kind = next((ADAPTER_INIT[part] for part in name.split(".") if part in ADAPTER_INIT), None)
+        if kind is None:
+            raise UserError(f"LoRA tensor {name!r} is none peft's default initialisation covers "
+                            f"({sorted(ADAPTER_INIT)}); set model.sharded_load=false.")
+        value = torch.zeros(shapes[name])
+        if kind == "kaiming":
+            torch.nn.init.kaiming_uniform_(value, a=math.sqrt(5), generator=g)
+        elif kind == "normal":
+            value.normal_(generator=g)
+        values[name] = value
+    return values
+
+
+def seed_adapters(model: torch.nn.Module, seed: int) -> None:
+    """Give a whole model's LoRA tensors their `adapter_values`."""
+    params = dict(model.named_parameters())
+    values = adapter_values({n: tuple(p.shape) for n, p in params.items()}, seed)
+    with torch.no_grad():
+        for name, value in values.items():
+            params[name].copy_(value.to(params[name].dtype))
 
 
 def refuse_expert_lora(model, targets) -> None:

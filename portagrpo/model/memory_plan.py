@@ -8,9 +8,11 @@ bc: the compute dtype's, model.dtype):
   whose reference is the base under the adapter), gradients bm*P_train/F during the update (bm*P_train whole with
   actor.use_no_sync_for_gradient_accumulation, the unsharded gradients FSDP2 accumulates). actor.offload moves the
   policy's three to host memory, actor.ref_offload the reference's.
-- FSDP2's gathers: a forward holds the root unit (embeddings, final norm, LM head) and about three decoder layers
-  unsharded in the compute dtype (the layer running, the next one prefetched, the all-gather's output buffer); a
-  backward also holds a layer's unsharded gradients and the reduce-scatter's fp32 input.
+- FSDP2's gathers: a forward holds the root unit (final norm; tied embeddings and LM head) and about three decoder
+  layers unsharded in the compute dtype (the layer running, the next one prefetched, the all-gather's output buffer),
+  or an untied head (a unit of its own, model/parallel.py split_root) beside its all-gather's output; a backward also
+  holds the root's unsharded gradient, a layer's unsharded gradients and the reduce-scatter's fp32 input, or the
+  head's weight, all-gather output and gradient.
 - activations of one micro-batch: per token and layer, what a Llama-style layer saves for backward
   (ACT_H_COMPUTE compute-dtype and ACT_H_FP32 fp32 tensors of the hidden size, ACT_I tensors of the MLP width, and,
   where the backend's attention keeps its scores, heads x sequence length); with gradient checkpointing only each
@@ -21,7 +23,7 @@ bc: the compute dtype's, model.dtype):
   backend has sleep mode, nothing while it sleeps; its weights (bc*P / tensor-parallel size) are awake for the push.
 
 The constants were fitted to the emulated device's byte counts (tests/emulated/test_memory_plan.py keeps the plan
-within 15% of what 2 and 4 emulated ranks measure, phase by phase, on three model shapes); docs/memory.md has the
+within 15% of what 2 and 4 emulated ranks measure, phase by phase, on six model shapes); docs/memory.md has the
 model, the figures and what each knob costs.
 """
 from __future__ import annotations
@@ -43,6 +45,7 @@ FWD_GATHER_UNITS = 3.0  # FSDP2 forward: layers unsharded at once (running, pref
 BWD_GATHER_UNITS = 2.4  # FSDP2 backward: layer-sized compute-dtype tensors at once (parameters, their gradients)
 BWD_GRAD_UNITS = 1.1  # ... and layer-sized fp32 ones (the reduce-scatter's input and output)
 GEN_GATHER_UNITS = 0.5  # the hf engine's whole-model gather: an all-gather buffer on top, on average half a layer
+# (an untied head's whole: the largest unit)
 ADAM_TEMP = 1.0  # AdamW's foreach step: one temporary the size of the parameters it updates (fp32); fused: none
 LOGITS_CHUNK_ELEMENTS = 2**25  # kernels/chunked.py's chunk of logits (fp32), and its gradient in the backward
 HOST_BUFFER_GB = 4.0  # a rank's host-side working set besides offloaded states (Python, CUDA context, loaders)
@@ -55,7 +58,7 @@ class ModelShape:
     name: str
     params: int  # parameters, each tied tensor once
     unit_params: int  # the largest FSDP2 unit: a decoder layer or a vision block
-    root_params: int  # parameters outside the units (embeddings, final norm, LM head, the vision merger)
+    root_params: int  # parameters in the root unit (final norm, the vision merger; tied embeddings and LM head)
     vision_params: int  # the vision tower's
     layers: int
     hidden: int
@@ -71,6 +74,8 @@ class ModelShape:
     vision_mlp: int = 0
     vision_depth: int = 0
     vision_merge: int = 1
+    head_params: int = 0  # an untied LM head's parameters, and its input embedding's: two units of their own
+    largest_tensor: int = 0  # the largest parameter tensor's elements (the push gathers one whole tensor at a time)
 
     @property
     def is_moe(self) -> bool:
@@ -267,9 +272,16 @@ def _terms(m: ModelShape, r: RunShape) -> _Terms:
     if r.runtime_reserve:
         states["device runtime and collective buffers (allowance)"] = r.runtime_reserve
     steady = {**states, "optimizer state (AdamW)": 0.0 if r.offload else 2 * bm * Ptr / F}
-    unit, root = m.unit_params, m.root_params
-    fwd = (root + FWD_GATHER_UNITS * unit) * bc if fsdp else 0.0
-    bwd = ((root + BWD_GATHER_UNITS * unit) * bc + BWD_GRAD_UNITS * unit * 4) if fsdp else 0.0
+    unit, root, head = m.unit_params, m.root_params, m.head_params
+    # The root stays gathered from the forward's start to the backward's end, and holds its unsharded gradient from
+    # the head's backward on (the LM head's, where tied). The untied head and embedding are units gathered only
+    # while they compute: the head's weight beside its all-gather's output (and a layer) in the forward, and with
+    # its unsharded gradient as well in its backward (measured on the emulated device: test_memory_plan_measured).
+    # Gradients and their reduce-scatter buffers exist for trained parameters only (LoRA: its adapters' share).
+    trained = min(Ptr / P, 1.0) if P else 1.0
+    fwd = (root + max(FWD_GATHER_UNITS * unit, 2 * head + unit)) * bc if fsdp else 0.0
+    layers_bwd = BWD_GATHER_UNITS * unit * bc + BWD_GRAD_UNITS * trained * unit * 4
+    bwd = ((1 + trained) * root * bc + max(layers_bwd, (2 + trained) * head * bc)) if fsdp else 0.0
     return _Terms(fsdp, F, states, steady, grads, fwd, bwd)
 
 
@@ -284,8 +296,9 @@ def _push(m: ModelShape, r: RunShape, t: _Terms) -> PhasePlan:
     push = dict(t.steady)
     if r.engine == "vllm":
         push["vLLM weights (awake for the push)"] = r.compute_bytes * m.params / max(r.tensor_parallel, 1)
-        if t.fsdp:
-            push["one layer's tensors gathered for the push"] = m.unit_params * r.compute_bytes
+        if t.fsdp:  # gathered in the master dtype (model/parallel.py gathered), a layer's held until it is loaded
+            push["whole tensors gathered for the push (a layer's, or the largest)"] = (
+                max(m.unit_params, m.largest_tensor) * r.master_bytes)
     return PhasePlan("push", push)
 
 
@@ -295,7 +308,8 @@ def _rollout(m: ModelShape, cluster: Cluster, r: RunShape, t: _Terms) -> PhasePl
         rollout["vLLM (weights, KV cache, its activations)"] = r.vllm_fraction * cluster.capacity
     elif r.engine == "hf":
         if t.fsdp:
-            rollout["the policy gathered whole for sampling"] = bc * m.params + GEN_GATHER_UNITS * m.unit_params * bc
+            rollout["the policy gathered whole for sampling"] = bc * (m.params + max(GEN_GATHER_UNITS * m.unit_params,
+                                                                                 m.head_params))
         rollout["KV cache"] = 2 * m.layers * m.kv_heads * m.head_dim * bc * r.rollout_rows * r.seq_len
     return PhasePlan("rollout", rollout)
 

@@ -22,11 +22,12 @@ from torch.distributed.checkpoint.state_dict import (
 from portagrpo.backends.dist import Collectives
 from portagrpo.backends.fsdp_compat import fsdp2_problem, keep_gathered, sum_gradients
 from portagrpo.errors import UserError
-from portagrpo.model.loading import decoder_of
+from portagrpo.model.loading import decoder_of, lm_head_of, run_in_head
 from portagrpo.model.vision import vision_blocks
 from portagrpo.registry import Registry
 
 FULL = StateDictOptions(full_state_dict=True, cpu_offload=True)
+FULL_TRAINABLE = StateDictOptions(full_state_dict=True, cpu_offload=True, ignore_frozen_params=True)
 
 
 def _unique_state(scorer: torch.nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
@@ -71,7 +72,7 @@ class ParallelStrategy(Protocol):
 
     def clip_grad_norm(self, params: list[torch.nn.Parameter], max_norm: float) -> torch.Tensor: ...
 
-    def model_state(self, scorer: torch.nn.Module) -> dict[str, torch.Tensor]: ...
+    def model_state(self, scorer: torch.nn.Module, trainable_only: bool = False) -> dict[str, torch.Tensor]: ...
 
     def optimizer_state(self, scorer: torch.nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]: ...
 
@@ -125,9 +126,11 @@ class SingleProcess:
     def clip_grad_norm(self, params: list[torch.nn.Parameter], max_norm: float) -> torch.Tensor:
         return torch.nn.utils.clip_grad_norm_(params, max_norm)
 
-    def model_state(self, scorer: torch.nn.Module) -> dict[str, torch.Tensor]:
-        """Full state dict of the LM (keys as in the Hugging Face model); a collective when sharded."""
-        return _strip("lm.", get_model_state_dict(scorer, options=FULL))
+    def model_state(self, scorer: torch.nn.Module, trainable_only: bool = False) -> dict[str, torch.Tensor]:
+        """Full state dict of the LM (keys as in the Hugging Face model); a collective when sharded. With
+        `trainable_only`, the trainable tensors alone (a LoRA checkpoint's adapters: the frozen base is never
+        gathered, which for a 72B base would be 290 GB on rank 0's host at every save)."""
+        return _strip("lm.", get_model_state_dict(scorer, options=FULL_TRAINABLE if trainable_only else FULL))
 
     def optimizer_state(self, scorer: torch.nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
         """Full optimizer state keyed by parameter name, so any strategy can resume any other's checkpoint."""
@@ -235,6 +238,10 @@ class FSDP2(SingleProcess):
         # a vision-language policy's vision blocks are units of their own too (frozen ones are gathered, never reduced)
         for layer in [*vision_blocks(scorer.lm), *getattr(decoder_of(scorer.lm), "layers", [])]:
             fully_shard(layer, **mp)
+        head = split_root(scorer, lambda unit: fully_shard(unit, **mp), trainable)
+        if head is not None:  # the kernels read the head's weight: they run as a forward of its unit
+            register_fsdp_forward_method(head, "through_head")
+            scorer.through_head = head.through_head
         fully_shard(scorer, **mp)
         register_fsdp_forward_method(scorer, "generate")
         problem = fsdp2_problem(torch.float32 if low else compute_dtype)
@@ -281,6 +288,36 @@ class FSDP2(SingleProcess):
         """One parameter gathered at a time (a collective on every rank, in the same order everywhere)."""
         for name, value in _unique_state(scorer):
             yield name.removeprefix("lm."), gathered(value).detach()
+
+
+def _output_asks_for_gradient(module, inputs, output):
+    if torch.is_grad_enabled() and not output.requires_grad:
+        output.requires_grad_(True)
+
+
+def split_root(scorer: torch.nn.Module, shard, trainable: bool = True) -> torch.nn.Module | None:
+    """The untied input embedding and LM head as units of their own (verl's FSDP2 wrap does the same), applying
+    `shard` to each: in the root unit they would stay gathered from forward to the end of backward, and the root's
+    post-backward reduce-scatter would hold an fp32 copy of their whole gradient (Qwen2.5's 152,064 x 8,192 head
+    and embedding: about 10 GB on every rank at any world size). Returns the head unit, which the scorer calls
+    through (`through_head`), or None where the two are tied (one tensor: they stay in the root, the one unit that
+    is gathered at both ends of the model). A root unit is not resharded after a forward without gradients (the
+    reference's): as units, the reference's head and embedding are."""
+    embed, head = scorer.lm.get_input_embeddings(), scorer.lm.get_output_embeddings()
+    if embed is None or head is None or lm_head_of(scorer.lm)[0] is embed.weight:
+        return None
+    base = getattr(head, "base_layer", None)  # a peft LoRA head
+    if base is not None and base.weight is embed.weight:
+        return None
+    if trainable and not any(p.requires_grad for p in embed.parameters()):
+        # A frozen embedding under a trained model (LoRA): its output asks for a gradient, as transformers'
+        # enable_input_require_grads does, so its unit's backward runs. Otherwise the first layer's backward would
+        # prefetch (all-gather) it for a backward that never comes, which FSDP2 then has to wait out at its end.
+        embed.register_forward_hook(_output_asks_for_gradient)
+    shard(embed)
+    head.through_head = run_in_head  # a plain function: FSDP's forward hooks wrap it as the unit's forward
+    shard(head)
+    return head
 
 
 def gathered(value: torch.Tensor) -> torch.Tensor:

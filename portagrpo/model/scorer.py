@@ -20,7 +20,7 @@ from portagrpo.errors import UserError
 from portagrpo.kernels import TokenLogprobFn, logits_from_hidden, token_logprobs_from_logits
 from portagrpo.model import moe
 from portagrpo.model.activations import HostActivations
-from portagrpo.model.loading import decoder_of, lm_head_of, position_ids_from_mask
+from portagrpo.model.loading import decoder_of, lm_head_of, position_ids_from_mask, run_in_head
 from portagrpo.model.ulysses import (
     PACKED_PREFIX,
     GatherTokens,
@@ -175,6 +175,9 @@ class ResponseScorer(torch.nn.Module):
         self.varlen = varlen  # the backend's variable-length attention for packed rows (None: block-diagonal SDPA)
         # model.use_remove_padding: packed rows attend within each sequence through model/ulysses.py's attention
         self.remove_padding = remove_padding
+        # the LM head's computation runs through this; FSDP2 makes it the forward of the head's own unit
+        # (model/parallel.py split_root), so the head is gathered for it and its gradient reduce-scattered after
+        self.through_head = run_in_head
         self.packs = remove_padding and use_packed_attention(decoder_of(lm).config, flash=sequence_parallel is not None)
         if sequence_parallel is not None:
             c = decoder_of(lm).config
@@ -242,6 +245,10 @@ class ResponseScorer(torch.nn.Module):
     def _token_stats(self, h: torch.Tensor, targets: torch.Tensor, temperature: float, compute_entropy: bool,
                      vocab: bool, autocast: Callable[[], ContextManager]):
         """Per-token log-prob, entropy and (`vocab`) full log-distribution of hidden states h [n, H] -> [n]."""
+        return self.through_head(self._head_stats, h, targets, temperature, compute_entropy, vocab, autocast)
+
+    def _head_stats(self, h: torch.Tensor, targets: torch.Tensor, temperature: float, compute_entropy: bool,
+                    vocab: bool, autocast: Callable[[], ContextManager]):
         with autocast():
             weight, bias = lm_head_of(self.lm)
             h, weight, bias = lm_head_operands(h, weight, bias)

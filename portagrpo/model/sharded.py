@@ -13,8 +13,9 @@ the model's own, or a mixture-of-experts checkpoint in the hub's per-expert layo
 `up_proj`, `down_proj`: what transformers 5 saves and the hub publishes, where the model in memory packs them as
 `experts.gate_up_proj` [E, 2I, H] and `experts.down_proj` [E, H, I]; FSDP2 splits those over experts, so a rank reads
 only its experts' tensors), or a vision-language checkpoint under Qwen2.5-VL's names (`model.*`, `visual.*` for the
-model's `model.language_model.*`, `model.visual.*`), and no LoRA (peft's adapters are created after loading; that
-path stays whole). Everything else loads whole, as before (`model.sharded_load`, docs/config.md).
+model's `model.language_model.*`, `model.visual.*`); with LoRA too (peft wraps the empty model, its adapters take
+seeded initial values, `loading.adapter_values`, on either path). Everything else loads whole, as before
+(`model.sharded_load`, docs/config.md).
 """
 from __future__ import annotations
 
@@ -26,6 +27,7 @@ from typing import Iterator
 import torch
 
 from portagrpo.errors import UserError
+from portagrpo.model.loading import adapter_values
 from portagrpo.paths import resolve_model_path
 
 MIN_TORCH = (2, 8)  # FSDP2's meta-device build with to_empty as tested here; older torch loads whole, as before
@@ -50,14 +52,12 @@ def weight_files(path: str | Path) -> dict[str, Path] | None:
     return None
 
 
-def sharded_load_problem(path: str | Path, *, strategy: str, world_size: int, lora: bool) -> str | None:
+def sharded_load_problem(path: str | Path, *, strategy: str, world_size: int) -> str | None:
     """Why a model loads whole instead (None: it loads by shards)."""
     if strategy != "fsdp2":
         return "only FSDP2 shards a model (on one rank too: its shard is the whole, read straight to where it lives)"
     if tuple(int(x) for x in torch.__version__.split("+")[0].split(".")[:2]) < MIN_TORCH:
         return f"the sharded build is tested on torch {MIN_TORCH[0]}.{MIN_TORCH[1]} and newer, not {torch.__version__}"
-    if lora:
-        return "LoRA adapters are made after a whole model is loaded"
     if weight_files(path) is None:
         return "the checkpoint has no safetensors weights"
     return None
@@ -129,11 +129,12 @@ def local_rows(param: torch.Tensor) -> tuple[slice, ...]:
 
 
 def materialize(scorer: torch.nn.Module, device: torch.device, path: str | Path, prefix: str = "lm.",
-                shards_on: torch.device | None = None) -> int:
+                shards_on: torch.device | None = None, adapter_seed: int = 0) -> int:
     """Give a sharded meta scorer storage and fill each rank's shards from the checkpoint at `path`: its parameter
     shards on `shards_on` (host memory when FSDP2 offloads them; by default `device`), its buffers on `device`.
-    Returns the bytes this rank read. A tensor the model has and the checkpoint lacks (other than an LM head tied
-    to the embedding) is one sentence."""
+    LoRA adapters on the base (peft's names: `base_model.model.<name>`, `<layer>.base_layer.weight`) take their
+    rows of `adapter_values(..., adapter_seed)`, which a whole load gives them too. Returns the bytes this rank read.
+    A tensor the model has and the checkpoint lacks (other than an LM head tied to the embedding) is one sentence."""
     from safetensors import safe_open
     from torch.distributed.tensor import DTensor
 
@@ -147,6 +148,8 @@ def materialize(scorer: torch.nn.Module, device: torch.device, path: str | Path,
     for (module, name), buffer in buffers.items():
         module._buffers[name] = buffer.to(device)
     tied = _tied_names(scorer)
+    adapters = adapter_values({n.removeprefix(prefix): tuple(p.shape) for n, p in scorer.named_parameters()},
+                              adapter_seed)
     read = 0
     handles: dict[Path, object] = {}
     try:
@@ -159,10 +162,14 @@ def materialize(scorer: torch.nn.Module, device: torch.device, path: str | Path,
                         handles[file] = safe_open(str(file), framework="pt").__enter__()
                     return handles[file]
 
-                key = checkpoint_key(key, files)
+                local = param.to_local() if isinstance(param, DTensor) else param
+                if key in adapters:
+                    local.copy_(adapters[key][local_rows(param)].to(local.dtype))
+                    continue
+                own, key = key, checkpoint_key(key, files)
                 experts = per_expert_keys(key, param.shape[0]) if key not in files else None
                 if key not in files and not (experts and all(k in files for row in experts for k in row)):
-                    if key in tied:
+                    if own in tied:
                         continue
                     raise UserError(f"model.path={str(path)!r} has no tensor {key!r}, which the model needs; give a "
                                     f"complete checkpoint, or set model.sharded_load=false to load it as "
@@ -171,7 +178,6 @@ def materialize(scorer: torch.nn.Module, device: torch.device, path: str | Path,
                     rows = handle(files[key]).get_slice(key)[local_rows(param)]
                 else:
                     rows = _expert_rows(experts, local_rows(param), lambda k: handle(files[k]).get_slice(k)[:])
-                local = param.to_local() if isinstance(param, DTensor) else param
                 if tuple(local.shape) != tuple(rows.shape):
                     raise UserError(f"model.path={str(path)!r}: tensor {key!r} has shape {tuple(rows.shape)} where "
                                     f"this rank's shard is {tuple(local.shape)}; the checkpoint does not match its "
@@ -190,8 +196,14 @@ def materialize(scorer: torch.nn.Module, device: torch.device, path: str | Path,
 CHECKPOINT_PREFIXES = (("model.language_model.", "model."), ("model.visual.", "visual."))
 
 
+PEFT_BASE = "base_model.model."  # peft's wrapper around the base model; an adapted layer's own is `base_layer`
+
+
 def checkpoint_key(key: str, files: dict) -> str:
-    """The name the checkpoint holds a model tensor under: its own, else its vision-language checkpoint name."""
+    """The name the checkpoint holds a model tensor under: its own (under LoRA, the base model's), else its
+    vision-language checkpoint name."""
+    if key.startswith(PEFT_BASE):
+        key = key[len(PEFT_BASE):].replace(".base_layer.", ".")
     if key in files:
         return key
     for ours, theirs in CHECKPOINT_PREFIXES:

@@ -134,6 +134,9 @@ def model_shape(cfg) -> tuple[ModelShape, Any, str]:
     params = sum(p.numel() for p in model.parameters())  # a tied tensor once
     units = [*vision_blocks(model), *getattr(decoder_of(model), "layers", [])]
     unit_sizes = [sum(p.numel() for p in u.parameters()) for u in units]
+    embed, lm_head = model.get_input_embeddings(), model.get_output_embeddings()
+    untied = embed is not None and lm_head is not None and lm_head.weight is not embed.weight
+    head = lm_head.weight.numel() if untied else 0  # model/parallel.py split_root: the head and embedding as units
     vision = sum(p.numel() for p in vision_tower(model).parameters()) if is_vision_language(model) else 0
     text = model.config.get_text_config()
     heads = text.num_attention_heads
@@ -153,7 +156,9 @@ def model_shape(cfg) -> tuple[ModelShape, Any, str]:
                          vision_merge=vc.spatial_merge_size ** 2) if vc is not None else {}
     shape = ModelShape(
         name=Path(cfg.model.path).name if cfg.model.path else "tiny", params=params,
-        unit_params=max(unit_sizes, default=0), root_params=params - sum(unit_sizes), vision_params=vision,
+        unit_params=max(unit_sizes, default=0), vision_params=vision,
+        root_params=params - sum(unit_sizes) - (head + embed.weight.numel() if untied else 0), head_params=head,
+        largest_tensor=max(p.numel() for p in model.parameters()),
         layers=layers, hidden=text.hidden_size, mlp_width=mlp, heads=heads,
         kv_heads=getattr(text, "num_key_value_heads", None) or heads, head_dim=head_dim, vocab=text.vocab_size,
         experts=experts, experts_per_token=top_k, active_params=active, **vision_fields)

@@ -30,7 +30,14 @@ from portagrpo.data.records import (
 from portagrpo.fileio import atomic_path
 from portagrpo.kernels import logprob_impl
 from portagrpo.model.activations import HostActivations, checkpoint_kwargs
-from portagrpo.model.loading import apply_lora, build_tiny_model, check_tiny_matches, load_model, load_tokenizer
+from portagrpo.model.loading import (
+    apply_lora,
+    build_tiny_model,
+    check_tiny_matches,
+    load_model,
+    load_tokenizer,
+    seed_adapters,
+)
 from portagrpo.model.moe import RouteTally, refuse_r3_engine
 from portagrpo.model.moe import configure as configure_routing
 from portagrpo.model.parallel import ParallelStrategy, make_strategy, sequence_parallel_group, strategy_name
@@ -262,12 +269,14 @@ def build_models(cfg: Config, runtime: Runtime, strategy, tokenizer, run_dir: Pa
     attn = runtime.backend.attention_implementation(cfg.model.attn_implementation, runtime.dtype)
     policy_path, ref_path = _model_paths(cfg, runtime, tokenizer, run_dir)
     is_lora = cfg.model.lora.rank > 0
-    policy, sharded = _language_model(cfg, runtime, strategy, policy_path, attn, runtime.master_dtype, is_lora, log)
+    policy, sharded = _language_model(cfg, runtime, strategy, policy_path, attn, runtime.master_dtype, log)
     _tower_attention(policy, cfg, runtime)
     if cfg.actor.freeze_vision_tower:
         freeze_vision_tower(policy)
-    if is_lora:
-        policy = apply_lora(policy, cfg.model.lora).to(device=runtime.device, dtype=runtime.master_dtype)
+    if is_lora:  # on an empty model too (peft adds its adapters on the meta device), which materialize fills
+        policy = apply_lora(policy, cfg.model.lora).to(dtype=runtime.master_dtype)
+        if not sharded:
+            seed_adapters(policy.to(device=runtime.device), cfg.trainer.seed)
     offload_activations = cfg.model.enable_activation_offload
     if cfg.model.gradient_checkpointing:
         policy.gradient_checkpointing_enable(gradient_checkpointing_kwargs=checkpoint_kwargs(offload_activations))
@@ -279,7 +288,8 @@ def build_models(cfg: Config, runtime: Runtime, strategy, tokenizer, run_dir: Pa
     scorer = strategy.wrap(ResponseScorer(policy, kernel, activations, **packing), trainable=True,
                            compute_dtype=runtime.dtype, offload=cfg.actor.offload)
     if sharded:  # offloaded shards live in host memory
-        materialize(scorer, runtime.device, policy_path, shards_on=_host_if(cfg.actor.offload))
+        materialize(scorer, runtime.device, policy_path, shards_on=_host_if(cfg.actor.offload),
+                    adapter_seed=cfg.trainer.seed)
     configure_routing(scorer, cfg.actor.router_replay, runtime.routes, runtime.backend.spec.moe_experts,
                       runtime.backend.moe_topk())  # a MoE policy's router replay and its backend's expert ops
     ref = ref_scorer = None
@@ -287,7 +297,7 @@ def build_models(cfg: Config, runtime: Runtime, strategy, tokenizer, run_dir: Pa
         ref_scorer = AdaptersOff(scorer)  # the reference is the base model under the adapter
     elif cfg.actor.use_kl_loss or cfg.algorithm.use_kl_in_reward:
         # forward-only: the compute dtype (model.dtype), never an fp32 master copy
-        ref, ref_sharded = _language_model(cfg, runtime, strategy, ref_path, attn, runtime.dtype, False, log,
+        ref, ref_sharded = _language_model(cfg, runtime, strategy, ref_path, attn, runtime.dtype, log,
                                            "model.ref_path" if cfg.model.ref_path else "model.path")
         ref.eval().requires_grad_(False)
         configure_routing(ref, None, None, runtime.backend.spec.moe_experts, runtime.backend.moe_topk())
@@ -312,13 +322,13 @@ def _host_if(offload: bool) -> torch.device | None:
     return torch.device("cpu") if offload else None
 
 
-def _language_model(cfg: Config, runtime: Runtime, strategy, path, attn: str, dtype: torch.dtype, lora: bool,
+def _language_model(cfg: Config, runtime: Runtime, strategy, path, attn: str, dtype: torch.dtype,
                     log: Callable[[str], None], field_name: str = "model.path"):
     """(the model, whether it is built empty to be filled by shards after wrapping): FSDP2 (on one rank too) builds it
     on the meta device when its checkpoint allows (model/sharded.py), so no rank ever holds it whole; otherwise
     it is loaded whole onto this rank's device."""
     whole = (not cfg.model.sharded_load
-             or sharded_load_problem(path, strategy=strategy.name, world_size=runtime.comm.world_size, lora=lora))
+             or sharded_load_problem(path, strategy=strategy.name, world_size=runtime.comm.world_size))
     if not whole:
         model = empty_model(path, attn, dtype)
         missing = missing_tensors(model, path)

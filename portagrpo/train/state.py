@@ -52,7 +52,7 @@ class Checkpointer:
             return self._saving(step, lambda: save_sharded_checkpoint(
                 self.run_dir, step, comm=comm, model=m.policy, tokenizer=self.tokenizer,
                 shards=m.strategy.sharded_state(m.scorer, self.optim.optimizer), **self._run_state(inflight)))
-        model_state = m.strategy.model_state(m.scorer)
+        model_state = m.strategy.model_state(m.scorer, trainable_only=m.is_lora)  # LoRA: the adapters alone
         optimizer_state = m.strategy.optimizer_state(m.scorer, self.optim.optimizer)
         run_state = self._run_state(inflight)
         path = None

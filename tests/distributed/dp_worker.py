@@ -3,7 +3,7 @@
 Every rank uses the `fixed` rollout engine, whose responses depend only on the prompt and the
 sample's index in its group, so 1 process and K processes train on identical rollouts.
 Writes `result.pt` (metrics and the full state dict after the step) from rank 0.
-Usage: dp_worker.py OUT PARALLEL DTYPE [DEVICE] (DEVICE: cpu by default, emu, npu).
+Usage: dp_worker.py OUT PARALLEL DTYPE [DEVICE [key=value ...]] (DEVICE: cpu by default, emu, npu).
 """
 import os
 import sys
@@ -46,6 +46,7 @@ def main() -> None:
     if hccl:
         use_hccl_rules()
     extra = ["data.val_size=6", "rollout.val_n=2", "rollout.val_temperature=1.0"] if hccl else []
+    extra += sys.argv[5:]
     cfg = load_config(None, [*OVERRIDES, *extra, f"trainer.parallel={parallel}", f"model.dtype={dtype}",
                              f"trainer.device={device}"])
     trainer = Trainer(cfg, run_dir=out / "run", log=lambda m: None).setup()

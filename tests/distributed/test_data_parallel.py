@@ -13,14 +13,15 @@ HERE = Path(__file__).resolve().parent
 ENV = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
 
 
-def run_worker(out: Path, nproc: int, parallel: str, dtype: str, env: dict | None = None, device: str = "cpu") -> dict:
+def run_worker(out: Path, nproc: int, parallel: str, dtype: str, env: dict | None = None, device: str = "cpu",
+               extra: tuple[str, ...] = ()) -> dict:
     out.mkdir(parents=True, exist_ok=True)
     if nproc == 1:
-        cmd = [sys.executable, str(HERE / "dp_worker.py"), str(out), parallel, dtype, device]
+        cmd = [sys.executable, str(HERE / "dp_worker.py"), str(out), parallel, dtype, device, *extra]
     else:
         # portagrpo's local launcher: its rendezvous listens on 127.0.0.1 only (torchrun's on every interface)
         cmd = [sys.executable, "-m", "portagrpo.launcher", "--nproc", str(nproc), str(HERE / "dp_worker.py"), str(out),
-               parallel, dtype, device]
+               parallel, dtype, device, *extra]
     res = subprocess.run(cmd, env={**ENV, **(env or {})}, capture_output=True, text=True, timeout=600, cwd="/")
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
     return torch.load(out / "result.pt", weights_only=False)
@@ -57,6 +58,20 @@ def test_two_processes_match_one(tmp_path, single, parallel, dtype, tol):
     for name, p1 in one["state"].items():
         assert relative_error(two["state"][name], p1) < tol, name
     assert one["metrics"][1]["loss_policy"] != one["metrics"][0]["loss_policy"]  # a real second step
+
+
+def test_untied_head_and_embedding_as_units_of_their_own_train_as_one_process(tmp_path):
+    """FSDP2 makes an untied LM head and input embedding units of their own (model/parallel.py split_root); the log-prob
+    kernel runs as the head unit's forward. Two ranks still train exactly as one process (fp64)."""
+    untied = ("model.tiny.tie_word_embeddings=false",)
+    one = run_worker(tmp_path / "one", 1, "auto", "fp64", extra=untied)
+    two = run_worker(tmp_path / "two", 2, "fsdp2", "fp64", extra=untied)
+    assert "lm.lm_head.weight" in one["state"] or "lm_head.weight" in one["state"], sorted(one["state"])[:5]
+    for m1, m2 in zip(one["metrics"], two["metrics"]):
+        for key in ("loss_policy", "loss_kl", "grad_norm", "entropy"):
+            assert m2[key] == pytest.approx(m1[key], rel=1e-10, abs=1e-10), (key, m1[key], m2[key])
+    for name, p1 in one["state"].items():
+        assert relative_error(two["state"][name], p1) < 1e-10, name
 
 
 def test_no_float64_collective_under_hccl_rules(tmp_path):
