@@ -170,8 +170,10 @@ class RayRun:
         if self.address:
             ray.init(address=self.address, log_to_driver=True)
         else:
-            ray.init(num_cpus=max(n, os.cpu_count() or 1), include_dashboard=False, log_to_driver=True,
-                     _node_ip_address="127.0.0.1")
+            # "local": a new cluster of its own, as --ray-address's help says, never one that another job on this
+            # machine left running (Ray would otherwise connect to the latest one, and refuse num_cpus for it)
+            ray.init(address="local", num_cpus=max(n, os.cpu_count() or 1), include_dashboard=False,
+                     log_to_driver=True, _node_ip_address="127.0.0.1")
         bundles = [_bundle(spec.ray_resource) for _ in range(n)]
         pg = placement_group(bundles, strategy="PACK" if t.nnodes == 1 else "SPREAD")
         try:

@@ -160,6 +160,15 @@ def test_a_node_that_dies_ends_the_run_with_one_sentence(tmp_path, two_nodes):
     assert "Traceback" not in stderr
 
 
+def test_a_local_run_starts_its_own_cluster_beside_a_running_one(tmp_path, two_nodes):
+    """Without --ray-address the run starts a Ray cluster of its own (address="local"), even where another cluster
+    runs on the machine: Ray would otherwise connect to the latest one and refuse the run's num_cpus (which a
+    parallel test run hit)."""
+    cfg = load_config(None, [*OVERRIDES, "trainer.total_steps=1", "trainer.save_freq=0", "trainer.devices_per_node=2"])
+    got = train_with_ray(cfg, tmp_path / "ray", log=lambda m: None)
+    assert [m["world_size"] for m in got] == [2]
+
+
 def test_ray_workers_each_drive_their_own_sampler_process(tmp_path):
     """rollout.mode=one_step_off under Ray: each worker starts its sampler process beside itself and the
     run overlaps as it does under the local launcher (staleness 0, then 1)."""
