@@ -62,16 +62,18 @@ def test_two_processes_match_one(tmp_path, single, parallel, dtype, tol):
 
 def test_untied_head_and_embedding_as_units_of_their_own_train_as_one_process(tmp_path):
     """FSDP2 makes an untied LM head and input embedding units of their own (model/parallel.py split_root); the log-prob
-    kernel runs as the head unit's forward. Two ranks still train exactly as one process (fp64)."""
+    kernel runs as the head unit's forward. Two ranks still train as one process does (fp32, to the bound of
+    test_two_processes_match_one: torch 2.7's FSDP2 refuses fp64)."""
     untied = ("model.tiny.tie_word_embeddings=false",)
-    one = run_worker(tmp_path / "one", 1, "auto", "fp64", extra=untied)
-    two = run_worker(tmp_path / "two", 2, "fsdp2", "fp64", extra=untied)
-    assert "lm.lm_head.weight" in one["state"] or "lm_head.weight" in one["state"], sorted(one["state"])[:5]
+    one = run_worker(tmp_path / "one", 1, "auto", "fp32", extra=untied)
+    two = run_worker(tmp_path / "two", 2, "fsdp2", "fp32", extra=untied)
+    assert "lm_head.weight" in one["state"] and "model.embed_tokens.weight" in one["state"], sorted(one["state"])[:5]
     for m1, m2 in zip(one["metrics"], two["metrics"]):
         for key in ("loss_policy", "loss_kl", "grad_norm", "entropy"):
-            assert m2[key] == pytest.approx(m1[key], rel=1e-10, abs=1e-10), (key, m1[key], m2[key])
+            assert m2[key] == pytest.approx(m1[key], rel=2e-5, abs=2e-5), (key, m1[key], m2[key])
     for name, p1 in one["state"].items():
-        assert relative_error(two["state"][name], p1) < 1e-10, name
+        assert relative_error(two["state"][name], p1) < 2e-5, name
+    assert relative_error(one["state"]["lm_head.weight"], one["state"]["model.embed_tokens.weight"]) > 0.1  # untied
 
 
 def test_no_float64_collective_under_hccl_rules(tmp_path):
