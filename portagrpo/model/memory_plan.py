@@ -74,6 +74,7 @@ class ModelShape:
     vision_mlp: int = 0
     vision_depth: int = 0
     vision_merge: int = 1
+    vision_patch: int = 0  # pixel values per patch (channels x temporal patch x patch side squared)
     head_params: int = 0  # an untied LM head's parameters, and its input embedding's: two units of their own
     largest_tensor: int = 0  # the largest parameter tensor's elements (the push gathers one whole tensor at a time)
 
@@ -131,6 +132,7 @@ class RunShape:
     runtime_reserve: float = 0.0  # bytes the device runtime and collective library keep (the backend row's allowance)
     image_tokens: int = 0  # image tokens a row may carry (a vision-language run: its prompt length bounds them)
     routes: float = 0.0  # router replay: the global batch's recorded experts (int16), held on every rank
+    prompts: int = 0  # prompts in a step's global batch (a vision-language run holds each one's pixel values)
     fused_adamw: bool = False  # the backend row's fused AdamW: it updates in place, no temporaries
     token_budget: bool = False  # actor.use_dynamic_bsz: micro-batches are cut by ppo_max_token_len_per_gpu
     pinned_offload: bool = False  # offloaded shards page-locked (backend row pinned_offload and actor.pin_offload)
@@ -293,7 +295,7 @@ def _load(m: ModelShape, r: RunShape, t: _Terms) -> PhasePlan:
 
 
 def _push(m: ModelShape, r: RunShape, t: _Terms) -> PhasePlan:
-    push = dict(t.steady)
+    push = _held(m, r, t)
     if r.engine == "vllm":
         push["vLLM weights (awake for the push)"] = r.compute_bytes * m.params / max(r.tensor_parallel, 1)
         if t.fsdp:  # gathered in the master dtype (model/parallel.py gathered), a layer's held until it is loaded
@@ -302,8 +304,19 @@ def _push(m: ModelShape, r: RunShape, t: _Terms) -> PhasePlan:
     return PhasePlan("push", push)
 
 
+def _held(m: ModelShape, r: RunShape, t: _Terms) -> dict[str, float]:
+    """What every phase from the rollout to the push holds: the states, and the step's global batch where its
+    images make it count (every rank keeps the gathered batch; the rows of a prompt share its fp32 pixel values,
+    `image_tokens` x `vision_merge` patches of `vision_patch` values each)."""
+    held = dict(t.steady)
+    if m.vision_patch and r.image_tokens and r.prompts:
+        held["the step's images (every prompt's pixel values)"] = (4.0 * r.prompts * r.image_tokens * m.vision_merge
+                                                                   * m.vision_patch)
+    return held
+
+
 def _rollout(m: ModelShape, cluster: Cluster, r: RunShape, t: _Terms) -> PhasePlan:
-    rollout, bc = dict(t.steady), r.compute_bytes
+    rollout, bc = _held(m, r, t), r.compute_bytes
     if r.engine == "vllm":
         rollout["vLLM (weights, KV cache, its activations)"] = r.vllm_fraction * cluster.capacity
     elif r.engine == "hf":
@@ -315,7 +328,7 @@ def _rollout(m: ModelShape, cluster: Cluster, r: RunShape, t: _Terms) -> PhasePl
 
 
 def _scoring(m: ModelShape, r: RunShape, t: _Terms) -> PhasePlan:
-    scoring = dict(t.steady)
+    scoring = _held(m, r, t)
     scoring["FSDP2 gathered units"] = t.fwd_gather
     if r.routes:  # gathered over the ranks as their bytes: every rank's part, then the concatenation (held, int16)
         scoring["the batch's routes (router replay), gathered"] = 2 * r.routes
@@ -327,7 +340,7 @@ def _update(m: ModelShape, r: RunShape, t: _Terms) -> PhasePlan:
     """The largest of a micro-batch's forward (its activations saved so far and the layers gathered) or backward
     (all of them saved, a layer's parameters and gradients unsharded), with the gradients of the mini-batch's earlier
     micro-batches held; and AdamW's step (gradients and its temporaries, no activations)."""
-    update = dict(t.steady)
+    update = _held(m, r, t)
     if r.accumulation > 1 or (r.no_sync and t.fsdp):
         update["gradients of the earlier micro-batches"] = t.grads
     update.update(activations(m, r, r.update_tokens, r.update_rows, training=True))
@@ -336,7 +349,7 @@ def _update(m: ModelShape, r: RunShape, t: _Terms) -> PhasePlan:
     update["FSDP2 gathered units and unsharded gradients"] = max(t.fwd_gather, t.bwd_gather)
     if r.strategy == "ddp":
         update["gradient all-reduce buffers"] = 2 * r.master_bytes * r.trainable_params  # flat buffer, summed copies
-    step = dict(t.steady)
+    step = _held(m, r, t)
     step["gradients"] = t.grads
     step["AdamW's step temporaries"] = (0.0 if r.offload or r.fused_adamw
                                         else ADAM_TEMP * r.master_bytes * r.trainable_params / t.shards)
@@ -368,7 +381,7 @@ def _host(m: ModelShape, cluster: Cluster, r: RunShape, t: _Terms) -> dict[str, 
 def _phases(m: ModelShape, cluster: Cluster, r: RunShape) -> tuple[list[PhasePlan], dict[str, float]]:
     t = _terms(m, r)
     phases = [_load(m, r, t), _push(m, r, t), _rollout(m, cluster, r, t), _scoring(m, r, t), _update(m, r, t),
-              PhasePlan("checkpoint", dict(t.steady))]
+              PhasePlan("checkpoint", dict(t.steady))]  # after the step: its batch is gone
     return phases, _host(m, cluster, r, t)
 
 

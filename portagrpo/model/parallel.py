@@ -66,6 +66,9 @@ class ParallelStrategy(Protocol):
     def full_tensors(self, scorer: torch.nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
         """Every parameter unsharded, one at a time (a weight push)."""
 
+    def release(self, scorer: torch.nn.Module) -> None:
+        """After forwards without a backward (a scoring pass): free whatever they left gathered."""
+
     def gradient_sync(self, scorer: torch.nn.Module, enabled: bool) -> None: ...
 
     def sync_grads(self, params: list[torch.nn.Parameter]) -> None: ...
@@ -108,6 +111,10 @@ class SingleProcess:
     def generation(self, scorer: torch.nn.Module):
         """Context for sampling with the training model itself (the `hf` engine)."""
         return contextlib.nullcontext()
+
+    def release(self, scorer: torch.nn.Module) -> None:
+        """Nothing is gathered: every rank holds its parameters whole."""
+        return None
 
     def full_tensors(self, scorer: torch.nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
         """(name, full tensor) of every LM weight, one at a time (keys as in the Hugging Face model): a
@@ -283,6 +290,16 @@ class FSDP2(SingleProcess):
                 unit.reshard()
             for unit in units[1:]:  # the layers reshard after forward again; FSDP keeps the root's gathered anyway
                 keep_gathered(unit, False)
+
+    def release(self, scorer: torch.nn.Module) -> None:
+        """FSDP2 keeps the root unit gathered after a forward until a backward reshards it (torch's
+        fully_shard: the root does not reshard after forward). A reference model never runs a backward, so its
+        root (a tied embedding and LM head, the vision merger) stayed gathered from its first scoring pass to the
+        end of the run (measured on the emulated device: tests/emulated/test_memory_plan_measured.py, vl)."""
+        from torch.distributed.fsdp import FSDPModule
+
+        if isinstance(scorer, FSDPModule):
+            scorer.reshard()
 
     def full_tensors(self, scorer: torch.nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
         """One parameter gathered at a time (a collective on every rank, in the same order everywhere)."""

@@ -153,7 +153,8 @@ def model_shape(cfg) -> tuple[ModelShape, Any, str]:
     layers = text.num_hidden_layers
     vc = getattr(model.config, "vision_config", None) if vision else None
     vision_fields = dict(vision_hidden=vc.hidden_size, vision_mlp=vc.intermediate_size, vision_depth=vc.depth,
-                         vision_merge=vc.spatial_merge_size ** 2) if vc is not None else {}
+                         vision_merge=vc.spatial_merge_size ** 2,
+                         vision_patch=_patch_values(vc)) if vc is not None else {}
     shape = ModelShape(
         name=Path(cfg.model.path).name if cfg.model.path else "tiny", params=params,
         unit_params=max(unit_sizes, default=0), vision_params=vision,
@@ -163,6 +164,12 @@ def model_shape(cfg) -> tuple[ModelShape, Any, str]:
         kv_heads=getattr(text, "num_key_value_heads", None) or heads, head_dim=head_dim, vocab=text.vocab_size,
         experts=experts, experts_per_token=top_k, active_params=active, **vision_fields)
     return shape, model, source
+
+
+def _patch_values(vision_config) -> int:
+    """Pixel values in one patch of a Qwen2-VL-style tower (its patch embedding's input width)."""
+    channels = getattr(vision_config, "in_chans", None) or getattr(vision_config, "in_channels", 3)
+    return int(channels * vision_config.temporal_patch_size * vision_config.patch_size ** 2)
 
 
 def _lora_params(model, lora) -> int:
@@ -312,7 +319,7 @@ def run_shape(cfg, cluster: Cluster, shape: ModelShape, model) -> RunShape:
         tensor_parallel=r.tensor_model_parallel_size,
         attention_keeps_scores=attention == "eager" or (attention == "sdpa" and spec.attention_saves_scores),
         sequence_parallel=sp, runtime_reserve=spec.runtime_reserve_gb * GIB,
-        image_tokens=d.max_prompt_length if shape.vision_depth else 0,
+        image_tokens=d.max_prompt_length if shape.vision_depth else 0, prompts=d.train_batch_size,
         routes=(cfg.rollout_batch_size * seq * shape.layers * shape.experts_per_token * 2
                 if shape.is_moe and a.router_replay else 0.0),
         fused_adamw=spec.fused_adamw, token_budget=a.use_dynamic_bsz,

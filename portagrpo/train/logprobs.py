@@ -15,6 +15,7 @@ class LogProbs:
     def __init__(self, settings: ExperienceSettings, runtime: Runtime, models: Models) -> None:
         self.settings, self.runtime = settings, runtime
         self.scorer, self.ref_scorer = models.scorer, models.ref_scorer
+        self.strategy = models.strategy
 
     def old_and_ref(self, rb: RolloutBatch) -> tuple[torch.Tensor | None, ...]:
         """The old log-probs (when a scoring pass runs), the reference log-probs (with a reference model), the
@@ -62,6 +63,7 @@ class LogProbs:
                 parts.append(part)
                 if entropy:
                     ents.append(stats.entropy)
+            self.strategy.release(getattr(scorer, "scorer", scorer))  # AdaptersOff wraps the policy's scorer
         logp, ent = torch.cat(logps), (torch.cat(ents) if entropy else None)
         routes = moe.in_row_order(scorer, parts, order, batch.responses.device)  # R2: the update replays them
         if order != sorted(order):  # token-budget groups are not in row order

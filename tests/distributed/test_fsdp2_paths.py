@@ -87,3 +87,35 @@ def test_weights_stream_one_full_tensor_at_a_time(one_rank_group, tiny_model_dir
     assert rest.keys() == full.keys() - tied
     for name, value in rest.items():
         assert not hasattr(value, "full_tensor") and torch.equal(value, full[name]), name
+
+
+def test_a_scoring_pass_leaves_nothing_gathered(one_rank_group, tiny_model_dir):
+    """FSDP2 keeps its root unit gathered after a forward until a backward; a reference never runs one, so without
+    the release after its scoring pass its root (here the final norm, tied embedding and LM head) stayed gathered for
+    the rest of the run."""
+    import contextlib
+    from types import SimpleNamespace
+
+    from torch.distributed.tensor import DTensor
+
+    from portagrpo.backends.dist import Collectives
+    from portagrpo.batch import RolloutBatch
+    from portagrpo.train.logprobs import LogProbs
+
+    strategy, scorer, model = _fsdp2_scorer(tiny_model_dir, None)
+    ids, mask, resp, rmask = _batch()
+    rows = ids.shape[0]
+    rb = RolloutBatch(ids, mask, resp, rmask.float(), torch.arange(rows), torch.arange(rows), [""] * rows,
+                      [""] * rows, [""] * rows, [{}] * rows)
+    settings = SimpleNamespace(micro_batch_size=1, token_budget=None, temperature=1.0, scoring_pass=False)
+    runtime = SimpleNamespace(comm=Collectives(), phase=lambda label: contextlib.nullcontext(),
+                              autocast=contextlib.nullcontext, device=torch.device("cpu"))
+    passes = LogProbs(settings, runtime, SimpleNamespace(scorer=None, ref_scorer=scorer, strategy=strategy))
+    root_weight = lambda: model.model.norm.weight  # noqa: E731 - in the root unit
+    with torch.no_grad():
+        scorer(ids, mask, resp, rmask, 1.0, False, False)
+    assert not isinstance(root_weight(), DTensor)  # what FSDP2 does by itself: the root stays gathered
+    strategy.release(scorer)
+    assert isinstance(root_weight(), DTensor)
+    logp, _, _ = passes.passes(scorer, rb, entropy=False)
+    assert logp.shape == resp.shape and isinstance(root_weight(), DTensor)  # the scoring pass released it

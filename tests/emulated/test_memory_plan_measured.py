@@ -1,8 +1,9 @@
-"""`portagrpo plan` against measurement (issue 41): on 2 and 4 emulated ranks under FSDP2, for six model shapes
-(fp32 and bf16, states-heavy, activation-heavy, root-heavy, mixture-of-experts and LoRA), each phase's planned
-per-rank peak is within 15% of the peak the emulated device counted (`mem/<phase>_peak_gb`, the largest over the
-run's steps). The plan is made from the run's own config, with the padded row width the run actually trained (its
-step records): the plan's maximum lengths are what a recipe promises, the width is what this run's prompts were."""
+"""`portagrpo plan` against measurement (issue 41): on 2 and 4 emulated ranks under FSDP2, for seven model shapes
+(fp32 and bf16, states-heavy, activation-heavy, root-heavy, mixture-of-experts, LoRA and vision-language), each
+phase's planned per-rank peak is within 15% of the peak the emulated device counted (`mem/<phase>_peak_gb`, the
+largest over the run's steps). The plan is made from the run's own config, with the padded row width the run actually
+trained (its step records) and the image tokens its images made: the plan's maximum lengths are what a recipe
+promises, the width and the images are what this run's prompts were."""
 import glob
 import json
 import subprocess
@@ -36,6 +37,10 @@ SHAPES["moe"] = ["model.tiny.hidden_size=128", "model.tiny.num_layers=2", "model
                  "model.tiny.num_experts=8", "model.tiny.moe_intermediate_size=256"]
 SHAPES["lora"] = ["model.tiny.hidden_size=256", "model.tiny.num_layers=4", "model.tiny.intermediate_size=1024",
                   "model.lora.rank=8", "model.tiny.tie_word_embeddings=false"]
+# a vision-language model (a tiny Qwen2.5-VL): each vision block is a unit, the merger sits in the root with the tied
+# embedding and LM head, and every rank holds the step's images
+SHAPES["vl"] = ["model.tiny.vision=true", "data.task=colours", "model.tiny.hidden_size=128", "model.tiny.num_layers=2",
+                "model.tiny.intermediate_size=512"]
 COMMON = ["data.train_batch_size=4", "rollout.n=2", "actor.ppo_mini_batch_size=8", "actor.micro_batch_size=2",
           "trainer.parallel=fsdp2"]
 RUN = ["trainer.total_steps=2", "trainer.test_freq=0", "trainer.save_freq=1", "trainer.progress_bar=false",
@@ -57,12 +62,15 @@ def _measure(out, ranks: int, shape: list[str]) -> dict[str, float]:
     return peaks
 
 
-def _width(out) -> int:
-    width = 0
+def _width(out, merge: int) -> tuple[int, int]:
+    """The padded row width the run trained, and the image tokens its largest image made (0 without images)."""
+    width, image_tokens = 0, 0
     for path in glob.glob(str(out / "rollouts" / "step_*.pt")):
         record = torch.load(path, weights_only=False)
         width = max(width, record["prompt_ids"].shape[1] + record["responses"].shape[1])
-    return width
+        for start, end in (record.get("images") or {}).get("patch_spans", []):
+            image_tokens = max(image_tokens, (end - start) // merge)
+    return width, image_tokens
 
 
 def _saved(path, fields: dict) -> str:
@@ -90,9 +98,10 @@ def test_the_plan_is_within_15_percent_of_each_measured_phase(name, tmp_path):
         cfg = load_config(None, ["trainer.device=emu", f"trainer.nproc_per_node={ranks}", "trainer.device_memory_gb=1",
                                  *COMMON, *shape], check_files=False)
         planned, _ = plan_config(cfg)
-        width, r = _width(out), planned.run
+        (width, image_tokens), r = _width(out, planned.model.vision_merge), planned.run
         planned = plan(planned.model, planned.cluster, replace(r, seq_len=width, update_tokens=r.update_rows * width,
-                                                               scoring_tokens=r.scoring_rows * width))
+                                                               scoring_tokens=r.scoring_rows * width,
+                                                               image_tokens=image_tokens or r.image_tokens))
         phases = {p.name: p.total for p in planned.phases}
         assert set(measured) == set(phases), (set(measured), set(phases))  # every phase measured, and planned
         for phase, bytes_measured in measured.items():

@@ -229,3 +229,20 @@ def test_the_plan_counts_page_locked_host_memory_apart_and_pin_offload_false_unp
     pageable, _ = plan_config(replace(cfg, actor=replace(cfg.actor, pin_offload=False)))
     assert pageable.pinned_per_node == 0
     assert sum(pageable.host_per_node.values()) == pytest.approx(sum(pinned.host_per_node.values()))
+
+
+def test_a_vision_language_run_holds_its_steps_images_from_the_rollout_to_the_push():
+    """Every rank keeps the gathered global batch, whose prompts each keep their fp32 pixel values (measured on the
+    emulated device: tests/emulated/test_memory_plan_measured.py, vl). Twice the prompts, twice the bytes; none in
+    the load or the checkpoint, which come before and after the step's batch."""
+    term = "the step's images (every prompt's pixel values)"
+    cfg = load_config("configs/qwen2.5-vl-7b-geo3k-cuda.yaml", [], check_files=False)
+    p, _ = plan_config(cfg)
+    m, r = p.model, p.run
+    assert m.vision_patch == 3 * 2 * 14 * 14  # Qwen2.5-VL's patch embedding takes 1176 values
+    held = {ph.name: ph.items.get(term, 0.0) for ph in p.phases}
+    expected = 4 * r.prompts * r.image_tokens * m.vision_merge * m.vision_patch
+    assert {k for k, v in held.items() if v} == {"push", "rollout", "scoring", "update"}
+    assert all(v in (0.0, expected) for v in held.values())
+    doubled = plan(m, p.cluster, replace(r, prompts=2 * r.prompts))
+    assert {ph.name: ph.items.get(term, 0.0) for ph in doubled.phases}["push"] == 2 * expected
