@@ -1,11 +1,13 @@
 """The CLI's first steps against stored curves (STYLE rule 11): loss, reward and grad-norm of the default train
 for each way of sampling (sync, one_step_off, DAPO's filtered sampling), of a multi-turn run with tools (the tiny
 policy on the hf engine; and a scripted engine that calls the calculator in every conversation, so tool turns are in
-every trained row), and of the tiny vision-language policy. A refactor that changes the numbers fails here, loudly,
+every trained row), of the tiny vision-language policy, and of a tiny Qwen3-MoE under each router replay (R2: the
+scoring pass's routes replayed by the update, with two epochs so that it replays an older policy's; R3: the sampler's
+routes), whose share of agreeing routes must stay exactly as stored. A refactor that changes the numbers fails here, loudly,
 even where the equivalence tests (1 rank == 2 ranks, resume == straight) still agree.
 
 Regenerate only for an intended change of the numbers, and say why in the commit:
-    python tests/integration/test_golden_curves.py --regenerate
+    python tests/integration/test_golden_curves.py --regenerate [source ...]
 """
 import contextlib
 import json
@@ -43,7 +45,12 @@ SOURCES = {
     "vision": ["model.tiny.vision=true", "data.task=colours", "data.max_response_length=6", "rollout.n=16",
                "actor.ppo_mini_batch_size=32", "actor.lr=1e-2"],
 }
+MOE = ["model.tiny.moe=qwen3_moe", "model.tiny.num_experts=4", "model.tiny.moe_intermediate_size=32",
+       "data.max_response_length=12", "actor.ppo_epochs=2", "rollout.mode=one_step_off", "actor.lr=1e-2"]
+SOURCES["moe_r2"] = [*MOE, "actor.router_replay=R2"]
+SOURCES["moe_r3"] = [*MOE, "actor.router_replay=R3"]
 KEYS = tuple(CURVE_TOLERANCE)
+EXACT = {"moe_r2": ("moe/route_agreement",), "moe_r3": ("moe/route_agreement",)}  # counts: no rounding to allow
 
 
 class CallsThenAnswers:
@@ -103,7 +110,8 @@ def scripted_engine():
 def run_curve(name: str, run_dir: Path) -> list[dict[str, float]]:
     with scripted_engine():
         assert main(["train", "--output-dir", str(run_dir), *COMMON, *SOURCES[name]]) == 0
-    return [{"step": r["step"], **{k: r[k] for k in KEYS}} for r in read_metrics(run_dir / "metrics.jsonl")]
+    return [{"step": r["step"], **{k: r[k] for k in (*KEYS, *EXACT.get(name, ()))}}
+            for r in read_metrics(run_dir / "metrics.jsonl")]
 
 
 @pytest.mark.parametrize("name", list(SOURCES))
@@ -116,12 +124,14 @@ def test_the_cli_repeats_its_stored_curve(tmp_path, name):
             bound = CURVE_TOLERANCE[key] * max(1.0, abs(want[key]))
             assert math.isfinite(have[key]) and abs(have[key] - want[key]) <= bound, (
                 f"{name} step {want['step']} {key}: {have[key]!r}, stored {want[key]!r}")
+        for key in EXACT.get(name, ()):
+            assert have[key] == want[key], f"{name} step {want['step']} {key}: {have[key]!r}, stored {want[key]!r}"
 
 
-if __name__ == "__main__" and sys.argv[1:] == ["--regenerate"]:
+if __name__ == "__main__" and sys.argv[1:2] == ["--regenerate"]:
     import tempfile
 
-    for source in SOURCES:
+    for source in sys.argv[2:] or SOURCES:  # all, or the sources named after the flag
         with tempfile.TemporaryDirectory() as tmp:
             curve = run_curve(source, Path(tmp) / source)
         (GOLDEN / f"{source}.json").write_text(json.dumps(curve, indent=1) + "\n")
