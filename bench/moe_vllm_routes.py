@@ -6,9 +6,9 @@
 vLLM loads the tiny MoE from disk (no push) and samples 12 sequences one request at a time (so its forwards are the
 prefill, then one token each); with `eager` (enforce_eager) hooks on its gate layers record each forward's router
 logits, whose fp32 softmax top-k are vLLM's routes (its compiled graph would skip the hooks). hf scores the same
-tokens routing live, then replaying vLLM's routes (model/moe.py). Printed: the sampler/trainer log-prob gap both ways
-and the share of (token, layer) decisions that agree. ROUTER_STD rescales the routers (0.5: the tiny model's own;
-0.02: transformers' init, near-tied experts). docs/backends.md has the figures.
+tokens routing live, then replaying vLLM's routes (model/router_replay.py). Printed: the sampler/trainer log-prob
+gap both ways and the share of (token, layer) decisions that agree. ROUTER_STD rescales the routers (0.5: the tiny
+model's own; 0.02: transformers' init, near-tied experts). docs/backends.md has the figures.
 """
 import os
 import sys
@@ -18,6 +18,7 @@ import torch
 from portagrpo.config import ModelConfig, TinyModelConfig
 from portagrpo.model import moe
 from portagrpo.model.loading import build_char_tokenizer, build_tiny_model
+from portagrpo.model.router_replay import RouterHooks, grid_of, live_topk, same_experts
 
 
 def tiny_moe(family: str, router_std: float, path: str):
@@ -58,13 +59,13 @@ def vllm_samples(path: str, eager: bool, k: int, count: int = 12):
         if calls:  # eager: the hooks saw every forward (prefill, then one token each)
             per_layer: list[list] = [[] for _ in gates]
             for index, logits in calls:
-                per_layer[index].append(moe.live_topk(logits, k))
+                per_layer[index].append(live_topk(logits, k))
             routes = torch.stack([torch.cat(x) for x in per_layer], dim=1).to(moe.ROUTE_DTYPE)
         rows.append((prompt, resp, logp, routes))
     return rows
 
 
-def hf_logp(model, prompt, resp, k: int, replay=None):
+def hf_logp(model, routers, prompt, resp, k: int, replay=None):
     """hf's log-probs of `resp` routing live or replaying `replay`, and the routes it took."""
     ids = torch.tensor([prompt + resp])
     valid = torch.ones_like(ids, dtype=torch.bool)
@@ -72,10 +73,10 @@ def hf_logp(model, prompt, resp, k: int, replay=None):
     if replay is not None:
         grid = torch.full((1, ids.shape[1], replay.shape[1], k), -1, dtype=moe.ROUTE_DTYPE)
         grid[0, :replay.shape[0]] = replay
-    with torch.no_grad(), moe.routing(model, valid=valid, n_valid=ids.numel(), replay=grid, record=True) as plan:
+    with torch.no_grad(), routers.forward(grid, valid, ids.numel(), record=True) as fwd:
         logits = model(input_ids=ids).logits[0].float()
     lp = torch.log_softmax(logits[len(prompt) - 1:-1], -1).gather(1, torch.tensor(resp)[:, None])[:, 0]
-    return lp, moe.grid_of(plan, tuple(ids.shape))[0]
+    return lp, grid_of(fwd, tuple(ids.shape))[0]
 
 
 def main() -> None:
@@ -84,14 +85,15 @@ def main() -> None:
     path = f"/tmp/vmoe_{family}"
     model = tiny_moe(family, std, path)
     k = model.config.num_experts_per_tok
+    routers = RouterHooks.install(model)
     live_gap, replay_gap, agree, total, flipped = [], [], 0, 0, 0
     for prompt, resp, vlogp, routes in vllm_samples(path, eager, k):
-        lp, hroutes = hf_logp(model, prompt, resp, k)
+        lp, hroutes = hf_logp(model, routers, prompt, resp, k)
         live_gap.append(vlogp - lp)
         if routes is not None:
-            same = moe.same_experts(routes.long(), hroutes[:routes.shape[0]].long())
+            same = same_experts(routes.long(), hroutes[:routes.shape[0]].long())
             agree, total, flipped = agree + int(same.sum()), total + same.numel(), flipped + int((~same).any())
-            replay_gap.append(vlogp - hf_logp(model, prompt, resp, k, routes)[0])
+            replay_gap.append(vlogp - hf_logp(model, routers, prompt, resp, k, routes)[0])
     live = torch.cat(live_gap)
     print(f"{family} eager={eager} router_std={std}: tokens={live.numel()} mean|dlogp| routing live "
           f"{live.abs().mean():.3e} (max {live.abs().max():.3e}), kl {(-live).mean():.3e}")

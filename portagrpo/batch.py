@@ -98,8 +98,9 @@ class RolloutBatch:
     # and template tokens: in the context (response_mask, which attention uses) and scored, never trained.
     # None: every response token is the model's.
     model_mask: torch.Tensor | None = None
-    # int16 [B, P + T, L, k]: a mixture-of-experts policy's experts per token and MoE layer on this grid (model/moe.py):
-    # the sampler's (R3), or the old policy's scoring pass's (R2); -1 where unknown. None: none recorded.
+    # int16 [B, P + T, L, k]: a mixture-of-experts policy's experts per token and MoE layer on this grid
+    # (model/router_replay.py): the sampler's (R3), or the old policy's scoring pass's (R2); -1 where unknown.
+    # None: none recorded.
     routes: torch.Tensor | None = None
 
     @property

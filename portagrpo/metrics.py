@@ -67,7 +67,7 @@ class StepMetrics:
     # (train/memory.py; load with the first step, a checkpoint with the step after it); logged flat
     memory: dict[str, float] | None = None
     # `moe/route_agreement`: a mixture-of-experts policy's share of (token, layer) top-k decisions in the step's
-    # forwards that chose the experts the batch's routes hold (the sampler's; model/moe.py); logged flat
+    # forwards that chose the experts the batch's routes hold (the sampler's; model/router_replay.py); logged flat
     moe: dict[str, float] | None = None
 
     def as_dict(self) -> dict[str, Any]:

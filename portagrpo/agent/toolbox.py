@@ -5,7 +5,8 @@ from dataclasses import dataclass
 
 from portagrpo.agent.hermes import parse_tool_calls
 from portagrpo.agent.sandbox import Limits, ToolJob, ToolResult, ToolSandbox
-from portagrpo.agent.tools import ToolSpec, argument_problem, load_tool_config
+from portagrpo.agent.tools import argument_problem
+from portagrpo.config.tool_file import ToolSpec, load_tool_config
 
 
 @dataclass

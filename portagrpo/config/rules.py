@@ -236,6 +236,13 @@ def _run_settings(cfg: Config) -> list[str]:
                  "such as data.task=repeat.")
     if d.train_files and d.task:
         p.append(f"data.train_files and data.task={d.task!r} are both set; set data.task=null to train on the files.")
+    m = cfg.model
+    if a.router_replay and m.gradient_checkpointing and m.enable_activation_offload:
+        # activation offload checkpoints in torch's reentrant form, whose recomputation takes no context: its routers
+        # would choose live where the forward replayed (model/router_replay.py `checkpoint_context`)
+        p.append(f"actor.router_replay={a.router_replay} with model.gradient_checkpointing and "
+                 f"model.enable_activation_offload would recompute each layer with live routes where its forward "
+                 f"replayed others; set model.enable_activation_offload=false (or actor.router_replay=null).")
     return p
 
 
@@ -327,13 +334,13 @@ def multi_turn_problems(cfg: Config) -> list[str]:
     if m.tool_timeout_s <= 0 or m.tool_memory_mb < 16 or m.tool_workers < 1:
         p.append(f"{MT}.tool_timeout_s={m.tool_timeout_s} must be positive, tool_memory_mb={m.tool_memory_mb} at "
                  f"least 16 and tool_workers={m.tool_workers} at least 1.")
-    from portagrpo.agent.tools import tool_file_problems
+    from portagrpo.config.tool_file import tool_file_problems
 
     # tool_workers' bound is the machine's (agent/tools.py: tool_workers_problem): checked where the run starts, and
     # said by --dry-run, not here, so a recipe for a big node loads on a laptop
     if not m.enable:
         return p
-    if cfg.actor.router_replay == "R3":  # model/moe.py: a conversation's turns are several generates, not one grid
+    if cfg.actor.router_replay == "R3":  # a conversation's turns are several generates, not one route grid
         p.append(f"actor.router_replay=R3 replays the sampler's experts, which a multi-turn rollout does not carry "
                  f"yet; use actor.router_replay=R2 or null with {MT}.enable=true.")
     if not m.tool_config_path:

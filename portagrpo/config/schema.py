@@ -261,9 +261,10 @@ class ActorConfig:
     entropy_coeff: float = 0.0
     # A vision-language policy's vision tower gets no gradient and stays out of the optimizer (verl's key).
     freeze_vision_tower: bool = False
-    # Mixture-of-experts router replay (verl's actor.router_replay.mode names; model/moe.py): null routes live; R2:
-    # the update replays the experts the old policy's scoring pass chose; R3: the scoring and update forwards replay
-    # the experts the rollout engine chose. Replayed experts are weighed by the live router (its gradient flows).
+    # Mixture-of-experts router replay (verl's actor.router_replay.mode names; model/router_replay.py): null routes
+    # live; R2: the update replays the experts the old policy's scoring pass chose; R3: the scoring and update
+    # forwards replay the experts the rollout engine chose. Replayed experts are weighed by the live router (its
+    # gradient flows).
     router_replay: Optional[Literal["R2", "R3"]] = None
 
 

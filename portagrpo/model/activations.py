@@ -61,8 +61,12 @@ class HostActivations:
         return torch.empty(t.shape, dtype=t.dtype, layout=t.layout)
 
 
-def checkpoint_kwargs(offload: bool) -> dict | None:
+def checkpoint_kwargs(offload: bool, context_fn=None) -> dict | None:
     """transformers' gradient-checkpointing arguments: with activation offload the reentrant form, which saves each
     layer's inputs for backward (through the hooks above, so to host memory); the other form keeps them referenced on
-    the device, where no hook sees them. None: transformers' default."""
-    return {"use_reentrant": True} if offload else None
+    the device, where no hook sees them. `context_fn`: what a recomputation runs under (a MoE policy's routers replay
+    the routes its forward did: model/router_replay.py `RouterHooks.checkpoint_context`), which only the non-reentrant
+    form takes. None: transformers' default."""
+    if offload:
+        return {"use_reentrant": True}
+    return None if context_fn is None else {"use_reentrant": False, "context_fn": context_fn}

@@ -21,6 +21,7 @@ from portagrpo.kernels import TokenLogprobFn, logits_from_hidden, token_logprobs
 from portagrpo.model import moe
 from portagrpo.model.activations import HostActivations
 from portagrpo.model.loading import decoder_of, lm_head_of, position_ids_from_mask, run_in_head
+from portagrpo.model.router_replay import RouterHooks, RoutesSeen, Routing, widen
 from portagrpo.model.ulysses import (
     PACKED_PREFIX,
     GatherTokens,
@@ -39,6 +40,10 @@ class ResponseStats:
     logp: torch.Tensor  # [B, T] fp32 (fp64 for fp64 models), 0 off the mask
     entropy: torch.Tensor | None  # [B, T]
     logp_vocab: torch.Tensor | None  # [B, T, V] full log-distribution (only for the `full` KL)
+    # a MoE policy's forward (model/router_replay.py): the routes its routers chose on the batch's grid (when its
+    # Routing records), and (agreeing, compared) counts of its decisions against the batch's routes
+    routes: torch.Tensor | None = None
+    route_counts: tuple[torch.Tensor, torch.Tensor] | None = None
 
 
 def true_positions(mask: torch.Tensor, count: int) -> torch.Tensor:
@@ -165,9 +170,10 @@ class ResponseScorer(torch.nn.Module):
 
     def __init__(self, lm: torch.nn.Module, kernel: TokenLogprobFn, activations: HostActivations | None = None,
                  sequence_parallel: SequenceGroup | None = None, varlen: Callable | None = None,
-                 remove_padding: bool = True) -> None:
+                 remove_padding: bool = True, routers: RouterHooks | None = None) -> None:
         super().__init__()
         self.lm = lm
+        # a MoE policy's router hooks (model/router_replay.py), installed on its routers once, here; None: none
         self.kernel = kernel
         self.activations = activations  # model.enable_activation_offload: a training forward's activations to host
         # actor.ulysses_sequence_parallel_size: the group of ranks that splits each packed row (model/ulysses.py)
@@ -175,6 +181,7 @@ class ResponseScorer(torch.nn.Module):
         self.varlen = varlen  # the backend's variable-length attention for packed rows (None: block-diagonal SDPA)
         # model.use_remove_padding: packed rows attend within each sequence through model/ulysses.py's attention
         self.remove_padding = remove_padding
+        self.routers = routers
         # the LM head's computation runs through this; FSDP2 makes it the forward of the head's own unit
         # (model/parallel.py split_root), so the head is gathered for it and its gradient reduce-scattered after
         self.through_head = run_in_head
@@ -208,10 +215,25 @@ class ResponseScorer(torch.nn.Module):
         counts: tuple[int, int] | None = None,  # (valid tokens, response tokens), known on the host
         images=None,  # vision-language rows: their prompts' images (model/vision.py: PromptImages)
         lengths: list[tuple[int, int]] | None = None,  # each row's (prompt, response) tokens, known on the host
-    ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
-        prompt_len, t = input_ids.shape[1] - responses.shape[1], responses.shape[1]
+        routes: torch.Tensor | None = None,  # a MoE batch's routes on this grid [B, P + T, L, k] (-1: unknown)
+        routing: Routing | None = None,  # what this forward does with them (model/router_replay.py)
+    ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None, RoutesSeen | None]:
+        """(log-probs, entropy, vocabulary log-probs) on the [B, T] grid, and what a MoE policy's routers did."""
         if counts is None:
             counts = (int(attention_mask.sum()), int(response_mask.sum()))  # one read; response_stats passes them
+        if self.routers is None or (routing is None and routes is None):
+            return (*self._forward(input_ids, attention_mask, responses, response_mask, temperature, compute_entropy,
+                                   vocab, autocast, counts, images, lengths), None)
+        routing = routing or Routing(None, replay=False, record=False)
+        with self.routers.forward(routes, attention_mask.bool(), counts[0], apply=routing.replay,
+                                  record=routing.record, count=True) as fwd:
+            stats = self._forward(input_ids, attention_mask, responses, response_mask, temperature, compute_entropy,
+                                  vocab, autocast, counts, images, lengths)
+        return (*stats, fwd.seen())
+
+    def _forward(self, input_ids, attention_mask, responses, response_mask, temperature, compute_entropy, vocab,
+                 autocast, counts, images, lengths):
+        prompt_len, t = input_ids.shape[1] - responses.shape[1], responses.shape[1]
         n_valid, n_response = counts
         if self.packs and lengths is not None and _packs_through_ulysses(
                 n_valid, attention_mask.numel(), images is not None, self.sequence_parallel is not None):
@@ -351,11 +373,14 @@ def response_stats(
     vocab: bool = False,
     autocast: Callable[[], ContextManager] = contextlib.nullcontext,
     shared_rows: bool = False,
+    routing: Routing | None = None,
 ) -> ResponseStats:
     """Per-token statistics of `batch`'s responses. Every shape comes from the batch's host lengths,
     so nothing here waits for the device. Under sequence parallelism the ranks of a group score together: with
     `shared_rows` (the update) they hold the same rows; without (a scoring pass, each rank its own share) the group
-    scores the union of its ranks' rows and each rank keeps its own (`group_stats`)."""
+    scores the union of its ranks' rows and each rank keeps its own (`group_stats`). `routing`: what a MoE policy's
+    forward does with the batch's routes (model/router_replay.py); the routes it records and its agreement counts
+    come back in the statistics."""
     group = getattr(getattr(scorer, "scorer", scorer), "sequence_parallel", None)  # AdaptersOff wraps the policy's
     if group is not None and not shared_rows:
         return group_stats(scorer, batch, group, temperature=temperature, compute_entropy=compute_entropy,
@@ -364,12 +389,22 @@ def response_stats(
     lengths = batch.host_lengths()
     counts = (sum(p + r for p, r in lengths), sum(r for _, r in lengths))
     extra = {} if batch.images is None else {"images": batch.images}
-    with moe.scoring(scorer, batch, trimmed, counts[0]):  # a MoE policy's router replay (model/moe.py)
-        logp, entropy, logp_vocab = scorer(trimmed.input_ids, trimmed.attention_mask, trimmed.responses,
-                                           trimmed.response_mask.bool(), temperature, compute_entropy, vocab,
-                                           autocast, counts, lengths=lengths, **extra)
+    problem = None if routing is None else routing.problem(batch.routes is not None)
+    if problem:
+        raise UserError(problem)
+    p0, width = batch.prompt_len - trimmed.prompt_len, trimmed.prompt_len + trimmed.responses.shape[1]
+    routes = None if batch.routes is None or routing is None else batch.routes[:, p0:p0 + width]
+    logp, entropy, logp_vocab, seen = scorer(trimmed.input_ids, trimmed.attention_mask, trimmed.responses,
+                                             trimmed.response_mask.bool(), temperature, compute_entropy, vocab,
+                                             autocast, counts, lengths=lengths, routes=routes, routing=routing,
+                                             **extra)
     grow = lambda x: None if x is None else _pad_time(x, t_full)  # noqa: E731
-    return ResponseStats(grow(logp), grow(entropy), grow(logp_vocab))
+    if seen is None:
+        return ResponseStats(grow(logp), grow(entropy), grow(logp_vocab))
+    full = batch.prompt_len + batch.responses.shape[1]
+    recorded = None if seen.routes is None else widen(seen.routes, p0, full - p0 - width)
+    counted = None if seen.total is None else (seen.agree, seen.total)
+    return ResponseStats(grow(logp), grow(entropy), grow(logp_vocab), recorded, counted)
 
 
 def group_stats(scorer, batch: RolloutBatch, group: SequenceGroup, **kwargs) -> ResponseStats:

@@ -218,7 +218,8 @@ EXPERT_PARTS = {"gate_up_proj": ("gate_proj", "up_proj"), "down_proj": ("down_pr
 def per_expert_keys(key: str, experts: int) -> list[list[str]] | None:
     """For a packed experts tensor (`<layer>.mlp.experts.gate_up_proj` or `.down_proj`), the per-expert checkpoint
     names that make it, expert by expert (`experts.<e>.gate_proj.weight`, `experts.<e>.up_proj.weight`, whose rows
-    are stacked in that order); None for any other tensor. model/moe.py's `packed_experts` is the same layout."""
+    are stacked in that order); None for any other tensor. model/expert_packing.py's `packed_experts` is the same
+    layout."""
     head, _, last = key.rpartition(".")
     if not head.endswith(".experts") or last not in EXPERT_PARTS:
         return None

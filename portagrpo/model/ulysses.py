@@ -71,8 +71,8 @@ def sequence_parallel_problem(sp: int, heads: int, kv_heads: int, moe: bool) -> 
     `portagrpo plan` say the same sentence."""
     if moe:
         return (f"actor.ulysses_sequence_parallel_size={sp} splits each row over ranks, and a mixture-of-experts "
-                f"policy's routes (recorded, replayed and compared per token of the whole row, model/moe.py) are not "
-                f"split with it yet; use actor.ulysses_sequence_parallel_size=1.")
+                f"policy's routes (recorded, replayed and compared per token of the whole row) are not split with it "
+                f"yet; use actor.ulysses_sequence_parallel_size=1.")
     return check_heads(heads, kv_heads, sp)
 
 

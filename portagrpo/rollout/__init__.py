@@ -5,11 +5,11 @@ from portagrpo.rollout.engines import (
                                        FixedRollout,
                                        HFRollout,
                                        RolloutEngine,
-                                       SamplingParams,
                                        decode_responses,
                                        rollout_groups,
                                        stop_token_ids,
 )
+from portagrpo.rollout.settings import SamplingParams
 
 __all__ = ["ROLLOUT_ENGINES", "FixedRollout", "HFRollout", "RolloutEngine", "SamplingParams", "decode_responses",
            "rollout_groups", "stop_token_ids"]

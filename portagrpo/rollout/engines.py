@@ -149,7 +149,7 @@ class Sampled(NamedTuple):
     mask: torch.Tensor  # float, 1 up to and including EOS
     logp: torch.Tensor | None  # float32: each token's log-prob under the distribution it was sampled from
     # int16 [B, P + max_tokens, L, k]: a mixture-of-experts policy's experts per token and MoE layer, on the prompt and
-    # response grid (model/moe.py), -1 where unknown; None: a dense model, or an engine that does not say
+    # response grid (model/router_replay.py), -1 where unknown; None: a dense model, or an engine that does not say
     routes: torch.Tensor | None = None
 
 
@@ -217,10 +217,11 @@ class HFRollout:
     def from_run(cls, inputs: EngineInputs) -> "HFRollout":
         # a static KV cache where the backend has one, but not under sharded (lockstep) generation
         extra = {} if inputs.generate_kwargs else {"cache": inputs.backend.spec.decode_cache}
-        return cls(inputs.scorer, inputs.tokenizer, inputs.autocast, inputs.generate_kwargs, **extra)
+        return cls(inputs.scorer, inputs.tokenizer, inputs.autocast, inputs.generate_kwargs,
+                   routers=inputs.scorer.routers, **extra)
 
     def __init__(self, model, tokenizer, autocast, generate_kwargs: dict | None = None,
-                 share_prefill: bool = True, cache: str = "dynamic", notice=None) -> None:
+                 share_prefill: bool = True, cache: str = "dynamic", notice=None, routers=None) -> None:
         """`model` is anything with transformers' `generate` (the LM, or a wrapper forwarding to it);
         `generate_kwargs` adds engine options such as `synced_gpus` for sharded models.
         `share_prefill`: prompts repeated in the batch (a group's n samples) are prefilled once and
@@ -230,6 +231,10 @@ class HFRollout:
         lets transformers compile the decode step (CUDA); a static attempt that fails falls back to
         dynamic for the rest of the run, with one notice."""
         self.model, self.tokenizer, self.autocast = model, tokenizer, autocast
+        from portagrpo.model.router_replay import RouterHooks
+
+        # a MoE policy's router hooks (the scorer's own, else installed on this model once): generate records routes
+        self.routers = routers if routers is not None else RouterHooks.install(model)
         self.generate_kwargs = dict(generate_kwargs or {})
         self.cache = cache
         self.notice = notice or (lambda message: print(f"portagrpo: {message}"))
@@ -240,10 +245,10 @@ class HFRollout:
     @torch.no_grad()
     def generate(self, prompt_ids, prompt_mask, params: SamplingParams, images=None) -> Sampled:
         gen = explicit_generation_config(params, self.eos_ids, self.pad_id)
-        from portagrpo.model.moe import GenerationRoutes
+        from portagrpo.model.router_replay import GenerationRoutes
 
         record = SampledLogprobs(params)
-        routes = GenerationRoutes(self.model)  # a MoE policy's experts, recorded in these very forwards
+        routes = GenerationRoutes(self.routers, self.model)  # a MoE policy's experts, recorded in these very forwards
         was_training = self.model.training
         self.model.eval()
         try:

@@ -25,12 +25,8 @@ from typing import Any, Callable, Iterable
 import torch
 
 from portagrpo.errors import UserError
-from portagrpo.rollout.engines import (
-    ROLLOUT_ENGINES,
-    Sampled,
-    SamplingParams,
-    response_mask_from_tokens,
-)
+from portagrpo.rollout.engines import ROLLOUT_ENGINES, Sampled, response_mask_from_tokens
+from portagrpo.rollout.settings import SamplingParams
 from portagrpo.rollout.vllm_checks import SleepState, check_encoder_cache_reset, check_head_size
 from portagrpo.rollout.vllm_cpu_push import CpuGemmWeights
 from portagrpo.rollout.vllm_images import VisionSpec, check_context, check_expanded, vision_requests, vllm_prompt
@@ -376,7 +372,7 @@ class VLLMRollout:
             return vllm.LLM(**common, enable_return_routed_experts=True)
         except (TypeError, ValueError, NotImplementedError, RuntimeError, AssertionError, ImportError) as err:
             if self.routes_required:
-                from portagrpo.model.moe import vllm_routes_refused
+                from portagrpo.rollout.vllm_routes import vllm_routes_refused
 
                 raise vllm_routes_refused(err) from err
         self.route_layers = None
@@ -520,7 +516,7 @@ class VLLMRollout:
         logp = torch.tensor(logps, dtype=torch.float32, device=prompt_ids.device) * mask if exact else None
         routes = None
         if self.route_layers is not None:
-            from portagrpo.model.moe import routes_from_engine
+            from portagrpo.rollout.vllm_routes import routes_from_engine
 
             routes = routes_from_engine([o.routed_experts for o in outputs], prompt_lengths[mine], prompt_mask,
                                         params.max_tokens, self.route_layers, self.top_k)

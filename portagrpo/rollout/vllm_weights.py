@@ -14,8 +14,8 @@ from portagrpo.rollout.engines import hf_weight_names
 
 def vllm_weight_names(state, *, tied_embeddings: bool):
     """vLLM loads checkpoints by their Hugging Face names (`hf_weight_names`), and a mixture-of-experts policy's
-    packed experts by a hub checkpoint's per-expert names (model/moe.py: `per_expert_names`)."""
-    from portagrpo.model.moe import per_expert_names
+    packed experts by a hub checkpoint's per-expert names (model/expert_packing.py: `per_expert_names`)."""
+    from portagrpo.model.expert_packing import per_expert_names
 
     return per_expert_names(hf_weight_names(state, tied_embeddings=tied_embeddings))
 

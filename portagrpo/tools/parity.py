@@ -121,7 +121,8 @@ def _batch(scn, device, rows=None):
 
 def _token_stats(model, scn, kernel, device, autocast, entropy=True, vocab=False, rows=None):
     ids, attn, responses, rmask = _batch(scn, device, rows)
-    logp, ent, logp_vocab = _scorer(model, kernel)(ids, attn, responses, rmask, TEMPERATURE, entropy, vocab, autocast)
+    logp, ent, logp_vocab, _ = _scorer(model, kernel)(ids, attn, responses, rmask, TEMPERATURE, entropy, vocab,
+                                                      autocast)
     return (logp, ent) if not vocab else (logp, ent, logp_vocab)
 
 

@@ -1,7 +1,7 @@
 """The parity suite's mixture-of-experts stage (tools/parity.py runs it with the others).
 
 A tiny Qwen3-MoE (4 experts, top-2, 2 layers; transformers 5's packed experts) scores fixed rows, then one on-policy
-update's loss is differentiated, twice: routing live, and replaying fixed routes (model/moe.py, as
+update's loss is differentiated, twice: routing live, and replaying fixed routes (model/router_replay.py, as
 `actor.router_replay=R3` does) in which about a third of the (token, layer) decisions name other experts than the
 live router takes, so a replay that is ignored, misplaced or weighed wrongly fails. Compared: log-probs, the routers'
 gradients and the experts' gradients (apart, so a broken expert path cannot hide under the rest), with and without
@@ -23,6 +23,7 @@ from portagrpo.algo.objective import Objective, Shaping, shape_and_advantage, to
 from portagrpo.batch import RolloutBatch
 from portagrpo.kernels import logprob_impl
 from portagrpo.model import moe
+from portagrpo.model.router_replay import RouterHooks, Routing, grid_of
 from portagrpo.model.scorer import ResponseScorer, response_stats
 
 SCENARIO_FILE = "moe_scenario.safetensors"
@@ -70,13 +71,13 @@ def _build(seed: int):
 
 
 def moe_model(scn: dict[str, torch.Tensor], device: torch.device, master: torch.dtype, replay: str | None = None,
-              experts: str = "grouped_mm", select=None) -> torch.nn.Module:
-    """The scenario's policy, as the trainer configures it (model/moe.py: `configure`)."""
+              experts: str = "grouped_mm") -> torch.nn.Module:
+    """The scenario's policy, as the trainer configures it (model/moe.py: `configure_experts`)."""
     model = _build(0)
     model.config._attn_implementation = "sdpa"
     model.load_state_dict({k[len(WEIGHTS):]: v for k, v in scn.items() if k.startswith(WEIGHTS)})
     model = model.to(device=device, dtype=master)
-    moe.configure(model, replay, moe.RouteTally(), experts, select)
+    moe.configure_experts(model, replay, experts)
     return model
 
 
@@ -106,15 +107,17 @@ def _live_routes(model, rb: RolloutBatch) -> tuple[torch.Tensor, torch.Tensor]:
     hooks = [layer.gate.register_forward_hook(
         lambda mod, args, out: margins.append(out[0].detach().sort(-1, descending=True).values))
         for layer in moe.moe_layers(model)]
+    routers = RouterHooks.install(model)
     try:
-        with torch.no_grad(), moe.routing(model, valid=mask.bool(), n_valid=int(mask.sum()), record=True) as plan:
+        with torch.no_grad(), routers.forward(None, mask.bool(), int(mask.sum()), record=True) as fwd:
             model(input_ids=rb.input_ids, attention_mask=mask, position_ids=position_ids_from_mask(mask))
     finally:
         for h in hooks:
             h.remove()
+        routers.remove()
     k = moe.moe_layers(model)[0].top_k
     gap = torch.stack([m[:, k - 1] - m[:, k] for m in margins], dim=1).view(*mask.shape, -1)
-    return moe.grid_of(plan, tuple(mask.shape)), gap[mask.bool()]
+    return grid_of(fwd, tuple(mask.shape)), gap[mask.bool()]
 
 
 def moe_scenario(seed: int) -> dict[str, torch.Tensor]:
@@ -164,10 +167,12 @@ def _grads(model) -> tuple[torch.Tensor, torch.Tensor]:
 
 def _one_pass(scn, s, objective: Objective, temperature: float, replay: bool) -> tuple[torch.Tensor, ...]:
     # as actor.router_replay=R3 configures the policy: its forwards replay the batch's routes
-    model = moe_model(scn, s.device, s.master, "R3" if replay else None, s.moe_experts, s.moe_topk)
+    mode = "R3" if replay else None
+    model = moe_model(scn, s.device, s.master, mode, s.moe_experts)
     rb = _rollout(scn, s.device, s.master, replay)
-    stats = response_stats(ResponseScorer(model, logprob_impl(s.kernel)), rb, temperature=temperature,
-                           compute_entropy=True, autocast=s.autocast)
+    scorer = ResponseScorer(model, logprob_impl(s.kernel), routers=RouterHooks.install(model, s.moe_topk))
+    stats = response_stats(scorer, rb, temperature=temperature, compute_entropy=True, autocast=s.autocast,
+                           routing=Routing.update(mode, old_routes=False))
     mask = rb.trained_mask
     _, adv = shape_and_advantage(scn["moe.scores"].to(s.device, s.master), rb.uid, mask,
                                  Shaping(adv_estimator="grpo", norm_by_std=True))

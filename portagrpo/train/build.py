@@ -38,9 +38,9 @@ from portagrpo.model.loading import (
     load_tokenizer,
     seed_adapters,
 )
-from portagrpo.model.moe import RouteTally, refuse_r3_engine
-from portagrpo.model.moe import configure as configure_routing
+from portagrpo.model.moe import configure_experts
 from portagrpo.model.parallel import ParallelStrategy, make_strategy, sequence_parallel_group, strategy_name
+from portagrpo.model.router_replay import RouterHooks, refuse_r3_engine
 from portagrpo.model.scorer import AdaptersOff, ResponseScorer
 from portagrpo.model.sharded import buffers_to, empty_model, materialize, missing_tensors, sharded_load_problem
 from portagrpo.model.vision import (
@@ -70,7 +70,6 @@ class Runtime:
     device: torch.device
     dtype: torch.dtype  # model.dtype: what the forward computes in
     memory: PhaseMemory = field(init=False)  # this rank's peak memory per phase (train/memory.py)
-    routes: RouteTally = field(init=False, default_factory=RouteTally)  # MoE route agreement (model/moe.py)
 
     def __post_init__(self) -> None:
         self.memory = PhaseMemory(self.backend)
@@ -257,7 +256,7 @@ def _tool_schemas(cfg: Config) -> list[dict] | None:
     mt = cfg.rollout.multi_turn
     if not mt.enable:
         return None
-    from portagrpo.agent.tools import load_tool_config
+    from portagrpo.config.tool_file import load_tool_config
 
     return [spec.schema for spec in load_tool_config(mt.tool_config_path).values()]
 
@@ -278,20 +277,23 @@ def build_models(cfg: Config, runtime: Runtime, strategy, tokenizer, run_dir: Pa
         if not sharded:
             seed_adapters(policy.to(device=runtime.device), cfg.trainer.seed)
     offload_activations = cfg.model.enable_activation_offload
+    # a MoE policy's router replay (refused where its routers cannot replay) and its backend's expert ops; its router
+    # hooks are installed once, here (model/router_replay.py), before checkpointing learns to recompute with them
+    configure_experts(policy, cfg.actor.router_replay, runtime.backend.spec.moe_experts)
+    routers = RouterHooks.install(policy, runtime.backend.moe_topk())
     if cfg.model.gradient_checkpointing:
-        policy.gradient_checkpointing_enable(gradient_checkpointing_kwargs=checkpoint_kwargs(offload_activations))
+        policy.gradient_checkpointing_enable(gradient_checkpointing_kwargs=checkpoint_kwargs(
+            offload_activations, None if routers is None else routers.checkpoint_context))
         if offload_activations:  # a reentrant checkpoint passes gradients only to inputs that ask for them (LoRA)
             policy.enable_input_require_grads()
     policy.config.use_cache = True
     activations = HostActivations(runtime.backend.spec.pinned_offload) if offload_activations else None
     packing = packing_settings(cfg, runtime, attn)  # model.use_remove_padding, actor.ulysses_sequence_parallel_size
-    scorer = strategy.wrap(ResponseScorer(policy, kernel, activations, **packing), trainable=True,
+    scorer = strategy.wrap(ResponseScorer(policy, kernel, activations, routers=routers, **packing), trainable=True,
                            compute_dtype=runtime.dtype, offload=cfg.actor.offload)
     if sharded:  # offloaded shards live in host memory
         materialize(scorer, runtime.device, policy_path, shards_on=_host_if(cfg.actor.offload),
                     adapter_seed=cfg.trainer.seed)
-    configure_routing(scorer, cfg.actor.router_replay, runtime.routes, runtime.backend.spec.moe_experts,
-                      runtime.backend.moe_topk())  # a MoE policy's router replay and its backend's expert ops
     ref = ref_scorer = None
     if (cfg.actor.use_kl_loss or cfg.algorithm.use_kl_in_reward) and is_lora:
         ref_scorer = AdaptersOff(scorer)  # the reference is the base model under the adapter
@@ -300,9 +302,10 @@ def build_models(cfg: Config, runtime: Runtime, strategy, tokenizer, run_dir: Pa
         ref, ref_sharded = _language_model(cfg, runtime, strategy, ref_path, attn, runtime.dtype, log,
                                            "model.ref_path" if cfg.model.ref_path else "model.path")
         ref.eval().requires_grad_(False)
-        configure_routing(ref, None, None, runtime.backend.spec.moe_experts, runtime.backend.moe_topk())
+        configure_experts(ref, None, runtime.backend.spec.moe_experts)
         _tower_attention(ref, cfg, runtime)
-        ref_scorer = strategy.wrap(ResponseScorer(ref, kernel, **packing), trainable=False,
+        ref_routers = RouterHooks.install(ref, runtime.backend.moe_topk())  # the backend's top-k op, nothing replayed
+        ref_scorer = strategy.wrap(ResponseScorer(ref, kernel, routers=ref_routers, **packing), trainable=False,
                                    compute_dtype=runtime.dtype, offload=cfg.actor.ref_offload)
         if ref_sharded:
             materialize(ref_scorer, runtime.device, ref_path, shards_on=_host_if(cfg.actor.ref_offload))

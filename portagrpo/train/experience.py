@@ -37,6 +37,10 @@ class Experience:
     gen_rounds: int = 1  # sampling rounds this step took (DAPO's dynamic sampling may need more than one)
     staleness: int | None = None  # rollout.mode=one_step_off: updates between the sampler's weights and the trainer's
     rollout_metrics: dict[str, float] | None = None  # the generator's own metrics, logged flat (tool/calls, ...)
+    # a MoE policy's scoring pass: (agreeing, compared) route decisions against the batch's routes, this rank's;
+    # and whether it recorded the batch's routes (R2: the old policy's, which the update replays)
+    route_counts: tuple[torch.Tensor, torch.Tensor] | None = None
+    old_routes: bool = False
 
 
 @dataclass
@@ -56,6 +60,10 @@ class ScoredRollout:
     gen_rounds: int = 1  # sampling rounds it took (DAPO's filtered sampling may need more than one)
     staleness: int | None = None  # updates between the sampler's weights and the trainer's (one_step_off)
     rollout_metrics: dict[str, float] | None = None  # the generator's own metrics (conversation: tool/calls, ...)
+    # a MoE policy's scoring pass: (agreeing, compared) route decisions against the batch's routes, this rank's;
+    # and whether it recorded the batch's routes (R2: the old policy's, which the update replays)
+    route_counts: tuple[torch.Tensor, torch.Tensor] | None = None
+    old_routes: bool = False
 
 
 @dataclass
@@ -135,6 +143,7 @@ class ExperienceSettings:
     group_filter: str = "all"  # the groups a round keeps (train/filters.py): all, or DAPO's acc or score
     max_rounds: int = 0  # sampling rounds per step at most (0: no limit)
     min_prompt_width: int = 0  # every round's prompts padded to at least this width
+    routing: str | None = None  # actor.router_replay: what a MoE policy's scoring pass does with its routes
 
     @classmethod
     def from_config(cls, cfg: Config, world_size: int, stale: bool = False) -> "ExperienceSettings":
@@ -154,7 +163,7 @@ class ExperienceSettings:
                    temperature=r.temperature, sampling=sampling(r.temperature),
                    val_sampling=sampling(r.val_temperature), val_n=r.val_n, val_batch_size=cfg.data.train_batch_size,
                    max_error_frac=cfg.reward.max_error_frac, on_policy=is_on_policy(cfg, stale),
-                   correction=correction_from(cfg), **dapo_settings(cfg))
+                   correction=correction_from(cfg), routing=cfg.actor.router_replay, **dapo_settings(cfg))
 
     @property
     def scoring_pass(self) -> bool:
@@ -185,7 +194,8 @@ class ExperienceMaker:
         return Experience(batch, raw_scores=scored.scores, scores=shaped, correct=scored.correct,
                           entropy=scored.entropy, reward_errors=scored.reward_errors, rollout_corr=corr,
                           t_gen=scored.t_gen, t_scored=scored.t_scored, gen_rounds=scored.gen_rounds,
-                          staleness=scored.staleness, rollout_metrics=scored.rollout_metrics)
+                          staleness=scored.staleness, rollout_metrics=scored.rollout_metrics,
+                          route_counts=scored.route_counts, old_routes=scored.old_routes)
 
     def train_batch(self, rb: RolloutBatch, raw_scores: torch.Tensor, old_logp: torch.Tensor | None,
                     ref_logp: torch.Tensor | None) -> tuple[TrainBatch, torch.Tensor, dict[str, torch.Tensor]]:

@@ -266,11 +266,13 @@ class Pipeline:
         per = target // comm.world_size
         mine = batch.select(torch.arange(comm.rank * per, (comm.rank + 1) * per))
         passes = self.logprobs.old_and_ref(mine)
-        old, ref, entropy, routes = (None if t is None else self.gather_tensor(t) for t in passes)
+        old, ref, entropy, routes = (None if t is None else self.gather_tensor(t)
+                                     for t in (passes.old, passes.ref, passes.entropy, passes.routes))
         if routes is not None:  # actor.router_replay=R2: the scoring pass's routes, which the update replays
             batch = replace(batch, routes=routes)
         return ScoredRollout(batch, scores, correct, kept.errors, old, ref, entropy, t_gen=t_gen, t_scored=t_scored,
-                             gen_rounds=rounds, staleness=staleness, rollout_metrics=self.metrics(kept.counts))
+                             gen_rounds=rounds, staleness=staleness, rollout_metrics=self.metrics(kept.counts),
+                             route_counts=passes.route_counts, old_routes=routes is not None)
 
     def gather_tensor(self, local: torch.Tensor) -> torch.Tensor:
         """Every rank's rows of `local`, in rank order (narrow integers travel as their bytes: `gather_as_bytes`)."""
@@ -294,11 +296,13 @@ class Pipeline:
         log-probs computed here."""
         d, t_start = self.runtime.device, time.perf_counter()
         rb = record.rollout_batch(d)
-        old, ref, entropy, routes = self.logprobs.old_and_ref(rb)
+        passes = self.logprobs.old_and_ref(rb)
+        old, ref, entropy, routes = passes.old, passes.ref, passes.entropy, passes.routes
         rb = rb if routes is None else replace(rb, routes=routes)
         # nothing generated or scored here: both times are the start
         return ScoredRollout(rb, record.scores.to(d), record.correct.to(d), 0.0, old, ref, entropy,
-                             t_gen=t_start, t_scored=t_start)
+                             t_gen=t_start, t_scored=t_start, route_counts=passes.route_counts,
+                             old_routes=routes is not None)
 
     def validate(self, step: int, val_records: list[PromptRecord]) -> ValMetrics | None:
         """Held-out mean reward and accuracy after `step`, sampled by the run's generator in the trainer; the split

@@ -22,7 +22,7 @@ from portagrpo.model.vision import PromptImages
 
 ROLLOUT_TENSORS = ("prompt_ids", "prompt_mask", "responses", "response_mask", "uid", "prompt_index")
 # the sampler's log-probs, when the engine reported them; the model's own tokens of a multi-turn rollout
-OPTIONAL_TENSORS = ("rollout_logp", "model_mask", "routes")  # routes: a MoE policy's experts (model/moe.py)
+OPTIONAL_TENSORS = ("rollout_logp", "model_mask", "routes")  # routes: a MoE policy's experts (model/router_replay.py)
 # a vision-language step's images (model/vision.py: PromptImages), kept as they were processed
 IMAGE_FIELDS = ("pixel_values", "grid_thw", "patch_spans", "image_spans", "row_prompt")
 

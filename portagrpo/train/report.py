@@ -8,7 +8,7 @@ from portagrpo.algo.advantages import zero_std_group_fraction
 from portagrpo.algo.losses import masked_mean
 from portagrpo.algo.rollout_correction import gap_report
 from portagrpo.metrics import StepMetrics
-from portagrpo.model.moe import route_metrics
+from portagrpo.model.router_replay import route_metrics
 from portagrpo.train.build import Runtime
 from portagrpo.train.experience import Experience, host_metrics
 from portagrpo.train.update import UpdateStats
@@ -71,7 +71,7 @@ def step_metrics(step: int, exp: Experience, stats: UpdateStats, times: StepTime
         world_size=runtime.comm.world_size,
         rollout_corr=exp.rollout_corr or _measured_in_update(exp, stats),
         rollout_metrics=exp.rollout_metrics,
-        moe=route_metrics(runtime.routes, runtime.comm),
+        moe=route_metrics(exp.route_counts or stats.route_counts, runtime.comm),  # scoring pass's, else update's
     )
 
 

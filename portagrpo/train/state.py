@@ -150,7 +150,7 @@ class Checkpointer:
             )
 
     def _load_full(self, ckpt: Path, state: dict[str, torch.Tensor]) -> None:
-        from portagrpo.model.moe import packed_experts
+        from portagrpo.model.expert_packing import packed_experts
 
         policy = self.models.policy
         state = packed_experts(state, policy)  # a MoE checkpoint's per-expert tensors, packed as the policy holds them

@@ -187,7 +187,7 @@ class Trainer:
 
     def _update(self, step: int, exp: Experience, start: float) -> StepOutput:
         t_update = time.perf_counter()
-        stats = self.updater.update(exp.batch, step)
+        stats = self.updater.update(exp.batch, step, exp.old_routes)
         with self.runtime.phase("push weights"):
             push_weights(self.parts.engine, self.parts.models)
             self.schedule.push(self.parts.models)

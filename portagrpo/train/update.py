@@ -14,6 +14,7 @@ from portagrpo.algo.rollout_correction import RolloutCorrection, correct_rollout
 from portagrpo.batch import RolloutBatch, TrainBatch, balanced_shares, micro_batches, token_budget_groups
 from portagrpo.config import Config
 from portagrpo.errors import UserError
+from portagrpo.model.router_replay import Routing, add_counts
 from portagrpo.model.scorer import eval_mode, response_stats
 from portagrpo.train.build import Models, Optimization, Runtime
 from portagrpo.train.experience import host_metrics, seed_for
@@ -39,6 +40,7 @@ class UpdateSettings:
     # An on-policy step's importance weights, taken from the update's own first forward (no scoring pass ran:
     # `ExperienceSettings.corrects_in_update`); None: any correction came with the batch
     correction: RolloutCorrection | None = None
+    routing: str | None = None  # actor.router_replay: what a MoE policy's update forwards do with the batch's routes
 
     @classmethod
     def from_config(cls, cfg: Config, world_size: int, measure_in_update: bool,
@@ -54,7 +56,7 @@ class UpdateSettings:
                    entropy_coeff=a.entropy_coeff,
                    full_vocab_kl=a.use_kl_loss and a.kl_loss_type.rstrip("+") == "full",
                    measure_in_update=measure_in_update, correction=correction,
-                   defer_grad_sync=a.use_no_sync_for_gradient_accumulation)
+                   defer_grad_sync=a.use_no_sync_for_gradient_accumulation, routing=a.router_replay)
 
 
 @dataclass(frozen=True)
@@ -76,6 +78,8 @@ class UpdateStats:
     trainer_logp: torch.Tensor | None = None
     # `rollout_corr/*` of an on-policy step corrected in the update (from `trainer_logp`), read to the host
     rollout_corr: dict[str, float] | None = None
+    # a MoE policy's update forwards: (agreeing, compared) route decisions against the batch's routes, this rank's
+    route_counts: tuple[torch.Tensor, torch.Tensor] | None = None
 
 
 @dataclass(frozen=True)
@@ -100,6 +104,7 @@ class MetricSums:
         self.losses: dict[str, torch.Tensor] = {}
         self.weighted: dict[str, torch.Tensor] = {}
         self.tokens: dict[str, float] = {}
+        self.routes: tuple[torch.Tensor, torch.Tensor] | None = None  # a MoE policy's route agreement counts
 
     def add(self, metrics: LossMetrics, tokens: int) -> None:
         for k, v in metrics.loss_terms().items():
@@ -107,6 +112,10 @@ class MetricSums:
         for k, v in metrics.token_means().items():
             self.weighted[k] = self.weighted.get(k, 0.0) + v.detach().double() * tokens
             self.tokens[k] = self.tokens.get(k, 0.0) + tokens
+
+    def add_routes(self, counts: tuple[torch.Tensor, torch.Tensor] | None) -> None:
+        """A MoE policy's micro-batch: its (agreeing, compared) route decisions."""
+        self.routes = add_counts(self.routes, counts)
 
     def reduce(self, comm, device, n_updates: int) -> LossMeans:
         """Over every rank in one exact fp64 sum on the host (never an fp64 collective)."""
@@ -131,10 +140,12 @@ class Updater:
         group = getattr(self.scorer, "sequence_parallel", None)  # model/ulysses.py: ranks holding the same rows
         self.sp, self.sp_rank = (1, 0) if group is None else (group.size, group.rank)
 
-    def update(self, batch: TrainBatch, step: int) -> UpdateStats:
+    def update(self, batch: TrainBatch, step: int, old_routes: bool = False) -> UpdateStats:
         """Update on `batch` (step `step`'s global batch): each rank takes its slice of every
-        mini-batch and accumulates gradients over micro-batches; then the schedule steps."""
+        mini-batch and accumulates gradients over micro-batches; then the schedule steps. `old_routes`: the batch's
+        routes are the old policy's, recorded by this step's scoring pass (R2 replays them)."""
         s, comm = self.settings, self.runtime.comm
+        routing = Routing.update(s.routing, old_routes)
         g = torch.Generator().manual_seed(seed_for(s.seed, step, 2))
         sums, grad_norms, lr = MetricSums(), [], self.scheduler.get_last_lr()[0]
         seen = None  # the first epoch's log-probs, each rank its rows
@@ -150,7 +161,7 @@ class Updater:
                                          balance=s.token_budget is not None)
                     rows = shares[comm.rank // self.sp]
                     self._accumulate_gradients(batch.select(rows), sums, rows, seen if epoch == 0 else None,
-                                               self._micro_count(batch.rollout, shares))
+                                               self._micro_count(batch.rollout, shares), routing)
                     grad_norms.append(self._clip_and_step(step))
             n_updates = s.ppo_epochs * (batch.rollout.size // s.mini_batch_size)
             m = sums.reduce(comm, self.runtime.device, n_updates * self.sp)  # a group's ranks add alike
@@ -160,7 +171,7 @@ class Updater:
         return UpdateStats(loss_policy=m.loss_policy, clipfrac=m.clipfrac, clipfrac_lower=m.clipfrac_lower,
                            ppo_kl=m.ppo_kl, ratio_mean=m.ratio_mean, grad_norm=sum(grad_norms) / len(grad_norms),
                            lr=lr, entropy=m.entropy, kl=m.kl, loss_kl=m.loss_kl, trainer_logp=seen,
-                           rollout_corr=self._corrected_in_update(batch, seen))
+                           rollout_corr=self._corrected_in_update(batch, seen), route_counts=sums.routes)
 
     def _corrected_in_update(self, batch: TrainBatch, seen: torch.Tensor | None) -> dict[str, float] | None:
         """The `rollout_corr/*` metrics of a correction applied in the update, over the whole batch's first-forward
@@ -186,7 +197,8 @@ class Updater:
         return max(len(token_budget_groups([sum(lengths[i]) for i in share.tolist()], budget)) for share in shares)
 
     def _accumulate_gradients(self, mine: TrainBatch, sums: MetricSums, rows: torch.Tensor,
-                              seen: torch.Tensor | None, count: int | None = None) -> None:
+                              seen: torch.Tensor | None, count: int | None = None,
+                              routing: Routing | None = None) -> None:
         """This rank's slice `rows` of one mini-batch, micro-batch by micro-batch (`count` of them with a token
         budget), normalised over all ranks; each micro-batch's log-probs go to `seen` when it is given."""
         s = self.settings
@@ -199,22 +211,25 @@ class Updater:
             # Lean by default: each backward reduce-scatters, so a sharded rank holds only its gradient shard.
             self.strategy.gradient_sync(self.scorer, enabled=not s.defer_grad_sync or i == len(micros) - 1)
             micro = mine.select(micro_idx)
-            loss, m, logp = self.micro_loss(micro, n_tok, n_seq)
+            loss, m, logp, routes = self.micro_loss(micro, n_tok, n_seq, routing)
+            sums.add_routes(routes)
             if seen is not None and self.sp_rank == 0:  # a sequence-parallel group's first rank speaks for it
                 seen.index_copy_(0, rows[micro_idx].to(seen.device), logp.to(seen.dtype))
             loss.backward()
             sums.add(m, sum(r for _, r in micro.rollout.host_lengths()))
         self.strategy.sync_grads(self.params)
 
-    def micro_loss(self, micro: TrainBatch, num_tokens,
-                   num_seqs) -> tuple[torch.Tensor, dict[str, torch.Tensor], torch.Tensor]:
-        """The micro-batch's loss, its metrics, and its log-probs (detached)."""
+    def micro_loss(self, micro: TrainBatch, num_tokens, num_seqs, routing: Routing | None = None,
+                   ) -> tuple[torch.Tensor, dict[str, torch.Tensor], torch.Tensor, tuple | None]:
+        """The micro-batch's loss, its metrics, its log-probs (detached), and what a MoE policy's routers did
+        (`routing`: what they do with the batch's routes)."""
         s = self.settings
         rb, mask = micro.rollout, micro.mask
         full_kl = s.full_vocab_kl
         on_policy = micro.old_logp is None
         stats = response_stats(self.scorer, rb, temperature=s.temperature, compute_entropy=s.entropy_coeff != 0
-                               or s.measure_in_update, vocab=full_kl, autocast=self.runtime.autocast, shared_rows=True)
+                               or s.measure_in_update, vocab=full_kl, autocast=self.runtime.autocast, shared_rows=True,
+                               routing=routing)
         logp = stats.logp  # fp32 (fp64 for an fp64 model): kernels never return bf16
         old = logp.detach() if on_policy else micro.old_logp  # on-policy: the policy that sampled is this one
         weights = micro.is_weights
@@ -227,7 +242,7 @@ class Updater:
                              is_weights=weights)
         if s.measure_in_update:  # the entropy metric comes from this forward (no separate scoring pass ran)
             m = replace(m, entropy=masked_mean(stats.entropy.detach(), mask))
-        return loss, m, logp.detach()
+        return loss, m, logp.detach(), stats.route_counts
 
     @torch.no_grad()
     def _ref_vocab(self, batch: RolloutBatch) -> torch.Tensor:

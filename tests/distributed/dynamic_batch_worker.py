@@ -33,13 +33,13 @@ def main() -> None:
         grads.append({n: full(p.grad) for n, p in zip(names, updater.params)})  # a collective on every rank
         return real(step)
 
-    def accumulate(mine, sums, rows, seen, count=None, real=updater._accumulate_gradients):
+    def accumulate(mine, sums, rows, seen, count=None, routing=None, real=updater._accumulate_gradients):
         budget = updater.settings.token_budget
         plans["update"].append(count)  # how many every rank runs
         if budget is not None:  # how many this rank's own share needs
             own = token_budget_groups([p + r for p, r in mine.rollout.host_lengths()], budget)
             plans["own_update"].append(len(own))
-        return real(mine, sums, rows, seen, count)
+        return real(mine, sums, rows, seen, count, routing)
 
     def micro_plan(batch, real=sampling.micro_plan):
         plan = real(batch)

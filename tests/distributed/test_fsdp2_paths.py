@@ -38,7 +38,7 @@ def test_bf16_runs_gather_bf16_parameters_and_reduce_fp32_gradients(one_rank_gro
     seen = []
     layer.mlp.register_forward_pre_hook(lambda m, a: seen.append(m.gate_proj.weight.dtype))
     ids, mask, resp, rmask = _batch()
-    logp, _, _ = scorer(ids, mask, resp, rmask, 1.0, False, False)
+    logp, _, _, _ = scorer(ids, mask, resp, rmask, 1.0, False, False)
     logp.sum().backward()
     assert seen == [torch.bfloat16]  # the all-gathered (unsharded) weights are bf16
     sharded = layer.mlp.gate_proj.weight
@@ -117,5 +117,5 @@ def test_a_scoring_pass_leaves_nothing_gathered(one_rank_group, tiny_model_dir):
     assert not isinstance(root_weight(), DTensor)  # what FSDP2 does by itself: the root stays gathered
     strategy.release(scorer)
     assert isinstance(root_weight(), DTensor)
-    logp, _, _ = passes.passes(scorer, rb, entropy=False)
+    logp = passes.passes(scorer, rb, entropy=False).old
     assert logp.shape == resp.shape and isinstance(root_weight(), DTensor)  # the scoring pass released it

@@ -77,7 +77,7 @@ def loss_and_grads(scorer, params, data, lengths=LENGTHS, images=None):
     ids, mask, resp, rmask, adv = data
     counts = (int(mask.sum()), int(rmask.sum()))
     extra = {} if images is None else {"images": images}
-    logp, ent, _ = scorer(ids, mask, resp, rmask, 0.7, True, False, counts=counts, lengths=lengths, **extra)
+    logp, ent, _, _ = scorer(ids, mask, resp, rmask, 0.7, True, False, counts=counts, lengths=lengths, **extra)
     n = rmask.sum()
     loss = -(logp * adv[:, None] * rmask).sum() / n - 0.01 * (ent * rmask).sum() / n
     for p in params:

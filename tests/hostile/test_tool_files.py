@@ -8,8 +8,9 @@ import pytest
 import yaml
 from test_refusals import one_error, snapshot  # the house's one-sentence and nothing-changed checks
 
-from portagrpo.agent.tools import load_tool_config, max_tool_workers
+from portagrpo.agent.tools import max_tool_workers
 from portagrpo.cli import main
+from portagrpo.config.tool_file import load_tool_config
 from portagrpo.errors import UserError
 
 ROOT = Path(__file__).resolve().parents[2]

@@ -3,8 +3,8 @@ for each way of sampling (sync, one_step_off, DAPO's filtered sampling), of a mu
 policy on the hf engine; and a scripted engine that calls the calculator in every conversation, so tool turns are in
 every trained row), of the tiny vision-language policy, and of a tiny Qwen3-MoE under each router replay (R2: the
 scoring pass's routes replayed by the update, with two epochs so that it replays an older policy's; R3: the sampler's
-routes), whose share of agreeing routes must stay exactly as stored. A refactor that changes the numbers fails here, loudly,
-even where the equivalence tests (1 rank == 2 ranks, resume == straight) still agree.
+routes), whose share of agreeing routes must stay exactly as stored. A refactor that changes the numbers fails here,
+loudly, even where the equivalence tests (1 rank == 2 ranks, resume == straight) still agree.
 
 Regenerate only for an intended change of the numbers, and say why in the commit:
     python tests/integration/test_golden_curves.py --regenerate [source ...]

@@ -155,7 +155,7 @@ def test_update_moves_loss_in_expected_direction(tmp_path):
     batch = out.experience.batch
     n_tok, n_seq = __import__("portagrpo.algo", fromlist=["x"]).loss_normalizers(batch.rollout.response_mask)
     with torch.no_grad():
-        after, _, _ = t.updater.micro_loss(batch, n_tok, n_seq)
+        after = t.updater.micro_loss(batch, n_tok, n_seq)[0]
     assert float(after) < out.metrics["loss_policy"]
 
 

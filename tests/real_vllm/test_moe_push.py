@@ -59,7 +59,7 @@ def _perturb_experts(policy, seed: int) -> None:
 
 
 def test_the_packed_experts_push_under_per_expert_names_and_are_repacked(engine, policy):
-    from portagrpo.model.moe import per_expert_names
+    from portagrpo.model.expert_packing import per_expert_names
 
     gemms = engine.in_place
     assert gemms is not None and len(gemms.expert_layers) == 2, "vLLM's CPU experts were not found"

@@ -128,7 +128,7 @@ def _scorer_grads(model, impl, ids, mask, responses, rmask):
 
     model.zero_grad(set_to_none=True)
     scorer = ResponseScorer(model, logprob_impl(impl))
-    logp, ent, _ = scorer(ids, mask, responses, rmask, 0.9, True, False)
+    logp, ent, _, _ = scorer(ids, mask, responses, rmask, 0.9, True, False)
     if logp.requires_grad:  # not when every trainable (adapter) weight is switched off
         (logp.sum() + 0.1 * ent.sum()).backward()
     return logp.detach(), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}

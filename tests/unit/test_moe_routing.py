@@ -1,12 +1,15 @@
-"""Mixture-of-experts routing (model/moe.py): the tiny MoE families, recording and replaying routes, the router's
-gradient under replay, the routes the hf engine records in `generate`, and the refusals."""
+"""Mixture-of-experts routing (model/moe.py, model/router_replay.py, rollout/vllm_routes.py): the tiny MoE families,
+recording and replaying routes, the router's gradient under replay (with gradient checkpointing too), the routes the
+hf engine records in `generate`, routing handed to the forward as data, and the refusals."""
 import pytest
 import torch
 
 from portagrpo.config import LoraSettings, ModelConfig, TinyModelConfig
 from portagrpo.errors import UserError
 from portagrpo.model import moe
+from portagrpo.model import router_replay as rr
 from portagrpo.model.loading import ModelLoadError, apply_lora, build_char_tokenizer, build_tiny_model
+from portagrpo.rollout.vllm_routes import routes_from_engine
 
 TOK = build_char_tokenizer()
 FAMILIES = ["qwen3_moe", "qwen2_moe"]
@@ -20,9 +23,13 @@ def tiny(family: str, seed: int = 0, dtype=torch.float32):
 
 def recorded(model, ids, valid=None):
     valid = torch.ones_like(ids, dtype=torch.bool) if valid is None else valid
-    with moe.routing(model, valid=valid, n_valid=int(valid.sum()), record=True) as plan:
-        logits = model(input_ids=ids).logits
-    return logits, moe.grid_of(plan, tuple(ids.shape))
+    hooks = rr.RouterHooks.install(model)
+    try:
+        with hooks.forward(None, valid, int(valid.sum()), record=True) as fwd:
+            logits = model(input_ids=ids).logits
+    finally:
+        hooks.remove()
+    return logits, rr.grid_of(fwd, tuple(ids.shape))
 
 
 def other_expert(routes: torch.Tensor, num_experts: int) -> torch.Tensor:
@@ -54,35 +61,36 @@ def test_replaying_the_recorded_routes_changes_nothing_and_other_routes_do(famil
     ids = torch.randint(4, 60, (3, 9), generator=torch.Generator().manual_seed(1))
     logits, routes = recorded(model, ids)
     assert routes.shape == (3, 9, 2, 2) and routes.dtype == moe.ROUTE_DTYPE and (routes >= 0).all()
-    tally = moe.RouteTally()
-    with moe.routing(model, valid=torch.ones(3, 9, dtype=torch.bool), n_valid=27, replay=routes, tally=tally):
+    hooks, valid = rr.RouterHooks.install(model), torch.ones(3, 9, dtype=torch.bool)
+    with hooks.forward(routes, valid, 27, count=True) as fwd:
         again = model(input_ids=ids).logits
     assert torch.equal(again, logits) or (again - logits).abs().max() < 1e-6  # transformers 4.x: masked softmax
-    assert tally.take() == 1.0
-    with moe.routing(model, valid=torch.ones(3, 9, dtype=torch.bool), n_valid=27,
-                     replay=other_expert(routes, 4), tally=tally):
+    assert fwd.agree == fwd.total == 27 * 2  # every (token, layer) decision agreed
+    with hooks.forward(other_expert(routes, 4), valid, 27, count=True) as fwd:
         moved = model(input_ids=ids).logits
     assert (moved - logits).abs().max() > 1e-3
-    assert tally.take() == 0.0
+    assert fwd.agree == 0 and fwd.total == 27 * 2
     # -1 (unknown) routes live
-    with moe.routing(model, valid=torch.ones(3, 9, dtype=torch.bool), n_valid=27, replay=torch.full_like(routes, -1)):
+    with hooks.forward(torch.full_like(routes, -1), valid, 27):
         assert torch.equal(model(input_ids=ids).logits, logits)
+    # outside a forward that was handed routing, the hooks do nothing
+    assert torch.equal(model(input_ids=ids).logits, logits)
 
 
 def test_replayed_weights_are_the_live_routers_and_its_gradient_flows():
     logits = torch.randn(5, 4, dtype=torch.float64, requires_grad=True)
     experts = torch.tensor([[0, 1], [2, 3], [1, 3], [0, 2], [3, 0]])
-    w = moe.replayed_weights(logits, experts, renormalise=True)
+    w = rr.replayed_weights(logits, experts, renormalise=True)
     p = torch.softmax(logits, -1).gather(1, experts)
     torch.testing.assert_close(w, p / p.sum(-1, keepdim=True))
     (w[:, 0] * torch.arange(5.0, dtype=torch.float64)).sum().backward()
     assert logits.grad.abs().sum() > 0
-    torch.testing.assert_close(moe.replayed_weights(logits, experts, renormalise=False), p)
+    torch.testing.assert_close(rr.replayed_weights(logits, experts, renormalise=False), p)
     # with the live top-k given, the replayed weights are the live router's exactly
-    live = moe.live_topk(logits.detach(), 2)
+    live = rr.live_topk(logits.detach(), 2)
     probs = torch.softmax(logits.detach(), -1, dtype=torch.float32)
     top = probs.gather(1, live)
-    assert torch.equal(moe.replayed_weights(logits.detach(), live, True), (top / top.sum(-1, keepdim=True)).double())
+    assert torch.equal(rr.replayed_weights(logits.detach(), live, True), (top / top.sum(-1, keepdim=True)).double())
 
 
 def test_router_gradient_under_replay_matches_the_live_forward():
@@ -93,7 +101,7 @@ def test_router_gradient_under_replay_matches_the_live_forward():
     model(input_ids=ids).logits.square().mean().backward()
     live = gate.grad.clone()
     model.zero_grad()
-    with moe.routing(model, valid=torch.ones(2, 7, dtype=torch.bool), n_valid=14, replay=routes):
+    with rr.RouterHooks.install(model).forward(routes, torch.ones(2, 7, dtype=torch.bool), 14):
         model(input_ids=ids).logits.square().mean().backward()
     assert live.abs().sum() > 0
     # fp64: equal up to rounding. transformers 4.x takes the router's softmax in fp32 even in an fp64 model, and
@@ -107,11 +115,11 @@ def test_a_packed_forward_takes_the_routes_of_the_real_tokens():
     ids = torch.randint(4, 60, (2, 6), generator=torch.Generator().manual_seed(3))
     valid = torch.tensor([[0, 0, 1, 1, 1, 1], [1, 1, 1, 1, 1, 1]], dtype=torch.bool)
     _, routes = recorded(model, ids)
-    plan = moe._Plan(routes, valid, 10, None, False)
-    packed = plan.flat(routes, 10)
+    fwd = rr.Forward(routes, valid, 10)
+    packed = fwd.flat(routes, 10)
     assert torch.equal(packed, routes.flatten(0, 1)[valid.flatten()])
     with pytest.raises(RuntimeError, match="matches neither"):
-        plan.flat(routes, 7)
+        fwd.flat(routes, 7)
 
 
 def test_generation_routes_are_the_samplers_own():
@@ -131,9 +139,9 @@ def test_generation_routes_are_the_samplers_own():
     full = torch.cat([mask, out.mask.long()], 1)
     from portagrpo.model.loading import position_ids_from_mask
 
-    with moe.routing(model, valid=full.bool(), n_valid=int(full.sum()), record=True) as plan:
+    with engine.routers.forward(None, full.bool(), int(full.sum()), record=True) as fwd:
         model(input_ids=ids, attention_mask=full, position_ids=position_ids_from_mask(full))
-    forward = moe.grid_of(plan, tuple(ids.shape))
+    forward = rr.grid_of(fwd, tuple(ids.shape))
     for row, n in enumerate(lengths):
         real = [c for c in range(4) if mask[row, c]] + list(range(4, 4 + n - 1))  # every token fed back in
         assert torch.equal(out.routes[row, real], forward[row, real])
@@ -146,9 +154,9 @@ def test_refusals_are_one_sentence():
     assert moe.refuse_replay_problem(tiny("qwen3_moe"), "R3") is None
     assert "not a router replay mode" in moe.refuse_replay_problem(tiny("qwen3_moe"), "R4")
     with pytest.raises(UserError, match="rollout.engine=hf or vllm"):
-        moe.refuse_r3_engine("R3", "fixed")
-    moe.refuse_r3_engine("R3", "vllm")  # vLLM returns its routes where its build can (else it refuses when built)
-    moe.refuse_r3_engine("R2", "fixed")
+        rr.refuse_r3_engine("R3", "fixed")
+    rr.refuse_r3_engine("R3", "vllm")  # vLLM returns its routes where its build can (else it refuses when built)
+    rr.refuse_r3_engine("R2", "fixed")
 
 
 def test_an_engines_routes_land_on_the_rollout_grid():
@@ -167,14 +175,14 @@ def test_an_engines_routes_land_on_the_rollout_grid():
             a[t, 0] = (10 * b + t, 50 + t)
             a[t, 2] = (100 + t, 150 + b)
         per_sample.append(a)
-    grid = moe.routes_from_engine(per_sample, [2, 3], mask, max_tokens=5, layers=[0, 2], top_k=2)
+    grid = routes_from_engine(per_sample, [2, 3], mask, max_tokens=5, layers=[0, 2], top_k=2)
     assert grid.shape == (2, 8, 2, 2) and grid.dtype == moe.ROUTE_DTYPE
     assert (grid[0, 0] == -1).all()  # the padding column
     assert grid[0, 1, 0].tolist() == [0, 50] and grid[0, 2, 1].tolist() == [101, 150]  # prompt tokens 0 and 1
     assert grid[0, 3, 0].tolist() == [2, 52] and grid[0, 5, 0].tolist() == [4, 54]  # outputs 0..2 fed back
     assert (grid[0, 6:] == -1).all()  # the last sampled token (output 3) and past the end
     assert grid[1, 0, 0].tolist() == [10, 50] and grid[1, 3, 1].tolist() == [103, 151] and (grid[1, 4:] == -1).all()
-    other = moe.routes_from_engine(per_sample, [2, 4], mask, max_tokens=5, layers=[0, 2], top_k=2)
+    other = routes_from_engine(per_sample, [2, 4], mask, max_tokens=5, layers=[0, 2], top_k=2)
     assert (other[1, :3] == -1).all()  # the engine saw another prompt length (an expanded image prompt): unknown
     with pytest.raises(ModelLoadError, match="attention only"):
         apply_lora(tiny("qwen3_moe"), LoraSettings(rank=4, target_modules=["q_proj", "gate_up_proj"]))
@@ -203,34 +211,80 @@ def _batch(model, rows: int = 4, width: int = 6, t: int = 5):
 
 
 def test_r2_records_the_old_policys_routes_and_the_update_replays_them():
-    """R2: the scoring pass (no gradient) writes the old policy's routes into the batch; after an update moved the
-    routers, the update's forward (with gradient) routes with those, not with the moved routers' own choices."""
+    """R2: the scoring pass (no gradient) returns the old policy's routes with its statistics, and the batch is left
+    as it was; after an update moved the routers, the update's forward (with gradient), handed those routes, routes
+    with them, not with the moved routers' own choices; an update without a scoring pass's routes routes live."""
+    from dataclasses import replace
+
     from portagrpo.kernels import logprob_impl
     from portagrpo.model.scorer import ResponseScorer, response_stats
 
     model = tiny("qwen3_moe", dtype=torch.float64)
-    tally = moe.RouteTally()
-    moe.configure(model, "R2", tally, "eager")
-    scorer = ResponseScorer(model, logprob_impl("reference"))
+    moe.configure_experts(model, "R2", "eager")
+    scorer = ResponseScorer(model, logprob_impl("reference"), routers=rr.RouterHooks.install(model))
     batch = _batch(model)
+    stats = lambda b, routing: response_stats(scorer, b, temperature=1.0, compute_entropy=False,  # noqa: E731
+                                              routing=routing)
     with torch.no_grad():
-        old = response_stats(scorer, batch, temperature=1.0, compute_entropy=False).logp
-    assert batch.routes is not None and batch.routes.shape == (4, 11, 2, 2) and tally.old_routes
-    assert (batch.routes[0, 2:] >= 0).all()  # every real token routed (padding: whatever the forward did)
+        scored = stats(batch, rr.Routing.scoring("R2"))
+    assert batch.routes is None  # nothing written into the batch: the routes come back as data
+    routes, counts = scored.routes, scored.route_counts
+    assert routes is not None and routes.shape == (4, 11, 2, 2) and counts is None  # nothing to compare with yet
+    assert (routes[0, 2:] >= 0).all()  # every real token routed (padding: whatever the forward did)
     with torch.no_grad():
         for layer in moe.moe_layers(model):
             layer.gate.weight.add_(torch.randn(layer.gate.weight.shape, generator=torch.Generator().manual_seed(3),
                                                dtype=torch.float64) * 2.0)
-    replayed = response_stats(scorer, batch, temperature=1.0, compute_entropy=False).logp
+    with_routes = replace(batch, routes=routes)
+    update = stats(with_routes, rr.Routing.update("R2", old_routes=True))
+    agree, total = update.route_counts
+    assert 0 < int(total) and int(agree) < int(total)  # the moved routers disagree somewhere
     with torch.no_grad():
-        moe.configure(model, None, None, "eager")
-        live = response_stats(scorer, batch, temperature=1.0, compute_entropy=False).logp
-        moe.configure(model, "R3", moe.RouteTally(), "eager")  # the recorded routes, replayed as R3 replays
-        forced = response_stats(scorer, batch, temperature=1.0, compute_entropy=False).logp
-    assert torch.equal(replayed.detach(), forced)
-    assert (live - replayed.detach()).abs().max() > 1e-4 and (old - replayed.detach()).abs().max() > 1e-4
-    tally.take()
-    assert not tally.old_routes  # an on-policy step after this one (no scoring pass) routes its update live
+        live = stats(with_routes, rr.Routing.update("R2", old_routes=False)).logp
+        forced = stats(with_routes, rr.Routing.update("R3", old_routes=False)).logp  # replayed as R3 replays
+    assert torch.equal(update.logp.detach(), forced)
+    assert (live - forced).abs().max() > 1e-4 and (scored.logp - forced).abs().max() > 1e-4
+    with pytest.raises(UserError, match="came without them"):
+        stats(batch, rr.Routing.scoring("R3"))  # R3 needs the sampler's routes
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_a_checkpointed_layer_recomputes_with_the_routes_its_forward_replayed(family):
+    """Gradient checkpointing recomputes each layer in the backward, after the forward that was handed the routes has
+    ended: the recomputation replays them too (`RouterHooks.checkpoint_context`), so the gradient is the one without
+    checkpointing. Before, it routed live there: torch refused the backward (a different number of saved tensors), and
+    the Qwen3-30B-A3B recipes (R2 with gradient checkpointing) stopped at their first off-policy update."""
+    from portagrpo.model.activations import checkpoint_kwargs
+
+    model = tiny(family, dtype=torch.float64).train()
+    ids = torch.randint(4, 60, (2, 7), generator=torch.Generator().manual_seed(2))
+    _, routes = recorded(model, ids)
+    routes = other_expert(routes, moe.moe_layers(model)[0].num_experts)
+    hooks, valid = rr.RouterHooks.install(model), torch.ones(2, 7, dtype=torch.bool)
+
+    def grads():
+        model.zero_grad()
+        with hooks.forward(routes, valid, 14, count=True) as fwd:
+            loss = model(input_ids=ids, use_cache=False).logits.square().mean()
+        loss.backward()
+        return torch.cat([p.grad.flatten() for p in model.parameters() if p.grad is not None]), fwd
+
+    plain, counted = grads()
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=checkpoint_kwargs(False,
+                                                                                        hooks.checkpoint_context))
+    checkpointed, again = grads()
+    assert model.is_gradient_checkpointing
+    torch.testing.assert_close(checkpointed, plain, rtol=1e-9, atol=1e-12)
+    assert int(again.total) == int(counted.total) == 14 * 2  # the recomputation counts nothing twice
+
+
+def test_replay_under_reentrant_checkpointing_is_refused_by_the_config():
+    from portagrpo.config import load_config
+
+    with pytest.raises(UserError, match="enable_activation_offload=false"):
+        load_config(None, ["actor.router_replay=R2", "model.gradient_checkpointing=true",
+                           "model.enable_activation_offload=true"], check_files=False)
+    load_config(None, ["actor.router_replay=R2", "model.gradient_checkpointing=true"], check_files=False)
 
 
 def test_verls_router_replay_key_maps_to_actor_router_replay():
@@ -308,3 +362,36 @@ def test_routes_cross_the_ranks_as_their_bytes_and_come_back_exact():
     assert torch.equal(got, torch.cat([routes, routes]))
     ids = torch.tensor([5, 7])
     assert torch.equal(gather_as_bytes(two_ranks, ids), torch.tensor([5, 7, 6, 8])) and wire[-1] == torch.int64
+
+
+def test_no_attribute_is_set_on_the_hugging_face_model_at_run_time():
+    """Routing travels as data: once the scorer is built (its router hooks installed, checkpointing on), sampling,
+    an R2 scoring pass and a replaying update with its backward leave every module of the Hugging Face model with
+    the attributes it had."""
+    from dataclasses import replace
+
+    from portagrpo.kernels import logprob_impl
+    from portagrpo.model.activations import checkpoint_kwargs
+    from portagrpo.model.scorer import ResponseScorer, response_stats
+    from portagrpo.rollout.engines import HFRollout
+    from portagrpo.rollout.settings import SamplingParams
+
+    model = tiny("qwen3_moe").train()
+    moe.configure_experts(model, "R2", "eager")
+    routers = rr.RouterHooks.install(model)
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=checkpoint_kwargs(False,
+                                                                                        routers.checkpoint_context))
+    scorer = ResponseScorer(model, logprob_impl("reference"), routers=routers)
+    engine = HFRollout(scorer, TOK, autocast=lambda: torch.autocast("cpu", enabled=False), routers=routers)
+    before = {name: sorted(vars(m)) for name, m in model.named_modules()}
+    prompts = torch.tensor([[0, 10, 11, 12], [13, 14, 15, 16]])
+    engine.generate(prompts, (prompts != 0).long(), SamplingParams(temperature=1.0, top_p=1.0, top_k=0, max_tokens=3))
+    batch = _batch(model)
+    with torch.no_grad():
+        routes = response_stats(scorer, batch, temperature=1.0, compute_entropy=False,
+                                routing=rr.Routing.scoring("R2")).routes
+    update = response_stats(scorer, replace(batch, routes=routes), temperature=1.0, compute_entropy=False,
+                            routing=rr.Routing.update("R2", old_routes=True))
+    update.logp.sum().backward()
+    assert {name: sorted(vars(m)) for name, m in model.named_modules()} == before
+    assert routers.active is None

@@ -9,7 +9,8 @@ import pytest
 from portagrpo.agent.hermes import ToolTurns, parse_tool_calls
 from portagrpo.agent.sandbox import Limits
 from portagrpo.agent.toolbox import Toolbox, ToolCounts
-from portagrpo.agent.tools import calculator, gsm8k, load_tool_config
+from portagrpo.agent.tools import calculator, gsm8k
+from portagrpo.config.tool_file import load_tool_config
 from portagrpo.errors import UserError
 
 ABUSE = '''

@@ -29,8 +29,8 @@ def score(scorer, rows, lengths, images=None):
     """log-probs, entropies and the gradient of a policy-gradient-like loss, as fp64 on the host."""
     ids, mask, resp, rmask = rows
     extra = {} if images is None else {"images": images}
-    logp, ent, _ = scorer(ids, mask, resp, rmask, 0.9, True, False, counts=(int(mask.sum()), int(rmask.sum())),
-                          lengths=lengths, **extra)
+    logp, ent, _, _ = scorer(ids, mask, resp, rmask, 0.9, True, False, counts=(int(mask.sum()), int(rmask.sum())),
+                             lengths=lengths, **extra)
     scorer.lm.zero_grad(set_to_none=True)
     ((logp * rmask).sum() / rmask.sum() + 0.1 * (ent * rmask).sum() / rmask.sum()).backward()
     grads = torch.cat([p.grad.double().cpu().flatten() for p in scorer.lm.parameters() if p.grad is not None])

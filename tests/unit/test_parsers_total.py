@@ -8,7 +8,8 @@ import time
 import pytest
 
 from portagrpo.agent.hermes import CLOSE, MAX_NESTING, OPEN, ParsedCall, parse_tool_calls
-from portagrpo.agent.tools import ToolSpec, argument_problem, calculator
+from portagrpo.agent.tools import argument_problem, calculator
+from portagrpo.config.tool_file import ToolSpec
 from portagrpo.rewards.functions import REWARDS, normalize_number
 
 SPEC = ToolSpec("calculator", "builtin:calculator", {"function": {"name": "calculator", "parameters": {

@@ -142,7 +142,7 @@ def test_scoring_skips_columns_no_row_uses(tiny_model_dir, tokenizer):
     finally:
         hook.remove()
     assert shapes == [(1, int(trimmed.attention_mask.sum()))]  # one packed row of the real tokens
-    full_logp, full_ent, _ = scorer(batch.input_ids, batch.attention_mask, responses, rmask.bool(), 1.0, True, False)
+    full_logp, full_ent, _, _ = scorer(batch.input_ids, batch.attention_mask, responses, rmask.bool(), 1.0, True, False)
     assert stats.logp.shape == (3, 10)
     torch.testing.assert_close(stats.logp, full_logp, rtol=1e-12, atol=1e-12)
     torch.testing.assert_close(stats.entropy, full_ent, rtol=1e-12, atol=1e-12)

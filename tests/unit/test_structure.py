@@ -181,6 +181,32 @@ def test_no_attribute_is_rebound_on_another_object_at_run_time():
     assert rebindings(ast.parse("self.a = 1\nother.b = 2\nx.c.d += 1\n")) == ["line 2: other.b", "line 3: x.c.d"]
 
 
+def dict_writes(tree: ast.AST) -> list[str]:
+    """Writes into an object's `__dict__` (`obj.__dict__[key] = ...`, `obj.__dict__.update(...)`,
+    `.setdefault(...)`): state hidden on another object, out of sight of `rebindings`."""
+    found = []
+    for node in ast.walk(tree):
+        targets = node.targets if isinstance(node, ast.Assign) else []
+        for target in targets:
+            if isinstance(target, ast.Subscript) and ast.unparse(target.value).endswith("__dict__"):
+                found.append(f"line {node.lineno}: {ast.unparse(target)}")
+        if (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute)
+                and node.func.attr in ("update", "setdefault") and ast.unparse(node.func.value).endswith("__dict__")):
+            found.append(f"line {node.lineno}: {ast.unparse(node.func)}")
+    return found
+
+
+def test_no_module_keeps_state_in_another_objects_dict():
+    """Issue 52: a MoE policy's replay mode, tally and vendor top-k once lived in the Hugging Face model's `__dict__`,
+    read back by every forward. Routing is data now (model/router_replay.py); nothing in the package writes into an
+    object's `__dict__`."""
+    found = [f"{p.relative_to(ROOT)} {where}" for p in modules().values()
+             for where in dict_writes(ast.parse(p.read_text()))]
+    assert found == []
+    assert dict_writes(ast.parse("m.__dict__['k'] = 1\nm.__dict__.setdefault('k', 2)\nd['k'] = 3\n")) == [
+        "line 1: m.__dict__['k']", "line 2: m.__dict__.setdefault"]
+
+
 def protocol_members() -> set[str]:
     """Every name a Protocol of the package declares (methods and annotated fields)."""
     members = set()
@@ -266,6 +292,26 @@ def test_the_device_layer_sits_below_the_model():
             above = {m for m in imports_of(name, path, set(mods))
                      if m.startswith(("portagrpo.model", "portagrpo.train", "portagrpo.rollout"))}
             assert not above, f"{name} imports {sorted(above)}"
+
+
+# What each lower floor must not import (wherever the import statement is). config/ reads and checks the settings
+# every room is built from; the run's machinery sits above it. tools/ holds the commands, the top floor.
+BELOW = {"portagrpo.config": ("portagrpo.agent", "portagrpo.model", "portagrpo.rollout", "portagrpo.train",
+                              "portagrpo.tools", "portagrpo.cli"),
+         "portagrpo.agent": ("portagrpo.tools", "portagrpo.cli", "portagrpo.train")}
+
+
+def test_no_import_runs_back_up_the_floors():
+    """Issue 52: config/rules.py imported agent/tools.py to check a tool file (the tool file's reading is
+    config/tool_file.py now), and the warm start in agent/ imported tools/export.py (it is a command, in tools/)."""
+    mods = modules()
+    found = []
+    for name, path in mods.items():
+        for floor, above in BELOW.items():
+            if name == floor or name.startswith(floor + "."):
+                found += [f"{name} imports {m}" for m in sorted(imports_of(name, path, set(mods)))
+                          if m.startswith(above)]
+    assert found == []
 
 
 PLUG_POINTS = {"portagrpo/train/build.py": ("Models", "Parts", "Runtime", "Optimization"),
