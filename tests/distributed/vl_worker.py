@@ -78,11 +78,11 @@ def run(out: Path, parallel: str, extra: list[str]) -> None:
     batches = []
     update = Updater.update
 
-    def recording_update(self, batch, step):
+    def recording_update(self, batch, step, *args):
         images = batch.rollout.images
         batches.append({"prompt_ids": batch.rollout.prompt_ids.cpu(), "responses": batch.rollout.responses.cpu(),
                         "row_pixels": None if images is None else images.per_row()[0].cpu()})
-        return update(self, batch, step)
+        return update(self, batch, step, *args)
 
     Updater.update = recording_update
     cfg = load_config(None, [*OVERRIDES, f"trainer.parallel={parallel}", *extra])
