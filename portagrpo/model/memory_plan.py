@@ -137,6 +137,10 @@ class RunShape:
     token_budget: bool = False  # actor.use_dynamic_bsz: micro-batches are cut by ppo_max_token_len_per_gpu
     pinned_offload: bool = False  # offloaded shards page-locked (backend row pinned_offload and actor.pin_offload)
     pinned_activations: bool = False  # offloaded activations page-locked (the backend row's pinned_offload)
+    # the schedule samples in a process of its own (rollout.mode=one_step_off), on an accelerator a device of its own
+    # (rollout.devices, after the trainers'): the engine is planned there, and the trainer's devices only gather
+    sampler_apart: bool = False
+    sampler_param_bytes: int = 4  # an hf sampler's copy of the policy, per parameter (rollout.precision)
 
 
 @dataclass
@@ -296,12 +300,25 @@ def _load(m: ModelShape, r: RunShape, t: _Terms) -> PhasePlan:
 
 def _push(m: ModelShape, r: RunShape, t: _Terms) -> PhasePlan:
     push = _held(m, r, t)
-    if r.engine == "vllm":
+    if r.engine == "vllm" and not r.sampler_apart:
         push["vLLM weights (awake for the push)"] = r.compute_bytes * m.params / max(r.tensor_parallel, 1)
-        if t.fsdp:  # gathered in the master dtype (model/parallel.py gathered), a layer's held until it is loaded
-            push["whole tensors gathered for the push (a layer's, or the largest)"] = (
-                max(m.unit_params, m.largest_tensor) * r.master_bytes)
+    if t.fsdp and (r.engine == "vllm" or r.sampler_apart):
+        # gathered in the master dtype (model/parallel.py gathered), a layer's held until it is loaded (or sent to
+        # the sampler process)
+        push["whole tensors gathered for the push (a layer's, or the largest)"] = (
+            max(m.unit_params, m.largest_tensor) * r.master_bytes)
     return PhasePlan("push", push)
+
+
+def _sampler(m: ModelShape, cluster: Cluster, r: RunShape) -> PhasePlan:
+    """A sampler process's own device (rollout.mode=one_step_off): its engine alone, vLLM's share of the device or
+    an hf copy of the policy in rollout.precision with its KV cache."""
+    if r.engine == "vllm":
+        return PhasePlan("sampler", {"vLLM (weights, KV cache, its activations)": r.vllm_fraction
+                                            * cluster.capacity})
+    kv = 2 * m.layers * m.kv_heads * m.head_dim * r.sampler_param_bytes * r.rollout_rows * r.seq_len
+    return PhasePlan("sampler", {"the sampler's copy of the policy": r.sampler_param_bytes * m.params,
+                                        "KV cache": kv})
 
 
 def _held(m: ModelShape, r: RunShape, t: _Terms) -> dict[str, float]:
@@ -317,6 +334,8 @@ def _held(m: ModelShape, r: RunShape, t: _Terms) -> dict[str, float]:
 
 def _rollout(m: ModelShape, cluster: Cluster, r: RunShape, t: _Terms) -> PhasePlan:
     rollout, bc = _held(m, r, t), r.compute_bytes
+    if r.sampler_apart:  # sampling happens on the sampler's device (`_sampler`) while this one updates
+        return PhasePlan("rollout", rollout)
     if r.engine == "vllm":
         rollout["vLLM (weights, KV cache, its activations)"] = r.vllm_fraction * cluster.capacity
     elif r.engine == "hf":
@@ -382,6 +401,8 @@ def _phases(m: ModelShape, cluster: Cluster, r: RunShape) -> tuple[list[PhasePla
     t = _terms(m, r)
     phases = [_load(m, r, t), _push(m, r, t), _rollout(m, cluster, r, t), _scoring(m, r, t), _update(m, r, t),
               PhasePlan("checkpoint", dict(t.steady))]  # after the step: its batch is gone
+    if r.sampler_apart:
+        phases.append(_sampler(m, cluster, r))
     return phases, _host(m, cluster, r, t)
 
 

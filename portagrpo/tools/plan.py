@@ -278,8 +278,12 @@ def _tp_fits(size: int, world: int, per_node: int, shape: ModelShape) -> bool:
     return True
 
 
+SAMPLER_BYTES = {"fp32": 4, "bf16": 2, "int8": 1, "fp8": 1}  # a sampler copy's bytes per parameter (rollout.precision)
+
+
 def run_shape(cfg, cluster: Cluster, shape: ModelShape, model) -> RunShape:
     from portagrpo.backends import backend_spec
+    from portagrpo.train.schedule import schedule_of
 
     world = cluster.world
     spec = backend_spec(_device(cfg))
@@ -323,7 +327,9 @@ def run_shape(cfg, cluster: Cluster, shape: ModelShape, model) -> RunShape:
         routes=(cfg.rollout_batch_size * seq * shape.layers * shape.experts_per_token * 2
                 if shape.is_moe and a.router_replay else 0.0),
         fused_adamw=spec.fused_adamw, token_budget=a.use_dynamic_bsz,
-        pinned_offload=spec.pinned_offload and a.pin_offload, pinned_activations=spec.pinned_offload)
+        pinned_offload=spec.pinned_offload and a.pin_offload, pinned_activations=spec.pinned_offload,
+        sampler_apart=schedule_of(r.mode).apart,
+        sampler_param_bytes=SAMPLER_BYTES.get(r.precision, DTYPE_BYTES[cfg.model.dtype]))
 
 
 def plan_config(cfg, args: argparse.Namespace | None = None) -> tuple[Plan, str]:
@@ -365,7 +371,9 @@ def describe(p: Plan, source: str) -> list[str]:
              f"  cluster: {c.nodes} node(s) x {c.devices_per_node} device(s) of {c.device_memory_gb:g} GiB"
              f"{_usable(c)}, {c.host_memory_gb:g} GiB host memory per node; {r.strategy}"
              + (f" (shard groups of {r.shard_group})" if r.strategy == "fsdp2" else "")
-             + f"; rollout engine {r.engine}",
+             + f"; rollout engine {r.engine}"
+             + ("; each rank's sampler process on a device of its own (rollout.mode=one_step_off, the phase "
+                "'sampler')" if r.sampler_apart else ""),
              "  per device, each phase's peak (GiB):"]
     for phase in p.phases:
         held = ", ".join(f"{k} {v / GIB:.2f}" for k, v in phase.items.items() if v > 0)

@@ -246,3 +246,22 @@ def test_a_vision_language_run_holds_its_steps_images_from_the_rollout_to_the_pu
     assert all(v in (0.0, expected) for v in held.values())
     doubled = plan(m, p.cluster, replace(r, prompts=2 * r.prompts))
     assert {ph.name: ph.items.get(term, 0.0) for ph in doubled.phases}["push"] == 2 * expected
+
+
+def test_a_one_step_off_run_plans_its_engine_on_the_samplers_devices():
+    """rollout.mode=one_step_off samples in a process of its own, on an accelerator a device of its own after the
+    trainers' (rollout.devices): vLLM's share is planned there, and the trainers' devices only gather whole tensors
+    for the push. The plan had charged vLLM to the trainers' devices, as for a sync run."""
+    vllm_term = "vLLM (weights, KV cache, its activations)"
+    sync = load_config("configs/qwen2.5-7b-gsm8k-cuda.yaml", [], check_files=False)
+    apart = load_config("configs/qwen2.5-7b-gsm8k-cuda.yaml", ["rollout.mode=one_step_off", "rollout.devices=8"],
+                        check_files=False)
+    plans = {name: {ph.name: ph for ph in plan_config(cfg)[0].phases} for name, cfg in (("sync", sync),
+                                                                                       ("apart", apart))}
+    assert sync.rollout.engine == "vllm" and vllm_term in plans["sync"]["rollout"].items
+    assert "sampler" not in plans["sync"]
+    trainer = [ph for name, ph in plans["apart"].items() if name != "sampler"]
+    assert not any(k.startswith("vLLM") for ph in trainer for k in ph.items)
+    assert plans["apart"]["sampler"].items[vllm_term] == plans["sync"]["rollout"].items[vllm_term]
+    assert plans["apart"]["rollout"].total < plans["sync"]["rollout"].total
+    assert "whole tensors gathered for the push (a layer's, or the largest)" in plans["apart"]["push"].items
