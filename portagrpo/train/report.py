@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import torch
+
 from portagrpo.algo.advantages import zero_std_group_fraction
 from portagrpo.algo.losses import masked_mean
 from portagrpo.algo.rollout_correction import gap_report
@@ -26,34 +28,31 @@ class StepTimes:
 
 
 def step_metrics(step: int, exp: Experience, stats: UpdateStats, times: StepTimes, runtime: Runtime) -> StepMetrics:
-    rb, adv, raw = exp.batch.rollout, exp.batch.advantages, exp.raw_scores
-    mask, trained = rb.response_mask, rb.trained_mask  # trained: the model's own tokens (multi-turn: not tools)
-    resp_tokens = float(mask.sum())
-    prompt_tokens = float(rb.prompt_mask.sum())
+    rb = exp.batch.rollout
+    v = _device_statistics(exp)
     took = times.end - times.start
     peak, memory = runtime.memory.take(runtime.comm, runtime.device)
-    adv_mean = masked_mean(adv, trained)
     return StepMetrics(
         step=step,
-        reward_mean=float(raw.mean()),
-        reward_std=float(raw.detach().cpu().double().std()) if raw.numel() > 1 else 0.0,  # no fp32 overflow
-        acc=float(exp.correct.mean()),
-        score_mean=float(exp.scores.mean()),
-        adv_mean=float(adv_mean),
-        adv_std=float(masked_mean((adv - adv_mean) ** 2, trained).sqrt()),
+        reward_mean=v["reward_mean"],
+        reward_std=v["reward_std"],
+        acc=v["acc"],
+        score_mean=v["score_mean"],
+        adv_mean=v["adv_mean"],
+        adv_std=v["adv_std"],
         loss_policy=stats.loss_policy,
         loss_kl=stats.loss_kl,
         kl=stats.kl,
-        entropy=stats.entropy if exp.entropy is None else float(masked_mean(exp.entropy, trained)),
+        entropy=stats.entropy if exp.entropy is None else v["entropy"],
         clipfrac=stats.clipfrac,
         clipfrac_lower=stats.clipfrac_lower,
         ppo_kl=stats.ppo_kl,
         ratio_mean=stats.ratio_mean,
         grad_norm=stats.grad_norm,
-        response_len_mean=resp_tokens / rb.size,
-        prompt_len_mean=prompt_tokens / rb.size,
-        response_clip_ratio=float((mask.sum(dim=1) >= mask.shape[1]).float().mean()),
-        zero_std_group_frac=float(zero_std_group_fraction(raw, rb.uid)),
+        response_len_mean=v["response_tokens"] / rb.size,
+        prompt_len_mean=v["prompt_tokens"] / rb.size,
+        response_clip_ratio=v["response_clip_ratio"],
+        zero_std_group_frac=v["zero_std_group_frac"],
         reward_errors=exp.reward_errors,
         gen_rounds=exp.gen_rounds,
         rollout_staleness=exp.staleness,
@@ -64,8 +63,8 @@ def step_metrics(step: int, exp: Experience, stats: UpdateStats, times: StepTime
         time_reward_s=times.scored - times.generated,
         time_logprob_s=times.update - times.scored,
         time_update_s=times.end - times.update,
-        response_tokens_per_s=resp_tokens / took,
-        tokens_per_s_per_device=(resp_tokens + prompt_tokens) / (took * runtime.comm.world_size),
+        response_tokens_per_s=v["response_tokens"] / took,
+        tokens_per_s_per_device=(v["response_tokens"] + v["prompt_tokens"]) / (took * runtime.comm.world_size),
         mem_peak_gb=peak,
         memory=memory,
         world_size=runtime.comm.world_size,
@@ -73,6 +72,26 @@ def step_metrics(step: int, exp: Experience, stats: UpdateStats, times: StepTime
         rollout_metrics=exp.rollout_metrics,
         moe=route_metrics(exp.route_counts or stats.route_counts, runtime.comm),  # scoring pass's, else update's
     )
+
+
+def _device_statistics(exp: Experience) -> dict[str, float]:
+    """The step's statistics of its global batch, computed on the device as each was alone, read to the host at once
+    (with the raw rewards, whose standard deviation is taken there in fp64: no fp32 overflow)."""
+    rb, adv, raw = exp.batch.rollout, exp.batch.advantages, exp.raw_scores
+    mask, trained = rb.response_mask, rb.trained_mask  # trained: the model's own tokens (multi-turn: not tools)
+    adv_mean = masked_mean(adv, trained)
+    parts = {"response_tokens": mask.sum(), "prompt_tokens": rb.prompt_mask.sum(), "reward_mean": raw.mean(),
+             "acc": exp.correct.mean(), "score_mean": exp.scores.mean(), "adv_mean": adv_mean,
+             "adv_std": masked_mean((adv - adv_mean) ** 2, trained).sqrt(),
+             "response_clip_ratio": (mask.sum(dim=1) >= mask.shape[1]).float().mean(),
+             "zero_std_group_frac": zero_std_group_fraction(raw, rb.uid)}
+    if exp.entropy is not None:
+        parts["entropy"] = masked_mean(exp.entropy, trained)
+    scalars = torch.stack([t.detach().reshape(()).to(torch.float64) for t in parts.values()])
+    host = torch.cat([scalars, raw.detach().reshape(-1).to(torch.float64)]).cpu()  # host read: the step's one
+    out = dict(zip(parts, host[:len(parts)].tolist()))
+    out["reward_std"] = float(host[len(parts):].std()) if raw.numel() > 1 else 0.0
+    return out
 
 
 def _measured_in_update(exp: Experience, stats: UpdateStats) -> dict[str, float] | None:

@@ -277,6 +277,18 @@ def test_algo_makes_no_host_reads():
     assert found == []
 
 
+def test_a_steps_metrics_read_the_device_once():
+    """Issue 52: step_metrics made 11 separate host reads of the step's batch statistics; they are computed on the
+    device and read together (`_device_statistics`: one `.cpu()`; the list and the raw rewards' std are of that host
+    copy)."""
+    tree = ast.parse((ROOT / "portagrpo/train/report.py").read_text())
+    reads = {f.name: host_reads(f) for f in tree.body if isinstance(f, ast.FunctionDef)
+             and f.name in ("step_metrics", "_device_statistics")}
+    assert reads["step_metrics"] == []
+    assert sorted(r.split(": ", 1)[1] for r in reads["_device_statistics"]) == [
+        ".cpu()", ".tolist()", "float(host[len(parts):].std())"]
+
+
 def test_the_host_read_finder_finds_reads_and_spares_literals():
     code = "a = float('inf')\nb = int(-1)\nc = float(x.sum())\nd = y.item()\ne = bool(z)\nf = w.cpu().numpy()\n"
     assert host_reads(ast.parse(code)) == ["line 3: float(x.sum())", "line 4: .item()", "line 5: bool(z)",
