@@ -59,7 +59,7 @@ class ModelConfig:
     dtype: Literal["fp32", "bf16", "fp64"] = "fp32"
     attn_implementation: str = "auto"
     gradient_checkpointing: bool = False
-    # A training forward's saved activations live in host memory until its backward (model/activations.py); with
+    # A training forward's saved activations live in host memory until its backward (model/activation_offload.py); with
     # gradient checkpointing that is each decoder layer's input. Same numbers, one copy out and back per layer.
     enable_activation_offload: bool = False
     # Pack each micro-batch's rows into one row without padding (model/ulysses.py's attention keeps to each
@@ -67,7 +67,8 @@ class ModelConfig:
     # forward runs the padded grid. Sequence parallelism needs it.
     use_remove_padding: bool = True
     # FSDP2 on several ranks: build the model on the meta device, shard it, and read each rank's shards alone from
-    # the safetensors checkpoint (model/sharded.py), so no rank holds it whole; false: every rank loads it whole first
+    # the safetensors checkpoint (model/sharded_load.py), so no rank holds it whole; false: every rank loads it
+    # whole first
     sharded_load: bool = True
     tiny: TinyModelConfig = field(default_factory=TinyModelConfig)
     lora: LoraSettings = field(default_factory=LoraSettings)

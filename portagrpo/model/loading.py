@@ -309,8 +309,8 @@ ADAPTER_INIT = {"lora_A": "kaiming", "lora_B": "zeros", "lora_embedding_A": "zer
 def adapter_values(shapes: dict[str, tuple[int, ...]], seed: int) -> dict[str, torch.Tensor]:
     """The initial value of every LoRA tensor among `shapes` (parameter name -> its whole shape), drawn in name order
     from one generator seeded with `seed`: the same values whether the model was loaded whole (`seed_adapters`) or
-    built empty and filled by shards (model/sharded.py materialize, each rank taking its rows). A LoRA tensor of a kind
-    peft initialises otherwise raises, naming it."""
+    built empty and filled by shards (model/sharded_load.py materialize, each rank taking its rows). A LoRA tensor of a
+    kind peft initialises otherwise raises, naming it."""
     import math
 
     g = torch.Generator().manual_seed(seed)

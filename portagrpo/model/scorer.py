@@ -19,7 +19,7 @@ from portagrpo.batch import RolloutBatch
 from portagrpo.errors import UserError
 from portagrpo.kernels import TokenLogprobFn, logits_from_hidden, token_logprobs_from_logits
 from portagrpo.model import moe
-from portagrpo.model.activations import HostActivations
+from portagrpo.model.activation_offload import HostActivations
 from portagrpo.model.loading import decoder_of, lm_head_of, position_ids_from_mask, run_in_head
 from portagrpo.model.router_replay import RouterHooks, RoutesSeen, Routing, widen
 from portagrpo.model.ulysses import (

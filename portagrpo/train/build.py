@@ -29,7 +29,7 @@ from portagrpo.data.records import (
 )
 from portagrpo.fileio import atomic_path
 from portagrpo.kernels import logprob_impl
-from portagrpo.model.activations import HostActivations, checkpoint_kwargs
+from portagrpo.model.activation_offload import HostActivations, checkpoint_kwargs
 from portagrpo.model.loading import (
     apply_lora,
     build_tiny_model,
@@ -42,7 +42,7 @@ from portagrpo.model.moe import configure_experts
 from portagrpo.model.parallel import ParallelStrategy, make_strategy, sequence_parallel_group, strategy_name
 from portagrpo.model.router_replay import RouterHooks, refuse_r3_engine
 from portagrpo.model.scorer import AdaptersOff, ResponseScorer
-from portagrpo.model.sharded import buffers_to, empty_model, materialize, missing_tensors, sharded_load_problem
+from portagrpo.model.sharded_load import buffers_to, empty_model, materialize, missing_tensors, sharded_load_problem
 from portagrpo.model.vision import (
     build_tiny_processor,
     build_tiny_vl_model,
@@ -328,7 +328,7 @@ def _host_if(offload: bool) -> torch.device | None:
 def _language_model(cfg: Config, runtime: Runtime, strategy, path, attn: str, dtype: torch.dtype,
                     log: Callable[[str], None], field_name: str = "model.path"):
     """(the model, whether it is built empty to be filled by shards after wrapping): FSDP2 (on one rank too) builds it
-    on the meta device when its checkpoint allows (model/sharded.py), so no rank ever holds it whole; otherwise
+    on the meta device when its checkpoint allows (model/sharded_load.py), so no rank ever holds it whole; otherwise
     it is loaded whole onto this rank's device."""
     whole = (not cfg.model.sharded_load
              or sharded_load_problem(path, strategy=strategy.name, world_size=runtime.comm.world_size))

@@ -8,7 +8,7 @@
     push_weights(engine, models); schedule.push(models)    build.py       (engines with their own weights)
     metrics = step_metrics(step, exp, stats, times, rt)    report.py
 
-`build.py` makes the parts from the config, `state.py` saves and resumes them, `record.py` keeps a
+`build.py` makes the parts from the config, `checkpointer.py` saves and resumes them, `record.py` keeps a
 step for replay, `loop.py` is the loop over steps that the Ray driver shares, and `run_dir.py` owns
 the run directory. The loop alone counts steps; the math lives in `portagrpo.algo`, device
 questions go to the backend, and every pluggable piece is reached through a registry.
@@ -28,6 +28,7 @@ from portagrpo.metrics import MetricsLogger, StepReport, ValMetrics, make_tracke
 from portagrpo.rollout.generators import Generator, GeneratorInputs, make_generator
 from portagrpo.rollout.settings import MultiTurnSettings, generator_name
 from portagrpo.train.build import Models, Parts, Runtime, build, make_runtime, push_weights
+from portagrpo.train.checkpointer import Checkpointer
 from portagrpo.train.experience import Experience, ExperienceMaker, ExperienceSettings
 from portagrpo.train.loop import Cadence, drive
 from portagrpo.train.pipeline import Pipeline
@@ -35,7 +36,6 @@ from portagrpo.train.record import StepRecord, param_fingerprint, record_of
 from portagrpo.train.report import StepTimes, step_metrics
 from portagrpo.train.run_dir import RunDir
 from portagrpo.train.schedule import Schedule, ScheduleInputs, schedule_of
-from portagrpo.train.state import Checkpointer
 from portagrpo.train.update import Updater, UpdateSettings
 
 

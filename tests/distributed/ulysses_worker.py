@@ -16,7 +16,7 @@ import torch.distributed as dist
 from portagrpo.backends import get_backend
 from portagrpo.backends.dist import init_collectives
 from portagrpo.kernels import logprob_impl
-from portagrpo.model.activations import HostActivations
+from portagrpo.model.activation_offload import HostActivations
 from portagrpo.model.scorer import ResponseScorer
 from portagrpo.model.ulysses import sequence_groups
 from portagrpo.tolerances import relative_error

@@ -1,7 +1,7 @@
 """model.enable_activation_offload on the emulated device, which counts its bytes: a training forward's saved
-activations go to host memory and come back for backward (portagrpo/model/activations.py), so the update's peak falls
-and no number trained changes. With gradient checkpointing only each layer's input moves (8 thin layers over ~1.7k
-tokens, where those inputs outweigh a layer's gradients)."""
+activations go to host memory and come back for backward (portagrpo/model/activation_offload.py), so the update's
+peak falls and no number trained changes. With gradient checkpointing only each layer's input moves (8 thin layers
+over ~1.7k tokens, where those inputs outweigh a layer's gradients)."""
 import json
 import subprocess
 import sys

@@ -1,4 +1,4 @@
-"""A model that never exists whole (model/sharded.py), measured on the emulated device's per-rank byte count: under
+"""A model that never exists whole (model/sharded_load.py), measured on the emulated device's per-rank byte count: under
 FSDP2 each rank's load peak is its shards of the policy and the reference plus at most one layer and a fixed buffer,
 going from 2 to 4 ranks halves it, and the numbers trained are the same at either world size. With hybrid sharding
 (trainer.fsdp_size=2 on 4 ranks) a rank holds the shard of a group of 2."""

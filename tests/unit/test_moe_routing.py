@@ -254,7 +254,7 @@ def test_a_checkpointed_layer_recomputes_with_the_routes_its_forward_replayed(fa
     ended: the recomputation replays them too (`RouterHooks.checkpoint_context`), so the gradient is the one without
     checkpointing. Before, it routed live there: torch refused the backward (a different number of saved tensors), and
     the Qwen3-30B-A3B recipes (R2 with gradient checkpointing) stopped at their first off-policy update."""
-    from portagrpo.model.activations import checkpoint_kwargs
+    from portagrpo.model.activation_offload import checkpoint_kwargs
 
     model = tiny(family, dtype=torch.float64).train()
     ids = torch.randint(4, 60, (2, 7), generator=torch.Generator().manual_seed(2))
@@ -371,7 +371,7 @@ def test_no_attribute_is_set_on_the_hugging_face_model_at_run_time():
     from dataclasses import replace
 
     from portagrpo.kernels import logprob_impl
-    from portagrpo.model.activations import checkpoint_kwargs
+    from portagrpo.model.activation_offload import checkpoint_kwargs
     from portagrpo.model.scorer import ResponseScorer, response_stats
     from portagrpo.rollout.engines import HFRollout
     from portagrpo.rollout.settings import SamplingParams

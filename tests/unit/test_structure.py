@@ -152,7 +152,7 @@ def test_no_module_outside_the_schedule_branches_on_rollout_mode():
 # among them: it configures the models it makes (`policy.config.use_cache`).
 RUN_TIME = ("portagrpo/batch.py", "portagrpo/rollout/process.py", "portagrpo/rollout/generators",
             *(f"portagrpo/train/{m}.py" for m in ("trainer", "loop", "pipeline", "schedule", "filters", "logprobs",
-                                                  "experience", "update", "report", "record", "state")))
+                                                  "experience", "update", "report", "record", "checkpointer")))
 
 
 def rebindings(tree: ast.AST) -> list[str]:
