@@ -201,18 +201,15 @@ class Pipeline:
         if comm.world_size == 1:
             return rb, local
         g = comm.all_gather_cat
-        full = RolloutBatch(
-            prompt_ids=g(rb.prompt_ids), prompt_mask=g(rb.prompt_mask), responses=g(rb.responses),
-            response_mask=g(rb.response_mask), uid=g(rb.uid), prompt_index=g(rb.prompt_index),
-            response_text=[], ground_truth=[], data_source=[], extra_info=[],
-            # the step's one read of the global lengths, so every rank's update plans on the host
-            lengths=[(p, r) for p, r in g(torch.tensor(rb.host_lengths(), device=self.runtime.device)).tolist()],
-            rollout_logp=None if rb.rollout_logp is None else g(rb.rollout_logp),
-            model_mask=None if rb.model_mask is None else g(rb.model_mask),
-            routes=None if rb.routes is None else gather_as_bytes(g, rb.routes),  # 2 bytes a cell, not 8
-            # a vision-language policy's images, gathered so each row's pixels follow it
-            images=gather_images(comm, rb.images, rb.size, self.runtime.device) if self.vision else None,
-        )
+        # every tensor field through the batch's one walk (`map`), integers narrower than int64 as their bytes (a MoE's
+        # int16 routes: 2 bytes a cell, not 8); what only the gather adds: the per-sample text stays with its rank,
+        # the lengths come over in the step's one read of them (so every rank's update plans on the host), and a
+        # vision-language policy's images are gathered so each row's pixels follow it
+        lean = replace(rb, response_text=[], ground_truth=[], data_source=[], extra_info=[], lengths=[], images=None)
+        full = replace(lean.map(lambda t: g(t) if t.is_floating_point() else gather_as_bytes(g, t)),
+                       lengths=[(p, r) for p, r in g(torch.tensor(rb.host_lengths(),
+                                                                  device=self.runtime.device)).tolist()],
+                       images=gather_images(comm, rb.images, rb.size, self.runtime.device) if self.vision else None)
         return full, Scored(*(None if v is None else g(v) for v in local.tensors()))
 
     # ---- the step's rounds
