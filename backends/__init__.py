@@ -70,11 +70,17 @@ def all_backends() -> list[Backend]:
     return [BACKENDS.get(name)() for name in BACKENDS]
 
 
-def backend_spec(name: str) -> BackendSpec:
-    """The data row of backend `name`, whether or not it is usable on this machine (the memory plan of a recipe is
-    made away from its cluster)."""
+def unstarted_backend(name: str) -> Backend:
+    """Backend `name` not started: its data row and its answers that need no device (which strategy, attention,
+    kernel), whether or not it is usable on this machine (the memory plan of a recipe is made away from its
+    cluster)."""
     load_plugins()
-    return BACKENDS.get(name, field="trainer.device")().spec
+    return BACKENDS.get(name, field="trainer.device")()
+
+
+def backend_spec(name: str) -> BackendSpec:
+    """The data row of backend `name`, whether or not it is usable on this machine."""
+    return unstarted_backend(name).spec
 
 
 def get_backend(name: str | None = None, factories: dict[str, Callable[[], BaseBackend]] | None = None) -> Backend:

@@ -219,14 +219,18 @@ def cluster_of(cfg, args: argparse.Namespace | None = None) -> Cluster:
 
 def strategy_of(cfg, world: int, device: str | None = None) -> str:
     """The training strategy `train` would take on `world` ranks of `device` (default trainer.device, auto planned
-    as cuda): the backend row's answer to trainer.parallel."""
-    from portagrpo.backends import backend_spec
-    from portagrpo.model.parallel import strategy_name
+    as cuda): the run layout's (train/layout.py), from the backend row's answer to trainer.parallel."""
+    return layout_of(cfg, world, device).strategy
 
-    spec = backend_spec(device or _device(cfg))
-    requested = cfg.trainer.parallel
-    resolved = spec.default_parallel if requested == "auto" else requested
-    return strategy_name(requested, resolved, world, cfg.actor.offload or cfg.actor.ref_offload)
+
+def layout_of(cfg, world: int, device: str | None = None):
+    """The run layout `train` resolves on `world` ranks of `device` (train/layout.py), without the device."""
+    from portagrpo.backends import unstarted_backend
+    from portagrpo.train.layout import resolve_layout
+    from portagrpo.train.schedule import schedule_of
+
+    return resolve_layout(cfg, world, unstarted_backend(device or _device(cfg)).parallel_strategy,
+                          apart=schedule_of(cfg.rollout.mode).apart)
 
 
 def _device(cfg) -> str:
@@ -283,52 +287,46 @@ SAMPLER_BYTES = {"fp32": 4, "bf16": 2, "int8": 1, "fp8": 1}  # a sampler copy's 
 
 def run_shape(cfg, cluster: Cluster, shape: ModelShape, model) -> RunShape:
     from portagrpo.backends import backend_spec
-    from portagrpo.train.schedule import schedule_of
 
     world = cluster.world
     spec = backend_spec(_device(cfg))
-    strategy = strategy_of(cfg, world)
-    group = cfg.trainer.fsdp_size if cfg.trainer.fsdp_size > 0 else world
+    layout = layout_of(cfg, world)  # the decisions `train` makes, made once (train/layout.py)
     a, d, r = cfg.actor, cfg.data, cfg.rollout
-    lora = cfg.model.lora.rank > 0
-    if lora:
+    if layout.lora:
         trainable = _lora_params(model, cfg.model.lora)
     else:
-        trainable = shape.params - (shape.vision_params if a.freeze_vision_tower else 0)
+        trainable = shape.params - (shape.vision_params if layout.frozen_vision else 0)
     seq = d.max_prompt_length + d.max_response_length
-    sp = max(a.ulysses_sequence_parallel_size, 1)
-    dp = max(world // sp, 1)  # data-parallel groups: an SP group shares its micro-batches
-    mb = cfg.micro_batch(dp)
-    lp_mb = a.logprob_micro_batch_size or cfg.micro_batch(world)  # scoring: each rank's own rows (an SP group's union)
+    sp, dp, b = layout.sequence_parallel, layout.data_parallel, layout.batches
+    mb, lp_mb = b.update_micro_batch, b.scoring_micro_batch  # scoring: each rank's own rows (an SP group's union)
     per_rank = max(a.ppo_mini_batch_size // dp, 1)
-    if a.use_dynamic_bsz:  # budgets are per rank: an SP group's micro-batch holds sp x budget tokens
-        update_tokens = a.ppo_max_token_len_per_gpu * sp
-        scoring_tokens = (a.log_prob_max_token_len_per_gpu or a.ppo_max_token_len_per_gpu) * sp
+    if b.update_token_budget is not None:  # an update micro-batch holds its group's budget; a scoring one sp ranks'
+        update_tokens, scoring_tokens = b.update_token_budget, b.scoring_token_budget * sp
         update_rows, scoring_rows = max(update_tokens // seq, 1), max(scoring_tokens // seq, 1)
     else:
         update_rows, scoring_rows = mb, lp_mb * sp
         update_tokens, scoring_tokens = mb * seq, lp_mb * sp * seq
     attention = spec.default_attention if cfg.model.attn_implementation == "auto" else cfg.model.attn_implementation
     return RunShape(
-        strategy=strategy, shard_group=group, master_bytes=8 if cfg.model.dtype == "fp64" else 4,
-        compute_bytes=DTYPE_BYTES[cfg.model.dtype], trainable_params=trainable,
-        has_ref=(a.use_kl_loss or cfg.algorithm.use_kl_in_reward) and not lora,
+        strategy=layout.strategy, shard_group=layout.shard_group if layout.strategy == "fsdp2" else world,
+        master_bytes=DTYPE_BYTES[layout.master_dtype], compute_bytes=DTYPE_BYTES[layout.compute_dtype],
+        trainable_params=trainable, has_ref=layout.reference == "model",
         offload=a.offload, ref_offload=a.ref_offload, no_sync=a.use_no_sync_for_gradient_accumulation,
         accumulation=max(per_rank // max(mb, 1), 1), update_tokens=update_tokens, update_rows=update_rows,
         scoring_tokens=scoring_tokens, scoring_rows=scoring_rows, seq_len=seq,
         gradient_checkpointing=cfg.model.gradient_checkpointing,
         activation_offload=cfg.model.enable_activation_offload,
-        engine=r.engine, rollout_rows=max(cfg.rollout_batch_size // world, 1),
+        engine=layout.engine, rollout_rows=max(cfg.rollout_batch_size // world, 1),
         vllm_fraction=r.vllm_gpu_memory_utilization, vllm_sleeps=spec.vllm_sleep_mode,
         tensor_parallel=r.tensor_model_parallel_size,
         attention_keeps_scores=attention == "eager" or (attention == "sdpa" and spec.attention_saves_scores),
         sequence_parallel=sp, runtime_reserve=spec.runtime_reserve_gb * GIB,
         image_tokens=d.max_prompt_length if shape.vision_depth else 0, prompts=d.train_batch_size,
         routes=(cfg.rollout_batch_size * seq * shape.layers * shape.experts_per_token * 2
-                if shape.is_moe and a.router_replay else 0.0),
+                if shape.is_moe and layout.routes else 0.0),
         fused_adamw=spec.fused_adamw, token_budget=a.use_dynamic_bsz,
         pinned_offload=spec.pinned_offload and a.pin_offload, pinned_activations=spec.pinned_offload,
-        sampler_apart=schedule_of(r.mode).apart,
+        sampler_apart=layout.engine_apart,
         sampler_param_bytes=SAMPLER_BYTES.get(r.precision, DTYPE_BYTES[cfg.model.dtype]))
 
 

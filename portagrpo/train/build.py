@@ -39,7 +39,7 @@ from portagrpo.model.loading import (
     seed_adapters,
 )
 from portagrpo.model.moe import configure_experts
-from portagrpo.model.parallel import ParallelStrategy, make_strategy, sequence_parallel_group, strategy_name
+from portagrpo.model.parallel import ParallelStrategy, make_strategy, sequence_parallel_group
 from portagrpo.model.router_replay import RouterHooks, refuse_r3_engine
 from portagrpo.model.scorer import AdaptersOff, ResponseScorer
 from portagrpo.model.sharded_load import buffers_to, empty_model, materialize, missing_tensors, sharded_load_problem
@@ -58,6 +58,7 @@ from portagrpo.rollout.engines import ROLLOUT_ENGINES, EngineInputs, RolloutEngi
 from portagrpo.rollout.process import AheadSampler
 from portagrpo.rollout.settings import EngineSettings, MultiTurnSettings, generator_name
 from portagrpo.tolerances import DTYPES
+from portagrpo.train.layout import RunLayout, resolve_layout
 from portagrpo.train.memory import PhaseMemory
 
 
@@ -128,6 +129,7 @@ class Parts:
     shaping: Shaping
     objective: Objective
     total_steps: int
+    layout: RunLayout  # what the run decided before any device existed (train/layout.py), the plan's too
     sampler: AheadSampler | None = None  # a schedule that samples apart (one_step_off): rollout/process.py
 
     def close(self) -> None:
@@ -162,9 +164,8 @@ def make_runtime(cfg: Config, processes: int = 1) -> Runtime:
 
 
 def chosen_strategy(cfg: Config, backend: Backend, world: int) -> str:
-    """none, ddp or fsdp2: the backend's answer to trainer.parallel on `world` ranks (model/parallel.py)."""
-    offload = cfg.actor.offload or cfg.actor.ref_offload
-    return strategy_name(cfg.trainer.parallel, backend.parallel_strategy(cfg.trainer.parallel), world, offload)
+    """none, ddp or fsdp2: the backend's answer to trainer.parallel on `world` ranks (the run layout's)."""
+    return resolve_layout(cfg, world, backend.parallel_strategy, apart=False).strategy
 
 
 def set_threads(threads: int | None, comm: Collectives, backend: Backend, processes: int = 1) -> None:
@@ -179,7 +180,8 @@ def set_threads(threads: int | None, comm: Collectives, backend: Backend, proces
 def build(cfg: Config, runtime: Runtime, run_dir: Path, log: Callable[[str], None], apart: bool = False) -> Parts:
     """Every part of a run, in the order each needs the one before. `apart`: the run's schedule samples in a sampler
     process of its own (train/schedule.py), which is built here; the trainer's engine then only validates."""
-    chosen = chosen_strategy(cfg, runtime.backend, runtime.comm.world_size)
+    layout = resolve_layout(cfg, runtime.comm.world_size, runtime.backend.parallel_strategy, apart)
+    chosen = layout.strategy
     problems = strategy_problems(cfg, runtime.comm.world_size, chosen)
     if problems:
         raise ConfigError(problems)
@@ -187,7 +189,7 @@ def build(cfg: Config, runtime: Runtime, run_dir: Path, log: Callable[[str], Non
                              runtime.backend.spec.pinned_offload and cfg.actor.pin_offload)
     data = build_data(cfg, log)
     try:
-        models = build_models(cfg, runtime, strategy, data.tokenizer, run_dir, log)
+        models = build_models(cfg, runtime, strategy, layout, data.tokenizer, run_dir, log)
         total = total_steps(cfg, data.loader)
         trainable = [p for p in models.scorer.parameters() if p.requires_grad]
         optim = build_optimization(cfg, models, total, fused=runtime.backend.fused_adamw_for(trainable))
@@ -198,7 +200,7 @@ def build(cfg: Config, runtime: Runtime, run_dir: Path, log: Callable[[str], Non
         if data.reward_pool is not None:
             data.reward_pool.close()
         raise
-    return Parts(data, models, optim, engine, shaping_from(cfg), objective_from(cfg), total, sampler)
+    return Parts(data, models, optim, engine, shaping_from(cfg), objective_from(cfg), total, layout, sampler)
 
 
 def total_steps(cfg: Config, loader: PromptLoader) -> int:
@@ -261,7 +263,7 @@ def _tool_schemas(cfg: Config) -> list[dict] | None:
     return [spec.schema for spec in load_tool_config(mt.tool_config_path).values()]
 
 
-def build_models(cfg: Config, runtime: Runtime, strategy, tokenizer, run_dir: Path,
+def build_models(cfg: Config, runtime: Runtime, strategy, layout: RunLayout, tokenizer, run_dir: Path,
                  log: Callable[[str], None] = lambda m: None) -> Models:
     kernel_name = runtime.backend.kernel_implementation(cfg.kernels.logprob)
     kernel = logprob_impl(kernel_name)
@@ -295,9 +297,9 @@ def build_models(cfg: Config, runtime: Runtime, strategy, tokenizer, run_dir: Pa
         materialize(scorer, runtime.device, policy_path, shards_on=_host_if(cfg.actor.offload),
                     adapter_seed=cfg.trainer.seed)
     ref = ref_scorer = None
-    if (cfg.actor.use_kl_loss or cfg.algorithm.use_kl_in_reward) and is_lora:
+    if layout.reference == "adapters_off":
         ref_scorer = AdaptersOff(scorer)  # the reference is the base model under the adapter
-    elif cfg.actor.use_kl_loss or cfg.algorithm.use_kl_in_reward:
+    elif layout.reference == "model":
         # forward-only: the compute dtype (model.dtype), never an fp32 master copy
         ref, ref_sharded = _language_model(cfg, runtime, strategy, ref_path, attn, runtime.dtype, log,
                                            "model.ref_path" if cfg.model.ref_path else "model.path")

@@ -154,12 +154,11 @@ class ExperienceSettings:
             return SamplingParams(cfg.data.max_response_length, temperature, r.top_p, r.top_k, r.min_p,
                                   r.repetition_penalty)
 
-        a = cfg.actor
-        # under sequence parallelism each rank still plans its own share (a group scores its ranks' micro-batches as
-        # one)
-        budget = (a.log_prob_max_token_len_per_gpu or a.ppo_max_token_len_per_gpu) if a.use_dynamic_bsz else None
-        return cls(seed=cfg.trainer.seed, n=r.n, micro_batch_size=cfg.logprob_micro_batch(world_size),
-                   token_budget=budget,
+        from portagrpo.train.layout import BatchPlan
+
+        batches = BatchPlan.of(cfg, world_size)  # the run layout's cut (train/layout.py)
+        return cls(seed=cfg.trainer.seed, n=r.n, micro_batch_size=batches.scoring_micro_batch,
+                   token_budget=batches.scoring_token_budget,
                    temperature=r.temperature, sampling=sampling(r.temperature),
                    val_sampling=sampling(r.val_temperature), val_n=r.val_n, val_batch_size=cfg.data.train_batch_size,
                    max_error_frac=cfg.reward.max_error_frac, on_policy=is_on_policy(cfg, stale),

@@ -18,6 +18,7 @@ from portagrpo.model.router_replay import Routing, add_counts
 from portagrpo.model.scorer import eval_mode, response_stats
 from portagrpo.train.build import Models, Optimization, Runtime
 from portagrpo.train.experience import host_metrics, seed_for
+from portagrpo.train.layout import BatchPlan
 
 
 @dataclass(frozen=True)
@@ -47,11 +48,10 @@ class UpdateSettings:
                     correction: RolloutCorrection | None = None) -> "UpdateSettings":
         """`measure_in_update`: no scoring pass runs before the update (`ExperienceSettings.scoring_pass` is false);
         `correction`: `ExperienceSettings.corrects_in_update`."""
-        a = cfg.actor
-        sp = a.ulysses_sequence_parallel_size  # a group of sp ranks runs each micro-batch: its budget is sp ranks'
+        a, batches = cfg.actor, BatchPlan.of(cfg, world_size)  # the run layout's cut (train/layout.py)
         return cls(seed=cfg.trainer.seed, ppo_epochs=a.ppo_epochs, mini_batch_size=a.ppo_mini_batch_size,
-                   micro_batch_size=cfg.micro_batch(world_size // sp), grad_clip=a.grad_clip,
-                   token_budget=a.ppo_max_token_len_per_gpu * sp if a.use_dynamic_bsz else None,
+                   micro_batch_size=batches.update_micro_batch, grad_clip=a.grad_clip,
+                   token_budget=batches.update_token_budget,
                    temperature=cfg.rollout.temperature,
                    entropy_coeff=a.entropy_coeff,
                    full_vocab_kl=a.use_kl_loss and a.kl_loss_type.rstrip("+") == "full",

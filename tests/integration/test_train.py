@@ -265,3 +265,24 @@ def test_validation_reports_pass_at_k(tmp_path):
                  "rollout.val_temperature=1.0") == 0
     (row,) = read_metrics(tmp_path / "metrics.jsonl")
     assert 0 <= row["val/acc"] <= row["val/pass@3"] <= 1
+
+
+@pytest.mark.parametrize("overrides", [["actor.use_kl_loss=false"],
+                                       ["rollout.mode=one_step_off", "actor.use_kl_loss=true"],
+                                       ["model.lora.rank=4", "actor.use_kl_loss=true", "actor.use_dynamic_bsz=true"]])
+def test_the_trainer_and_the_plan_read_one_layout(tmp_path, overrides):
+    """Issue 52: what `build()` decided (strategy, reference, where the engine runs, the micro-batch cut) is the run
+    layout the memory plan reads for the same config, resolved once by train/layout.py, not re-derived."""
+    from portagrpo.tools.plan import layout_of
+
+    t = _trainer(tmp_path, *overrides)
+    try:
+        built = t.parts.layout
+        assert built == layout_of(t.cfg, t.runtime.comm.world_size, t.runtime.backend.name)
+        assert built.engine_apart == ("rollout.mode=one_step_off" in overrides)
+        assert (built.reference is None) == ("actor.use_kl_loss=true" not in overrides)
+        assert (t.models.ref_scorer is None) == (built.reference is None)
+        assert t.updater.settings.micro_batch_size == built.batches.update_micro_batch
+        assert t.updater.settings.token_budget == built.batches.update_token_budget
+    finally:
+        t.close()
