@@ -57,9 +57,9 @@ def _dry_run(config_path, overrides: list[str]) -> int:
     away from the cluster that holds them."""
     from portagrpo.backends import get_backend
     from portagrpo.config import ConfigError, load_config, missing_files, strategy_problems, validate_world
+    from portagrpo.plan.gate import strategy_of
     from portagrpo.rewards.functions import RewardResolver
     from portagrpo.rollout.generators import generator_problem
-    from portagrpo.tools.plan import strategy_of
 
     notices: list[str] = []
     cfg = load_config(config_path, overrides, check_files=False, notices=notices)
@@ -98,7 +98,8 @@ def _dry_run(config_path, overrides: list[str]) -> int:
         print(f"  to provide before training: {missing}")
     _check_sequence_parallel_heads(cfg)
     if t.device_memory_gb is not None:  # the cluster the recipe is planned for: its memory plan (portagrpo plan)
-        from portagrpo.tools.plan import describe, plan_config, refusal
+        from portagrpo.plan.gate import plan_config, refusal
+        from portagrpo.tools.plan import describe
 
         memory, source = plan_config(cfg)
         for line in describe(memory, source):
@@ -226,7 +227,7 @@ def _check_sequence_parallel_heads(cfg) -> None:
     if sp <= 1:
         return
     from portagrpo.model.ulysses import check_heads
-    from portagrpo.tools.plan import model_shape
+    from portagrpo.plan.shapes import model_shape
 
     try:
         shape = model_shape(cfg)[0]
@@ -240,7 +241,7 @@ def _check_sequence_parallel_heads(cfg) -> None:
 def _refuse_unfitting_plan(cfg) -> None:
     """A run stated for a cluster (trainer.device_memory_gb) whose memory plan does not fit stops here, in one
     sentence, instead of running out of memory on its devices."""
-    from portagrpo.tools.plan import plan_config, refusal
+    from portagrpo.plan.gate import plan_config, refusal
 
     problem = refusal(plan_config(cfg)[0])
     if problem:

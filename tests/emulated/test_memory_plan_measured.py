@@ -15,8 +15,8 @@ import torch
 from test_emulated_device import ENV, pytestmark  # noqa: F401 - the same skip rule
 
 from portagrpo.config import load_config
-from portagrpo.model.memory_plan import plan
-from portagrpo.tools.plan import plan_config
+from portagrpo.plan.gate import plan_config
+from portagrpo.plan.memory import plan
 
 SHAPES = {
     "fp32-states": ["model.tiny.hidden_size=256", "model.tiny.num_layers=4", "model.tiny.intermediate_size=1024"],

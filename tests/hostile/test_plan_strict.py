@@ -11,7 +11,7 @@ from portagrpo.cli import main
 ROOT = Path(__file__).resolve().parents[2]
 SEVEN_B = ROOT / "configs" / "qwen2.5-7b-gsm8k-cuda.yaml"
 MOE = ROOT / "configs" / "qwen3-30b-a3b-gsm8k-cuda.yaml"
-SHIPPED = ROOT / "portagrpo" / "tools" / "model_shapes" / "Qwen2.5-0.5B-Instruct.json"
+SHIPPED = ROOT / "portagrpo" / "plan" / "model_shapes" / "Qwen2.5-0.5B-Instruct.json"
 
 
 def _one_sentence(err: str) -> None:

@@ -273,7 +273,7 @@ def test_validation_reports_pass_at_k(tmp_path):
 def test_the_trainer_and_the_plan_read_one_layout(tmp_path, overrides):
     """Issue 52: what `build()` decided (strategy, reference, where the engine runs, the micro-batch cut) is the run
     layout the memory plan reads for the same config, resolved once by train/layout.py, not re-derived."""
-    from portagrpo.tools.plan import layout_of
+    from portagrpo.plan.gate import layout_of
 
     t = _trainer(tmp_path, *overrides)
     try:

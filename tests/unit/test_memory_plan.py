@@ -1,4 +1,4 @@
-"""`portagrpo plan` (model/memory_plan.py, tools/plan.py): every GPU and NPU recipe fits its stated cluster, the shipped
+"""`portagrpo plan` (plan/memory.py, tools/plan.py): every GPU and NPU recipe fits its stated cluster, the shipped
 model shapes count what the models have, verl's 32B FSDP command plans to fit on 2 x 8 x 80 GB with its offload keys
 honoured, and the largest dense model one 8 x 80 GB node admits with the 7B recipe's batch shapes is at least 32B
 with offload. The plan's agreement with measured peaks is tests/emulated/test_memory_plan_measured.py."""
@@ -11,8 +11,8 @@ import pytest
 from portagrpo.cli import main
 from portagrpo.config import load_config
 from portagrpo.errors import UserError
-from portagrpo.model.memory_plan import GIB, Cluster, plan
-from portagrpo.tools.plan import plan_config
+from portagrpo.plan.gate import plan_config
+from portagrpo.plan.memory import GIB, Cluster, plan
 
 ROOT = Path(__file__).resolve().parents[2]
 RECIPES = sorted(p for p in (ROOT / "configs").glob("*.yaml") if p.stem.rsplit("-", 1)[-1] in ("cuda", "rocm", "npu"))
@@ -151,7 +151,7 @@ def test_what_the_plan_cannot_know_is_one_sentence(tmp_path):
         plan_config(cfg)
     local = tmp_path / "SomeModel-9B"  # a directory with only its config.json is enough
     local.mkdir()
-    shipped = json.loads((ROOT / "portagrpo" / "tools" / "model_shapes" / "Qwen2.5-0.5B-Instruct.json").read_text())
+    shipped = json.loads((ROOT / "portagrpo" / "plan" / "model_shapes" / "Qwen2.5-0.5B-Instruct.json").read_text())
     (local / "config.json").write_text(json.dumps({k: v for k, v in shipped.items() if k != "_comment"}))
     cfg = load_config(None, [f"model.path={local}", "trainer.device_memory_gb=80"], check_files=False)
     p, source = plan_config(cfg)

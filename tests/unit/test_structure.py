@@ -309,7 +309,7 @@ def test_the_device_layer_sits_below_the_model():
 # What each lower floor must not import (wherever the import statement is). config/ reads and checks the settings
 # every room is built from; the run's machinery sits above it. tools/ holds the commands, the top floor.
 BELOW = {"portagrpo.config": ("portagrpo.agent", "portagrpo.model", "portagrpo.rollout", "portagrpo.train",
-                              "portagrpo.tools", "portagrpo.cli"),
+                              "portagrpo.tools", "portagrpo.plan", "portagrpo.cli"),
          "portagrpo.agent": ("portagrpo.tools", "portagrpo.cli", "portagrpo.train")}
 
 
