@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import struct
+import time
 from pathlib import Path
 
 import pytest
@@ -65,6 +66,9 @@ def test_wandb_offline_run_holds_the_metrics_and_config(tmp_path, monkeypatch):
     common = ["--output-dir", str(run_dir), *FAST, "trainer.logger=[console,wandb]", "trainer.project_name=proj",
               "trainer.experiment_name=exp", "trainer.save_freq=2"]
     assert main(["train", *common, "trainer.total_steps=2"]) == 0
+    # W&B names an offline run's directory by its id and the second it started (offline-run-%Y%m%d_%H%M%S-<id>): a
+    # resume within the same second would write into the first run's directory and replace its file
+    time.sleep(1.0 - time.time() % 1.0 + 0.05)
     assert main(["train", *common, "trainer.total_steps=3", "--resume", str(run_dir)]) == 0
     logged = read_metrics(run_dir / "metrics.jsonl")
     rows, config, run = history(run_dir)
