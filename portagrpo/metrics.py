@@ -97,7 +97,7 @@ class _RowView(Mapping):
 
 @dataclass(frozen=True, eq=False)
 class ValMetrics(_RowView):
-    """Held-out validation after a step (`Sampling.validate`), logged as `val/*`."""
+    """Held-out validation after a step (`Pipeline.validate`), logged as `val/*`."""
 
     reward_mean: float
     acc: float

@@ -1,7 +1,7 @@
 """A rollout's images across ranks: the global batch's `PromptImages`, gathered so that they follow its rows.
 
 Each rank samples its share of the prompts with their images (`PromptImages`: patches and grids once per prompt,
-each row pointing at its prompt). `Sampling.gather` makes the global batch every rank holds, rows in rank order;
+each row pointing at its prompt). `Pipeline.gather` makes the global batch every rank holds, rows in rank order;
 `gather_images` makes its images: every rank's prompts in rank order, their patch and image spans and the row
 pointers moved past the ranks before. Images differ in size, so ranks hold different numbers of patches: the
 small host part (spans, grids, row pointers) travels as one object, and the patches padded to the largest
