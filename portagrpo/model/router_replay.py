@@ -190,17 +190,15 @@ class RouterHooks:
     def checkpoint_context(self):
         """torch.utils.checkpoint's `context_fn` (non-reentrant): a checkpointed layer's recomputation in the backward
         routes as its forward did, under the forward that was running when it was checkpointed."""
-        captured = self
+        return contextlib.nullcontext(), self._recomputing(self.active)
 
-        @contextlib.contextmanager
-        def recompute(fwd=self.active):
-            previous, captured.active, captured.recomputing = captured.active, fwd, True
-            try:
-                yield
-            finally:
-                captured.active, captured.recomputing = previous, False
-
-        return contextlib.nullcontext(), recompute()
+    @contextlib.contextmanager
+    def _recomputing(self, fwd: Forward | None) -> Iterator[None]:
+        previous, self.active, self.recomputing = self.active, fwd, True
+        try:
+            yield
+        finally:
+            self.active, self.recomputing = previous, False
 
     def _hook(self, layer: MoeLayer):
         def hook(module, args, output):
