@@ -136,27 +136,10 @@ class VocabChunkedLogprob(torch.autograd.Function):
         n, vocab = hidden.shape[0], weight.shape[0]
         block = _block_size(n, vocab, chunk_elements)
         inv_temp = 1.0 / temperature
-        run_max = torch.full((n,), float("-inf"), dtype=dtype, device=h.device)
-        run_sum = torch.zeros(n, dtype=dtype, device=h.device)
-        run_zsum = torch.zeros(n, dtype=dtype, device=h.device) if compute_entropy else None
-        z_target = torch.zeros(n, dtype=dtype, device=h.device)
+        walk = _OnlineLse(n, dtype, h.device, compute_entropy)
         for v0 in range(0, vocab, block):
-            z = _block_logits(h, weight, bias, v0, block, op, dtype, inv_temp)
-            # The target's logit, when it falls in this block: a gather and a select, no boolean
-            # indexing (whose data-dependent shape makes the host wait for the device every block).
-            inside, local = _in_block(targets, v0, z.shape[1])
-            z_target = torch.where(inside, z.gather(1, local).squeeze(1), z_target)
-            new_max = torch.maximum(run_max, z.max(-1).values)
-            scale = torch.exp(run_max - new_max)
-            if compute_entropy:
-                e = torch.exp(z - new_max.unsqueeze(-1))
-                run_zsum = run_zsum * scale + (e * z).sum(-1)
-            else:  # z is not needed again: exponentiate in place
-                e = z.sub_(new_max.unsqueeze(-1)).exp_()
-            run_sum = run_sum * scale + e.sum(-1)
-            run_max = new_max
-        lse = run_max + torch.log(run_sum)
-        ent = lse - run_zsum / run_sum if compute_entropy else None
+            walk.add(_block_logits(h, weight, bias, v0, block, op, dtype, inv_temp), targets, v0)
+        z_target, lse, ent = walk.result()
         ctx.save_for_backward(hidden, weight, bias, targets, lse, ent)
         ctx.cfg = (inv_temp, block)
         return z_target - lse, ent
@@ -175,21 +158,10 @@ class VocabChunkedLogprob(torch.autograd.Function):
         grad_w = torch.empty(weight.shape, dtype=dtype, device=weight.device) if need_w else None
         grad_b = torch.empty(bias.shape, dtype=dtype, device=bias.device) if need_b else None
         g_logp = torch.zeros_like(lse) if g_logp is None else g_logp.to(dtype)
-        use_ent = g_ent is not None and ent is not None
-        mean_z = (lse - ent).unsqueeze(-1) if use_ent else None
+        grad_of = _LogitGrad(targets, lse, ent, g_logp, g_ent, inv_temp)
         for v0 in range(0, vocab, block):
-            z = _block_logits(h, weight, bias, v0, block, op, dtype, inv_temp)
-            v1 = v0 + z.shape[1]
-            if use_ent:
-                p = torch.exp(z - lse.unsqueeze(-1))
-                # dH/dz_j = -p_j (z_j - E_p[z]); built in place in z, which is not needed afterwards
-                ent_term = z.sub_(mean_z).mul_(p).mul_(g_ent.to(dtype).unsqueeze(-1))
-                gz = p.mul_(-g_logp.unsqueeze(-1)).sub_(ent_term)
-            else:
-                gz = z.sub_(lse.unsqueeze(-1)).exp_().mul_(-g_logp.unsqueeze(-1))
-            inside, local = _in_block(targets, v0, v1 - v0)
-            gz.scatter_add_(1, local, torch.where(inside, g_logp, 0.0).unsqueeze(1))  # rows outside add 0
-            gz.mul_(inv_temp)
+            gz = grad_of(_block_logits(h, weight, bias, v0, block, op, dtype, inv_temp), v0)
+            v1 = v0 + gz.shape[1]
             if need_h:
                 grad_h += mm(gz, weight[v0:v1], op, dtype)
             if need_w:
@@ -198,6 +170,63 @@ class VocabChunkedLogprob(torch.autograd.Function):
                 grad_b[v0:v1] = gz.sum(0)
         grads = (grad_h, hidden), (grad_w, weight), (grad_b, bias)
         return (*(None if g is None else g.to(x.dtype) for g, x in grads), None, None, None, None)
+
+
+class _OnlineLse:
+    """The forward's walk over vocabulary blocks: a running max, sum of exponentials (and of exp * logit, for the
+    entropy) and the target's logit, each block [N, width] of temperature-scaled logits added once."""
+
+    def __init__(self, n: int, dtype: torch.dtype, device: torch.device, entropy: bool) -> None:
+        self.run_max = torch.full((n,), float("-inf"), dtype=dtype, device=device)
+        self.run_sum = torch.zeros(n, dtype=dtype, device=device)
+        self.run_zsum = torch.zeros(n, dtype=dtype, device=device) if entropy else None
+        self.z_target = torch.zeros(n, dtype=dtype, device=device)
+
+    def add(self, z: torch.Tensor, targets: torch.Tensor, v0: int) -> None:
+        """z: the logits of vocabulary rows [v0, v0 + z.shape[1]) (overwritten)."""
+        # The target's logit, when it falls in this block: a gather and a select, no boolean
+        # indexing (whose data-dependent shape makes the host wait for the device every block).
+        inside, local = _in_block(targets, v0, z.shape[1])
+        self.z_target = torch.where(inside, z.gather(1, local).squeeze(1), self.z_target)
+        new_max = torch.maximum(self.run_max, z.max(-1).values)
+        scale = torch.exp(self.run_max - new_max)
+        if self.run_zsum is not None:
+            e = torch.exp(z - new_max.unsqueeze(-1))
+            self.run_zsum = self.run_zsum * scale + (e * z).sum(-1)
+        else:  # z is not needed again: exponentiate in place
+            e = z.sub_(new_max.unsqueeze(-1)).exp_()
+        self.run_sum = self.run_sum * scale + e.sum(-1)
+        self.run_max = new_max
+
+    def result(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """(the target's logit, log-sum-exp, entropy or None), each [N]."""
+        lse = self.run_max + torch.log(self.run_sum)
+        ent = lse - self.run_zsum / self.run_sum if self.run_zsum is not None else None
+        return self.z_target, lse, ent
+
+
+class _LogitGrad:
+    """The backward's gradient with respect to one block of raw logits, from the saved log-sum-exp (and entropy)
+    and the incoming gradients of the log-prob (and entropy)."""
+
+    def __init__(self, targets, lse, ent, g_logp, g_ent, inv_temp: float) -> None:
+        self.targets, self.lse, self.g_logp, self.inv_temp = targets, lse, g_logp, inv_temp
+        self.use_ent = g_ent is not None and ent is not None
+        self.g_ent = g_ent.to(lse.dtype).unsqueeze(-1) if self.use_ent else None
+        self.mean_z = (lse - ent).unsqueeze(-1) if self.use_ent else None
+
+    def __call__(self, z: torch.Tensor, v0: int) -> torch.Tensor:
+        """z: the temperature-scaled logits of rows [v0, v0 + z.shape[1]) (overwritten) -> their gradient."""
+        if self.use_ent:
+            p = torch.exp(z - self.lse.unsqueeze(-1))
+            # dH/dz_j = -p_j (z_j - E_p[z]); built in place in z, which is not needed afterwards
+            ent_term = z.sub_(self.mean_z).mul_(p).mul_(self.g_ent)
+            gz = p.mul_(-self.g_logp.unsqueeze(-1)).sub_(ent_term)
+        else:
+            gz = z.sub_(self.lse.unsqueeze(-1)).exp_().mul_(-self.g_logp.unsqueeze(-1))
+        inside, local = _in_block(self.targets, v0, gz.shape[1])
+        gz.scatter_add_(1, local, torch.where(inside, self.g_logp, 0.0).unsqueeze(1))  # rows outside add 0
+        return gz.mul_(self.inv_temp)
 
 
 def _in_block(targets: torch.Tensor, v0: int, width: int) -> tuple[torch.Tensor, torch.Tensor]:

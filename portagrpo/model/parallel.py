@@ -245,10 +245,15 @@ class FSDP2(SingleProcess):
         # a vision-language policy's vision blocks are units of their own too (frozen ones are gathered, never reduced)
         for layer in [*vision_blocks(scorer.lm), *getattr(decoder_of(scorer.lm), "layers", [])]:
             fully_shard(layer, **mp)
+        lookup = streams_lookup(scorer.lm.get_input_embeddings())  # before fully_shard makes its class a subclass
         head = split_root(scorer, lambda unit: fully_shard(unit, **mp), trainable)
         if head is not None:  # the kernels read the head's weight: they run as a forward of its unit
             register_fsdp_forward_method(head, "through_head")
             scorer.through_head = head.through_head
+            # ... or, for the token log-probs, one rank's rows at a time, never gathered whole; and the embedding
+            scorer.streamed_head = StreamedRows(compute_dtype if low else None)
+            if lookup:
+                scorer.streamed_embedding = scorer.streamed_head
         fully_shard(scorer, **mp)
         register_fsdp_forward_method(scorer, "generate")
         problem = fsdp2_problem(torch.float32 if low else compute_dtype)
@@ -335,6 +340,86 @@ def split_root(scorer: torch.nn.Module, shard, trainable: bool = True) -> torch.
     head.through_head = run_in_head  # a plain function: FSDP's forward hooks wrap it as the unit's forward
     shard(head)
     return head
+
+
+class StreamedRows:
+    """How a scorer reads the weight of an FSDP2 head or embedding unit (split_root) to score and train: one rank's
+    rows at a time (kernels/streamed.py), each broadcast by the rank that holds it, its gradient summed back to that
+    rank (`RankRows`). FSDP2's own unit gathers the whole [V, H] weight for the forward and again for the backward,
+    and holds its whole unsharded gradient and an fp32 reduce-scatter input beside it: Qwen2.5-72B's untied head
+    and embedding are 152,064 x 8,192 each, 2.5 GB in bf16 and 5 GB in fp32, on every rank at any world size.
+    Streamed, a rank holds one block of V / world rows and that block's gradient; the collectives move the same bytes
+    as the all-gather and reduce-scatter they replace (a broadcast and a reduce per rank; the embedding's backward
+    only the reduce). The head's vocabulary log-distribution (`vocab`), a LoRA-adapted head, a head with a bias, an
+    embedding of another kind than torch's own (Gemma's scaled one) and generation still run the gathered unit."""
+
+    def __init__(self, param_dtype: torch.dtype | None) -> None:
+        self.param_dtype = param_dtype  # the mixed-precision policy's parameter dtype (None: the shard's own)
+
+    def blocks(self, weight: torch.Tensor, device: torch.device) -> RankRows | None:
+        """The weight's blocks, where `weight` is the unit's resharded parameter (a DTensor sharded on its rows), or
+        None (gathered for generation, adapted, or laid out otherwise): the gathered unit computes instead. A trained
+        shard offloaded to host memory (actor.offload) also takes the gathered unit: a gradient computed on `device`
+        and carried by autograd into the host shard trips torch's autograd engine (`opt_ready_stream &&
+        opt_parent_stream`, engine.cpp, measured on the emulated device with torch 2.13), where FSDP2 assigns its
+        shards' gradients itself. A reference's offloaded shard, read without gradients, streams."""
+        from torch.distributed.tensor import DTensor, Replicate, Shard
+
+        if not isinstance(weight, DTensor) or weight.ndim != 2:
+            return None
+        if torch.is_grad_enabled() and weight.requires_grad and weight.to_local().device != device:
+            return None
+        *replicated, rows = weight.placements
+        if rows != Shard(0) or len(replicated) > 1 or any(p != Replicate() for p in replicated):
+            return None
+        return RankRows(weight)
+
+
+class RankRows:
+    """`HeadBlocks` (kernels/chunked.py) over a row-sharded weight: block j is the rows rank j of the shard group
+    holds, in FSDP2's layout (torch.chunk of dim 0 into world pieces, the last ones shorter or empty); under HSDP
+    each replica group sums its block's gradient across the replicas too. Collectives run on the compute device
+    (an offloaded shard is copied there first), as FSDP2's own gathers do."""
+
+    def __init__(self, weight) -> None:
+        import torch.distributed as dist
+
+        mesh = weight.device_mesh
+        self.group = mesh.get_group(mesh.ndim - 1)
+        self.replicas = mesh.get_group(0) if mesh.ndim == 2 else None
+        world, self.me = dist.get_world_size(self.group), dist.get_rank(self.group)
+        vocab, step = weight.shape[0], -(-weight.shape[0] // world)
+        self.rows = tuple(max(0, min(step, vocab - j * step)) for j in range(world))
+        self.owners = [dist.get_global_rank(self.group, j) for j in range(world)]
+        local = weight.to_local().shape[0]
+        if local != self.rows[self.me]:
+            raise RuntimeError(f"the LM head's shard on rank {self.me} has {local} rows, where torch.chunk's layout "
+                               f"gives {self.rows[self.me]}: FSDP2's sharding changed")
+
+    def fetch(self, local: torch.Tensor, j: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        import torch.distributed as dist
+
+        if j == self.me:
+            block = local.detach().to(device=device, dtype=dtype).contiguous()
+        else:
+            block = torch.empty((self.rows[j], local.shape[1]), dtype=dtype, device=device)
+        dist.broadcast(block, src=self.owners[j], group=self.group)
+        return block
+
+    def reduce(self, j: int, grad: torch.Tensor, local_grad: torch.Tensor) -> None:
+        import torch.distributed as dist
+
+        dist.reduce(grad, dst=self.owners[j], group=self.group)
+        if j == self.me:
+            if self.replicas is not None:
+                dist.all_reduce(grad, group=self.replicas)
+            local_grad.copy_(grad)
+
+
+def streams_lookup(embed: torch.nn.Module) -> bool:
+    """Whether an input embedding is torch's own lookup (no max_norm, dense gradients), which kernels/streamed.py's
+    StreamedLookup reproduces, rather than a subclass that adds to it (Gemma's scaled embedding)."""
+    return type(embed) is torch.nn.Embedding and embed.max_norm is None and not embed.sparse
 
 
 def gathered(value: torch.Tensor) -> torch.Tensor:

@@ -11,13 +11,14 @@ import contextlib
 import functools
 import inspect
 from dataclasses import dataclass
-from typing import Callable, ContextManager
+from typing import TYPE_CHECKING, Callable, ContextManager
 
 import torch
 
 from portagrpo.batch import RolloutBatch
 from portagrpo.errors import UserError
 from portagrpo.kernels import TokenLogprobFn, logits_from_hidden, token_logprobs_from_logits
+from portagrpo.kernels.streamed import embedding_streamed, token_logprobs_streamed
 from portagrpo.model import moe
 from portagrpo.model.activation_offload import HostActivations
 from portagrpo.model.loading import decoder_of, lm_head_of, position_ids_from_mask, run_in_head
@@ -33,6 +34,9 @@ from portagrpo.model.ulysses import (
     use_packed_attention,
 )
 from portagrpo.model.vision import vl_body, vl_hidden_states, vl_inputs
+
+if TYPE_CHECKING:
+    from portagrpo.model.parallel import StreamedRows
 
 
 @dataclass
@@ -145,8 +149,10 @@ def attention_mask_4d(seq_id: torch.Tensor, valid: torch.Tensor, form: str, dtyp
     return torch.zeros(allowed.shape, dtype=dtype, device=allowed.device).masked_fill_(~allowed, torch.finfo(dtype).min)
 
 
-def _text_hidden(decoder, input_ids: torch.Tensor, attention_mask: torch.Tensor, n_valid: int, packed: bool):
-    """The decoder's output over left-padded rows: packed into one row, or over the padded grid."""
+def _text_hidden(decoder, input_ids: torch.Tensor, attention_mask: torch.Tensor, n_valid: int, packed: bool,
+                 embedded: Callable[[torch.Tensor], dict[str, torch.Tensor]]):
+    """The decoder's output over left-padded rows: packed into one row, or over the padded grid. `embedded` turns
+    token ids into the decoder's input (`ResponseScorer.embedded`)."""
     positions = position_ids_from_mask(attention_mask)
     form, dtype = mask_form(decoder.config), decoder.get_input_embeddings().weight.dtype
     if packed:
@@ -156,13 +162,13 @@ def _text_hidden(decoder, input_ids: torch.Tensor, attention_mask: torch.Tensor,
         ids, pos = input_ids.flatten()[keep].unsqueeze(0), positions.flatten()[keep].unsqueeze(0)
         mask = None if form is None else attention_mask_4d(
             (pos == 0).long().cumsum(1), torch.ones_like(ids, dtype=torch.bool), form, dtype)
-        return decoder(input_ids=ids, attention_mask=mask, position_ids=pos, use_cache=False)
+        return decoder(**embedded(ids), attention_mask=mask, position_ids=pos, use_cache=False)
     mask = attention_mask
     if form is not None:  # whether there is padding at all is known on the host
         padded = n_valid < attention_mask.numel()
         mask = attention_mask_4d(torch.zeros_like(attention_mask), attention_mask.bool(), form, dtype) \
             if padded else causal_without_padding(decoder, form, dtype, attention_mask)
-    return decoder(input_ids=input_ids, attention_mask=mask, position_ids=positions, use_cache=False)
+    return decoder(**embedded(input_ids), attention_mask=mask, position_ids=positions, use_cache=False)
 
 
 class ResponseScorer(torch.nn.Module):
@@ -185,6 +191,11 @@ class ResponseScorer(torch.nn.Module):
         # the LM head's computation runs through this; FSDP2 makes it the forward of the head's own unit
         # (model/parallel.py split_root), so the head is gathered for it and its gradient reduce-scattered after
         self.through_head = run_in_head
+        # FSDP2 with an untied head and embedding, each a unit of its own: the head's and the embedding's rows read
+        # one rank's at a time (model/parallel.py StreamedRows), so no rank gathers either whole to score or train;
+        # None: whole where it computes
+        self.streamed_head: StreamedRows | None = None
+        self.streamed_embedding: StreamedRows | None = None
         self.packs = remove_padding and use_packed_attention(decoder_of(lm).config, flash=sequence_parallel is not None)
         if sequence_parallel is not None:
             c = decoder_of(lm).config
@@ -198,6 +209,21 @@ class ResponseScorer(torch.nn.Module):
                             f"this model's attention ({decoder_of(lm).config._attn_implementation!r}) or "
                             f"model.use_remove_padding={remove_padding} packs none; use model.attn_implementation=sdpa "
                             f"and model.use_remove_padding=true.")
+
+    def embedded(self, ids: torch.Tensor) -> dict[str, torch.Tensor]:
+        """The decoder's input for token ids: the ids themselves, or (`streamed_embedding`) their embeddings looked
+        up one rank's rows at a time. Where gradients are on, those ask for one (as transformers'
+        enable_input_require_grads makes a frozen embedding's output do), so a LoRA model's layers, checkpointed
+        or not, run their backward."""
+        embed = self.lm.get_input_embeddings()
+        blocks = None if self.streamed_embedding is None else self.streamed_embedding.blocks(embed.weight, ids.device)
+        if blocks is None:
+            return {"input_ids": ids}
+        out = embedding_streamed(ids, embed.weight.to_local(), blocks, padding_idx=embed.padding_idx,
+                                 weight_dtype=self.streamed_embedding.param_dtype)
+        if torch.is_grad_enabled() and not out.requires_grad:
+            out.requires_grad_(True)
+        return {"inputs_embeds": out}
 
     def _offloaded(self) -> ContextManager:
         return contextlib.nullcontext() if self.activations is None else self.activations.around(self.lm)
@@ -249,7 +275,7 @@ class ResponseScorer(torch.nn.Module):
             if images is not None:
                 out = vl_hidden_states(self.lm, input_ids, attention_mask, images, prompt_len)
             else:
-                out = _text_hidden(decoder, input_ids, attention_mask, n_valid, packed)
+                out = _text_hidden(decoder, input_ids, attention_mask, n_valid, packed, self.embedded)
         with autocast():
             hidden = _last_hidden(out)
             # The hidden state at position p predicts token p + 1; `at` lists the response tokens.
@@ -267,6 +293,15 @@ class ResponseScorer(torch.nn.Module):
     def _token_stats(self, h: torch.Tensor, targets: torch.Tensor, temperature: float, compute_entropy: bool,
                      vocab: bool, autocast: Callable[[], ContextManager]):
         """Per-token log-prob, entropy and (`vocab`) full log-distribution of hidden states h [n, H] -> [n]."""
+        weight = lm_head_of(self.lm)[0] if self.streamed_head is not None and not vocab else None
+        blocks = None if weight is None else self.streamed_head.blocks(weight, h.device)
+        if blocks is not None:
+            local = weight.to_local()
+            with autocast():  # the blocks' dtype: autocast's where it is on, else the strategy's parameter dtype
+                h, like, _ = lm_head_operands(h, local.new_empty(0, dtype=self.streamed_head.param_dtype), None)
+            logp, entropy = token_logprobs_streamed(h, local, targets, blocks, weight_dtype=like.dtype,
+                                                    temperature=temperature, compute_entropy=compute_entropy)
+            return logp, entropy, None
         return self.through_head(self._head_stats, h, targets, temperature, compute_entropy, vocab, autocast)
 
     def _head_stats(self, h: torch.Tensor, targets: torch.Tensor, temperature: float, compute_entropy: bool,
@@ -305,7 +340,7 @@ class ResponseScorer(torch.nn.Module):
             else:
                 ids = _pad_rows(input_ids.flatten().index_select(0, keep), pad)
                 pos = _pad_rows(position_ids_from_mask(attention_mask).flatten().index_select(0, keep), pad)
-                inputs = {"input_ids": ids[row.start:row.stop][None], "position_ids": pos[row.start:row.stop][None]}
+                inputs = {**self.embedded(ids[row.start:row.stop][None]), "position_ids": pos[row.start:row.stop][None]}
                 decoder = decoder_of(self.lm)
             out = decoder(**inputs, attention_mask=_no_mask(decoder), use_cache=False,
                           packing=Packing(row.seqlens, sp, self.varlen))

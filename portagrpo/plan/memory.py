@@ -10,9 +10,9 @@ bc: the compute dtype's, model.dtype):
   policy's three to host memory, actor.ref_offload the reference's.
 - FSDP2's gathers: a forward holds the root unit (final norm; tied embeddings and LM head) and about three decoder
   layers unsharded in the compute dtype (the layer running, the next one prefetched, the all-gather's output buffer),
-  or an untied head (a unit of its own, model/parallel.py split_root) beside its all-gather's output; a backward also
-  holds the root's unsharded gradient, a layer's unsharded gradients and the reduce-scatter's fp32 input, or the
-  head's weight, all-gather output and gradient.
+  or one rank's block of an untied head or embedding (units of their own, model/parallel.py split_root, read by rows:
+  StreamedRows); a backward also holds the root's unsharded gradient, a layer's unsharded gradients and the
+  reduce-scatter's fp32 input, or the head's block with its fp32 gradient and this rank's own.
 - activations of one micro-batch: per token and layer, what a Llama-style layer saves for backward
   (ACT_H_COMPUTE compute-dtype and ACT_H_FP32 fp32 tensors of the hidden size, ACT_I tensors of the MLP width, and,
   where the backend's attention keeps its scores, heads x sequence length); with gradient checkpointing only each
@@ -76,6 +76,7 @@ class ModelShape:
     vision_merge: int = 1
     vision_patch: int = 0  # pixel values per patch (channels x temporal patch x patch side squared)
     head_params: int = 0  # an untied LM head's parameters, and its input embedding's: two units of their own
+    embedding_streams: bool = True  # the input embedding is torch's own lookup (model/parallel.py streams_lookup)
     largest_tensor: int = 0  # the largest parameter tensor's elements (the push gathers one whole tensor at a time)
 
     @property
@@ -141,6 +142,9 @@ class RunShape:
     # (rollout.devices, after the trainers'): the engine is planned there, and the trainer's devices only gather
     sampler_apart: bool = False
     sampler_param_bytes: int = 4  # an hf sampler's copy of the policy, per parameter (rollout.precision)
+    # an untied head and embedding read by rows (model/parallel.py StreamedRows); gathered units with actor.offload,
+    # and the head with LoRA on it
+    head_streams: bool = True
 
 
 @dataclass
@@ -280,14 +284,23 @@ def _terms(m: ModelShape, r: RunShape) -> _Terms:
     steady = {**states, "optimizer state (AdamW)": 0.0 if r.offload else 2 * bm * Ptr / F}
     unit, root, head = m.unit_params, m.root_params, m.head_params
     # The root stays gathered from the forward's start to the backward's end, and holds its unsharded gradient from
-    # the head's backward on (the LM head's, where tied). The untied head and embedding are units gathered only
-    # while they compute: the head's weight beside its all-gather's output (and a layer) in the forward, and with
-    # its unsharded gradient as well in its backward (measured on the emulated device: test_memory_plan_measured).
-    # Gradients and their reduce-scatter buffers exist for trained parameters only (LoRA: its adapters' share).
+    # the head's backward on (the LM head's, where tied). Gradients and their reduce-scatter buffers exist for
+    # trained parameters only (LoRA: its adapters' share).
     trained = min(Ptr / P, 1.0) if P else 1.0
-    fwd = (root + max(FWD_GATHER_UNITS * unit, 2 * head + unit)) * bc if fsdp else 0.0
+    # The untied head and embedding (units of their own) are read one rank's rows at a time (model/parallel.py
+    # StreamedRows): a block of head / F rows in the compute dtype; in the backward the head's block again with the
+    # block's fp32 gradient and this rank's own, the embedding's the two gradients alone. A gathered one (LoRA on the
+    # head; an embedding of another kind) holds its whole weight beside its all-gather's output in the forward, and
+    # its unsharded gradient as well in its backward (measured on the emulated device: test_memory_plan_measured).
+    block = head / F
+    head_fwd, head_bwd = (block * bc, block * (bc + 8 * trained)) if r.head_streams else (
+        2 * head * bc, (2 + trained) * head * bc)
+    embed_fwd, embed_bwd = (block * bc, block * 8 * trained) if m.embedding_streams and not r.offload else (
+        2 * head * bc, (2 + trained) * head * bc)
+    fwd = (root + FWD_GATHER_UNITS * unit) * bc if fsdp else 0.0
+    fwd = max(fwd, (root + unit) * bc + max(head_fwd, embed_fwd)) if fsdp else 0.0
     layers_bwd = BWD_GATHER_UNITS * unit * bc + BWD_GRAD_UNITS * trained * unit * 4
-    bwd = ((1 + trained) * root * bc + max(layers_bwd, (2 + trained) * head * bc)) if fsdp else 0.0
+    bwd = ((1 + trained) * root * bc + max(layers_bwd, head_bwd, embed_bwd)) if fsdp else 0.0
     return _Terms(fsdp, F, states, steady, grads, fwd, bwd)
 
 

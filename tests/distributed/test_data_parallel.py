@@ -61,18 +61,25 @@ def test_two_processes_match_one(tmp_path, single, parallel, dtype, tol):
 
 
 def test_untied_head_and_embedding_as_units_of_their_own_train_as_one_process(tmp_path):
-    """FSDP2 makes an untied LM head and input embedding units of their own (model/parallel.py split_root); the log-prob
-    kernel runs as the head unit's forward. Two ranks still train as one process does (fp32, to the bound of
-    test_two_processes_match_one: torch 2.7's FSDP2 refuses fp64)."""
+    """FSDP2 makes an untied LM head and input embedding units of their own (model/parallel.py split_root) and reads
+    both one rank's rows at a time (StreamedRows). Two ranks train as one process does in fp64: to 1e-10 where FSDP2
+    takes fp64; torch 2.7's refuses it, and there the fp32 ranks are held to the fp64 process at fp32's bounds. (Not
+    to an fp32 process: AdamW's first step is about the sign of each gradient element, and an element whose terms
+    cancel takes either sign at fp32 rounding. Measured: an fp32 process ends 2.6e-4 from fp64, two streamed fp32
+    ranks 2.4e-6.)"""
+    from portagrpo.backends.fsdp_compat import fsdp2_problem
+
     untied = ("model.tiny.tie_word_embeddings=false",)
-    one = run_worker(tmp_path / "one", 1, "auto", "fp32", extra=untied)
-    two = run_worker(tmp_path / "two", 2, "fsdp2", "fp32", extra=untied)
+    fp64 = fsdp2_problem(torch.float64) is None
+    one = run_worker(tmp_path / "one", 1, "auto", "fp64", extra=untied)
+    two = run_worker(tmp_path / "two", 2, "fsdp2", "fp64" if fp64 else "fp32", extra=untied)
+    bound = 1e-10 if fp64 else 2e-5
     assert "lm_head.weight" in one["state"] and "model.embed_tokens.weight" in one["state"], sorted(one["state"])[:5]
     for m1, m2 in zip(one["metrics"], two["metrics"]):
         for key in ("loss_policy", "loss_kl", "grad_norm", "entropy"):
-            assert m2[key] == pytest.approx(m1[key], rel=2e-5, abs=2e-5), (key, m1[key], m2[key])
+            assert m2[key] == pytest.approx(m1[key], rel=bound, abs=bound), (key, m1[key], m2[key])
     for name, p1 in one["state"].items():
-        assert relative_error(two["state"][name], p1) < 2e-5, name
+        assert relative_error(two["state"][name].double(), p1) < bound, name
     assert relative_error(one["state"]["lm_head.weight"], one["state"]["model.embed_tokens.weight"]) > 0.1  # untied
 
 

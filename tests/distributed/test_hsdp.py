@@ -25,9 +25,13 @@ def _train(out, *extra) -> list[dict]:
 
 
 @pytest.mark.skipif(not native_sum(), reason="HSDP needs FSDP2's sum across replicas (torch 2.8+)")
-def test_two_groups_of_two_train_as_one_process(tmp_path):
-    one = _train(tmp_path / "one")
-    hsdp = _train(tmp_path / "hsdp", "trainer.nproc_per_node=4", "trainer.fsdp_size=2")
+@pytest.mark.parametrize("tied", ["true", "false"])
+def test_two_groups_of_two_train_as_one_process(tmp_path, tied):
+    """Untied: the head and embedding are read one shard-group rank's rows at a time (model/parallel.py RankRows),
+    each block's gradient summed within the shard group and then across the replicas."""
+    model = [f"model.tiny.tie_word_embeddings={tied}"]
+    one = _train(tmp_path / "one", *model)
+    hsdp = _train(tmp_path / "hsdp", "trainer.nproc_per_node=4", "trainer.fsdp_size=2", *model)
     assert len(one) == len(hsdp) == 2
     for a, b in zip(one, hsdp):
         for key in KEYS:

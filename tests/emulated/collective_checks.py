@@ -42,9 +42,13 @@ def emuccl():
     dist.reduce_scatter_tensor(out, t)
     box = [{"a": 1}]
     dist.broadcast_object_list(box, 0)
+    root = torch.full((2,), 3.0, device=dev)
+    dist.reduce(root, 0)  # the streamed LM head's (model/parallel.py RankRows): the sum on the root's device tensor
+    assert root.device == dev and root.cpu().tolist() == [3.0, 3.0]
     calls = COUNTERS.total("collectives")
     # all-reduces: the library-alone group's device one, then the run's group's device and host ones
     assert calls["all_reduce"] == 3 and calls["all_gather"] == 1 and calls["reduce_scatter"] == 1, calls
+    assert calls["reduce"] == 1, calls
 
 
 def hccl():
@@ -57,6 +61,8 @@ def hccl():
         "float64 reduce_scatter": (lambda: dist.reduce_scatter_tensor(torch.empty(2, dtype=torch.float64, device=dev),
                                                                       torch.ones(2, dtype=torch.float64, device=dev)),
                                    "HCCL _reduce_scatter_base: Unsupported data type at::kDouble"),
+        "float64 reduce": (lambda: dist.reduce(torch.ones(2, dtype=torch.float64, device=dev), 0),
+                           "HCCL reduce: Unsupported data type at::kDouble"),
         "host tensor": (lambda: dist.all_reduce(torch.ones(2)), "No backend type associated with device type cpu"),
         # (complex never reaches a library: torch.distributed passes it as a real view)
         "float8_e4m3fnuz": (lambda: dist.broadcast(torch.zeros(2, device=dev).to(torch.float8_e4m3fnuz), 0),

@@ -35,6 +35,9 @@ strategy = make_strategy("fsdp2", comm)
 scorer = strategy.wrap(ResponseScorer(lm, logprob_impl("reference")), trainable=True, compute_dtype=torch.float32,
                        offload=True)
 out = {"form": dist.get_backend_config(), "steps": []}
+gathered = []  # passes that ran the head's gathered unit (model/parallel.py StreamedRows: not for host shards trained)
+through = scorer.through_head
+scorer.through_head = lambda fn, *args: gathered.append(torch.is_grad_enabled()) or through(fn, *args)
 try:
     params = [p for p in scorer.parameters() if p.requires_grad]
     out["host_shards"] = all(p.to_local().device.type == "cpu" for p in params)
@@ -44,6 +47,10 @@ try:
     logprobs = scorer(ids, mask, ids[:, 4:], mask[:, 4:].bool(), 1.0, False, False)[0]
     logprobs.sum().backward()
     out["steps"].append("backward")
+    with torch.no_grad():  # a reference's pass: the host shards streamed to the device one rank's rows at a time
+        again = scorer(ids, mask, ids[:, 4:], mask[:, 4:].bool(), 1.0, False, False)[0]
+    out["no_grad_same"] = bool(torch.allclose(again.cpu(), logprobs.detach().cpu(), rtol=1e-5, atol=1e-6))
+    out["gathered_passes"] = gathered
     norm = strategy.clip_grad_norm(params, 1.0)
     out["grad_norm"] = float(norm)
     out["steps"].append("clip_grad_norm")

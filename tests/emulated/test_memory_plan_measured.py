@@ -26,8 +26,8 @@ SHAPES = {
                          "data.max_response_length=64", "actor.micro_batch_size=4"],
 }
 # an untied LM head and embedding of a 32,768-token vocabulary, 93% of the parameters (Qwen2.5-72B's are 3%, 0.5B
-# one's 27%): the head and embedding are FSDP2 units of their own (model/parallel.py split_root). Saved as a
-# checkpoint and loaded from its path (the tiny built-in model's vocabulary is the character tokenizer's).
+# one's 27%): the head and embedding are FSDP2 units of their own (model/parallel.py split_root), read by rows. Saved
+# as a checkpoint and loaded from its path (the tiny built-in model's vocabulary is the character tokenizer's).
 SAVED = {"root-heavy": dict(vocab_size=32768, hidden_size=256, intermediate_size=512, num_hidden_layers=2,
                             num_attention_heads=4, num_key_value_heads=4, tie_word_embeddings=False)}
 SHAPES["root-heavy"] = []
@@ -111,7 +111,7 @@ def test_the_plan_is_within_15_percent_of_each_measured_phase(name, tmp_path):
                               f"{bytes_measured / 2**20:.2f} MiB")
     assert not misses, misses
     if name == "root-heavy":
-        # What does not shrink from 2 to 4 ranks (2 x W4 - W2) is one gathered unit: the head's weight, its
-        # all-gather's output and its gradient (3 x 32 MiB). In the root unit, the head and embedding held 166 MiB.
-        head = 4 * SAVED[name]["vocab_size"] * SAVED[name]["hidden_size"]
-        assert 2 * updates[4] - updates[2] <= 3 * head, updates
+        # issue 51: the update's peak falls x0.60 or more from 2 to 4 ranks. The head and embedding are read one rank's
+        # rows at a time (model/parallel.py StreamedRows); as gathered units they held 3 x 32 MiB at any world size
+        # (x0.67), in the root 166 MiB.
+        assert updates[4] <= 0.60 * updates[2], updates

@@ -98,5 +98,7 @@ def test_offloaded_shards_reduce_and_push_over_the_group_as_a_run_forms_it(tmp_p
     assert "No backend type associated with device type cpu" in before["error"], before
     after = _offload_check(tmp_path / "run", device, "run")
     assert "cpu:gloo" in after["form"] and "error" not in after, after
+    # the trained pass gathers the head whose shards live on the host; the pass without gradients streams them
+    assert after["gathered_passes"] == [True] and after["no_grad_same"], after
     assert after["steps"] == ["backward", "clip_grad_norm", "step", "push"] and after["grad_norm"] > 0
     assert after["pushed"] == 21 and after["push_devices"] == [device]  # gathered on the device, as torch does

@@ -221,3 +221,74 @@ def test_lm_head_operands_stay_low_precision_with_fp32_results():
     # the fp32 product of the bf16-rounded operands (bf16 -> fp32 is exact), not of the fp32 originals
     exact = a.to(torch.bfloat16).double() @ b.to(torch.bfloat16).double()
     assert (out.double() - exact).abs().max() < 1e-4 < (a.double() @ b.double() - exact).abs().max()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("vocab,parts,temperature,entropy", [(517, 2, 1.0, False), (1000, 3, 0.7, True),
+                                                             (6, 4, 1.3, True)])
+def test_streamed_head_matches_reference(dtype, vocab, parts, temperature, entropy):
+    """The LM head read one block of rows at a time (an FSDP2 rank's rows each; model/parallel.py RankRows), here
+    cut from one weight: uneven blocks, an empty one where the vocabulary is shorter than the parts need (6 rows in
+    4 blocks of 2), several logits chunks within a block."""
+    from portagrpo.kernels.streamed import SlicedHead, token_logprobs_streamed
+
+    h, w, _, t = ragged_tokens(4, 9, 24, vocab, dtype, seed=vocab + parts)
+    blocks = SlicedHead(vocab, parts)
+    assert sum(blocks.rows) == vocab and (vocab != 6 or blocks.rows[-1] == 0)
+
+    def streamed(h, w, t, bias=None, **kw):
+        return token_logprobs_streamed(h, w, t, blocks, **kw)
+
+    out = run(streamed, h, w, None, t, temperature, entropy, seed=1, chunk_elements=7 * 97)
+    ref = run(token_logprobs_reference, h.double(), w.double(), None, t, temperature, entropy, seed=1)
+    assert out[0].dtype == torch.float32
+    for name, q, o, r in zip(["logp", "entropy", "grad_hidden", "grad_weight"], ["logprob", "entropy", "grad", "grad"],
+                             out, ref):
+        if r is None:
+            assert o is None, name
+            continue
+        assert o.dtype == (dtype if name.startswith("grad") else torch.float32), name
+        assert_close(o, r, dtype, q, f"streamed {name}")
+
+
+def test_streamed_head_takes_its_blocks_in_the_parameter_dtype():
+    """An FSDP2 run under bf16 keeps fp32 master shards and computes with bf16 copies (its mixed-precision policy):
+    the streamed head multiplies bf16 blocks, as the gathered head's bf16 all-gather would, and hands the fp32
+    shard an fp32 gradient."""
+    from portagrpo.kernels.chunked import token_logprobs_chunked
+    from portagrpo.kernels.streamed import SlicedHead, token_logprobs_streamed
+
+    h, w, _, t = ragged_tokens(3, 7, 16, 300, torch.float32, seed=11)
+    h = h.to(torch.bfloat16)
+    out = run(lambda h, w, t, bias=None, **kw: token_logprobs_streamed(h, w, t, SlicedHead(300, 2),
+                                                                       weight_dtype=torch.bfloat16, **kw),
+              h, w, None, t, 1.0, True, seed=3)
+    ref = run(token_logprobs_chunked, h, w.to(torch.bfloat16), None, t, 1.0, True, seed=3)
+    assert out[3].dtype == torch.float32
+    for o, r in zip(out[:3], ref[:3]):
+        assert torch.allclose(o.float(), r.float(), rtol=1e-5, atol=1e-5)
+    assert torch.allclose(out[3], ref[3].float(), rtol=2e-2, atol=1e-3)  # ref's gradient is rounded to bf16
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("vocab,parts,padding_idx", [(517, 2, None), (1000, 3, 7), (6, 4, 0)])
+def test_streamed_lookup_matches_embedding(dtype, vocab, parts, padding_idx):
+    """An input embedding held in blocks of rows (an FSDP2 rank's each), looked up one block at a time: the same
+    rows as torch's embedding, and the same gradient (none for the padding row), accumulated in fp32."""
+    from portagrpo.kernels.streamed import SlicedHead, embedding_streamed
+
+    g = torch.Generator().manual_seed(vocab)
+    weight = torch.randn(vocab, 24, generator=g).to(dtype)
+    ids = torch.randint(0, vocab, (4, 9), generator=g)
+    ids[0, :3] = padding_idx if padding_idx is not None else 1  # the padding row is used (its gradient stays zero)
+    upstream = torch.randn(4, 9, 24, generator=g)
+    w1, w2 = weight.clone().requires_grad_(True), weight.double().requires_grad_(True)
+    out = embedding_streamed(ids, w1, SlicedHead(vocab, parts), padding_idx=padding_idx)
+    ref = torch.nn.functional.embedding(ids, w2, padding_idx=padding_idx)
+    assert out.dtype == dtype and torch.equal(out.double(), ref.detach())  # rows are copied, not computed
+    (out.float() * upstream).sum().backward()
+    (ref * upstream.double()).sum().backward()
+    assert w1.grad.dtype == dtype
+    assert_close(w1.grad, w2.grad, dtype, "grad", "embedding gradient")
+    if padding_idx is not None:
+        assert not w1.grad[padding_idx].any()

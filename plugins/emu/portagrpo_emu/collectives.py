@@ -146,6 +146,14 @@ class HostStagedGroup(dist.ProcessGroup):
         host = self._host_view("broadcast", tensors, opts)
         return self._run("broadcast", tensors, self._host.broadcast(host, opts), tensors)
 
+    def reduce(self, tensors, opts):
+        """NCCL and HCCL both reduce to one root (torch's ProcessGroupNCCL::reduce, ncclReduce; torch_npu's
+        ProcessGroupHCCL::reduce, HcclReduce, torch_npu/csrc/distributed/ProcessGroupHCCL.cpp): the streamed LM head
+        (model/parallel.py RankRows) sums each rank's block of its gradient there. Only the root's tensor is
+        defined afterwards."""
+        host = self._host_view("reduce", tensors, opts)
+        return self._run("reduce", tensors, self._host.reduce(host, opts), tensors)
+
     def allgather(self, output_lists, inputs, opts):
         host_in = self._host_view("allgather", inputs, opts)
         host_out = [self._host_view("allgather", outs, opts) for outs in output_lists]

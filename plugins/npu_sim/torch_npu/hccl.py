@@ -30,7 +30,7 @@ for _name in ("float8_e4m3fn", "float8_e5m2"):
 REDUCIBLE = {torch.int8, torch.int16, torch.int32, torch.int64, torch.float16, torch.float32, torch.bfloat16}
 CAST_TO_INT_FOR_ALLREDUCE = {torch.bool, torch.uint8}
 # the function names HCCL's messages carry (__FUNCTION__ in ProcessGroupHCCL.cpp)
-REDUCTIONS = {"allreduce": "allreduce", "allreduce_coalesced": "allreduce_coalesced",
+REDUCTIONS = {"allreduce": "allreduce", "allreduce_coalesced": "allreduce_coalesced", "reduce": "reduce",
               "reduce_scatter": "reduce_scatter", "reduce_scatter_tensor": "_reduce_scatter_base"}
 _ATEN_NAMES = {torch.float64: "Double", torch.uint64: "UInt64", torch.bool: "Bool", torch.uint8: "Byte",
                torch.uint16: "UInt16", torch.uint32: "UInt32", torch.complex64: "ComplexFloat",
