@@ -70,7 +70,7 @@ def _dry_run(config_path, overrides: list[str]) -> int:
     problems = validate_world(cfg, world)
     if not problems:
         problems = strategy_problems(cfg, world, strategy_of(cfg, world, _dry_run_device(t.device)))
-    generator = generator_problem(cfg.rollout.generator, _vision_policy(cfg), cfg.rollout.multi_turn.enable)
+    generator = generator_problem(cfg, _vision_policy(cfg))
     problems += [generator] if generator else []
     if ":" not in cfg.reward.function:
         try:

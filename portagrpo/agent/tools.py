@@ -38,13 +38,13 @@ def max_tool_workers() -> int:
     return TOOL_WORKERS_PER_CPU * usable_cpus()
 
 
-def tool_workers_problem(workers: int, ranks: int = 1) -> str | None:
-    """Why `rollout.multi_turn.tool_workers` on `ranks` local ranks (each starts its own) is too many for this machine,
-    or None."""
+def tool_workers_problem(workers: int, ranks: int = 1, field: str = "rollout.multi_turn.tool_workers") -> str | None:
+    """Why `workers` sandbox workers (`field`) on `ranks` local ranks (each starts its own) are too many for this
+    machine, or None."""
     if workers * ranks <= max_tool_workers():
         return None
     total = f" on trainer.nproc_per_node={ranks} ranks is {workers * ranks} workers, and" if ranks > 1 else ""
-    return (f"rollout.multi_turn.tool_workers={workers}{total} is more than this machine takes: at most "
+    return (f"{field}={workers}{total} is more than this machine takes: at most "
             f"{max_tool_workers()}, {TOOL_WORKERS_PER_CPU} per CPU this process may use ({usable_cpus()}, "
             f"os.sched_getaffinity); lower it.")
 

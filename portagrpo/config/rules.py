@@ -6,6 +6,7 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import math
+import re
 from pathlib import Path
 from typing import Any
 
@@ -112,7 +113,7 @@ def tiny_problems(tiny) -> list[str]:
 def validate(cfg: Config, *, check_files: bool = True) -> list[str]:
     """Cross-field rules. Returns one sentence per problem (empty when valid)."""
     p = (_names_and_sizes(cfg) + _batch_and_loss(cfg) + _run_settings(cfg) + rollout_correction_problems(cfg)
-         + rollout_precision_problems(cfg) + rollout_mode_problems(cfg) + multi_turn_problems(cfg)
+         + rollout_precision_problems(cfg) + rollout_mode_problems(cfg) + multi_turn_problems(cfg) + code_problems(cfg)
          + logger_problems(cfg) + dapo_problems(cfg)
          + value_problems(cfg))
     if check_files:
@@ -318,6 +319,22 @@ def sampler_process_problems(cfg: Config) -> list[str]:
 MT = "rollout.multi_turn"
 TOOL_FORMATS = ("hermes",)
 SANDBOX_LEVELS = ("auto", "namespaces", "process")
+
+
+def code_problems(cfg: Config) -> list[str]:
+    """rollout.code: the code generator's sandbox (its worker count's bound is the machine's, checked where the
+    generator starts)."""
+    c, f = cfg.rollout.code, "rollout.code"
+    p = []
+    if re.search(r"(^|[+\s])execution(\s*\*|\s*\+|$)", cfg.reward.function) and cfg.rollout.generator != "code":
+        p.append(f"reward.function={cfg.reward.function!r} grades what each answer's program printed, which only "
+                 f"rollout.generator=code runs; set rollout.generator=code, or choose another reward.")
+    if c.sandbox not in SANDBOX_LEVELS:
+        p.append(f"{f}.sandbox={c.sandbox!r} is unknown; use {', '.join(SANDBOX_LEVELS)}.")
+    if c.timeout_s <= 0 or c.memory_mb < 16 or c.workers < 1 or c.max_output_bytes < 1:
+        p.append(f"{f}.timeout_s={c.timeout_s} must be positive, memory_mb={c.memory_mb} at least 16, workers="
+                 f"{c.workers} and max_output_bytes={c.max_output_bytes} at least 1.")
+    return p
 
 
 def multi_turn_problems(cfg: Config) -> list[str]:

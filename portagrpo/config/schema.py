@@ -118,6 +118,18 @@ class MultiTurnConfig:
 
 
 @dataclass(frozen=True)
+class CodeConfig:
+    """The `code` generator (rollout/generators/code.py): each answer's Python program is run in the tool sandbox,
+    and what it prints is the row's outcome (reward.function=execution grades it against the ground truth)."""
+
+    timeout_s: float = 5.0  # wall clock per program; the CPU-time limit is the same number of seconds
+    memory_mb: int = 512  # address-space limit of a program's process
+    max_output_bytes: int = 4096  # stdout and stderr together; more is cut and the program counted as an error
+    workers: int = 2  # sandbox worker processes per rank
+    sandbox: str = "auto"  # as rollout.multi_turn.sandbox; auto refuses the process level (model-written code)
+
+
+@dataclass(frozen=True)
 class RolloutConfig:
     engine: str = "hf"
     n: int = 8
@@ -145,9 +157,10 @@ class RolloutConfig:
     mode: Literal["sync", "one_step_off"] = "sync"
     devices: int = 0  # one_step_off on an accelerator: sampler devices per node (one per rank), after the trainers'
     # How a round's rows are made (rollout/generators/): auto (conversation with multi_turn, vision for a
-    # vision-language policy, else text), or a registered generator's name (text, vision, conversation, echo)
+    # vision-language policy, else text), or a registered generator's name (text, vision, conversation, echo, code)
     generator: str = "auto"
     multi_turn: MultiTurnConfig = field(default_factory=MultiTurnConfig)
+    code: CodeConfig = field(default_factory=CodeConfig)
 
 
 @dataclass(frozen=True)

@@ -147,6 +147,21 @@ def calc_task_reward(data_source: str, solution_str: str, ground_truth: str, ext
     return {"score": score, "correct": score >= 1.0}
 
 
+@REWARDS.register("execution")
+def execution_reward(data_source: str, solution_str: str, ground_truth: str, extra_info: dict | None = None) -> dict:
+    """A program's answer, for a generator that runs the answer (rollout.generator=code writes what the program
+    printed to extra_info["execution"]): 1.0 where its last printed line is the ground truth (numbers compared as
+    GSM8K's rewards compare them), 0.0 for another line, no output, no program, or a program that failed. A row no
+    program ran for scores 0.0 (the config refuses reward.function=execution without rollout.generator=code)."""
+    run = (extra_info or {}).get("execution") or {"output": "", "error": "not_run"}
+    lines = [line.strip() for line in str(run.get("output", "")).splitlines() if line.strip()]
+    said = lines[-1] if lines and run.get("error") is None else None
+    truth = str(ground_truth).strip()
+    right = said is not None and (said == truth or (normalize_number(said) is not None
+                                                    and normalize_number(said) == normalize_number(truth)))
+    return {"score": 1.0 if right else 0.0, "correct": right}
+
+
 # data_source -> registered reward, used by reward.function=auto
 DATA_SOURCE_REWARDS = {
     "openai/gsm8k": "gsm8k",

@@ -429,6 +429,18 @@ def rollout_batch(tokenizer, group: GroupPrompts, sampled: Sampled):
     )
 
 
+def sampled_rows(rows: list[list[int]], pad_id: int, width: int, device,
+                 logp: list[list[float]] | None = None) -> Sampled:
+    """Responses a generator made itself (its own tokens, a conversation's turns), right-padded to `width`, as an
+    engine answers: what `rollout_batch` takes. `logp`: each row's sampler log-probs (0 for tokens not sampled)."""
+    pad = [width - len(r) for r in rows]
+    tokens = torch.tensor([r + [pad_id] * k for r, k in zip(rows, pad)], dtype=torch.long).reshape(len(rows), width)
+    mask = torch.tensor([[1.0] * len(r) + [0.0] * k for r, k in zip(rows, pad)]).reshape(len(rows), width)
+    sampled = None if logp is None else torch.tensor([x + [0.0] * k for x, k in zip(logp, pad)]).reshape(len(rows),
+                                                                                                          width)
+    return Sampled(tokens.to(device), mask.to(device), None if sampled is None else sampled.to(device))
+
+
 def rollout_groups(engine, tokenizer, records: list, n: int, params: SamplingParams, device, *, uid_base: int = 0,
                    prompt_width: int | None = None):
     """Each record's prompt n times (a group), left-padded, generated, decoded: a RolloutBatch.

@@ -37,8 +37,8 @@ import torch
 from portagrpo.errors import UserError
 from portagrpo.procs import sigint_ignored
 from portagrpo.rollout.engines import hf_weight_names
-from portagrpo.rollout.generators import Generated, GeneratorInputs, RoundPrompts, make_generator
-from portagrpo.rollout.settings import MultiTurnSettings, SamplingParams
+from portagrpo.rollout.generators import Generated, GeneratorInputs, GeneratorSpec, RoundPrompts, make_generator
+from portagrpo.rollout.settings import SamplingParams
 from portagrpo.rollout.vllm_sampling import seed_streams
 
 
@@ -74,8 +74,7 @@ class SamplerSpec:
     backend: str = "cpu"  # imported in the process first (a vendor's torch plugin registers its device)
     engine: str = "hf"  # hf: a SamplerCopy in `precision`; vllm: a VLLMRollout built with the keywords `vllm`
     vllm: dict | None = None
-    generator: str = "text"  # the run's generator (rollout/generators/), built in the process
-    multi_turn: MultiTurnSettings | None = None  # a conversation's tools
+    generator: GeneratorSpec = GeneratorSpec("text")  # the run's generator (rollout/generators/), built here
     rank: int = 0
     local_world_size: int = 1
 
@@ -256,7 +255,7 @@ def _build_vllm(spec: SamplerSpec, backend):
 def _build_generator(spec: SamplerSpec):
     """The run's generator in this process: the prompts come prepared (no processor needed), the turns are this
     process's own (no lockstep with other ranks)."""
-    return make_generator(spec.generator, GeneratorInputs(spec.tokenizer, None, spec.multi_turn, rank=spec.rank,
+    return make_generator(spec.generator, GeneratorInputs(spec.tokenizer, rank=spec.rank,
                                                           local_world_size=spec.local_world_size,
                                                           log=lambda message: None))
 

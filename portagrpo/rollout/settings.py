@@ -82,36 +82,3 @@ class EngineSettings:
     def max_model_len(self) -> int:
         """vLLM's context: rollout.vllm_max_model_len, else a prompt and a response at their limits."""
         return self.vllm_max_model_len or self.max_prompt_length + self.sampling.max_tokens
-
-
-@dataclass(frozen=True)
-class MultiTurnSettings:
-    """rollout.multi_turn: what the conversation generator (rollout/generators/conversation.py) samples with."""
-
-    max_assistant_turns: int
-    tool_config_path: str
-    max_tool_response_length: int  # tokens
-    format: str
-    tool_timeout_s: float
-    tool_memory_mb: int
-    tool_workers: int
-    sandbox: str  # rollout.multi_turn.sandbox: auto, namespaces or process (agent/isolation.py)
-
-    @classmethod
-    def from_config(cls, cfg: Config) -> "MultiTurnSettings | None":
-        m = cfg.rollout.multi_turn
-        if not m.enable:
-            return None
-        return cls(m.max_assistant_turns, str(m.tool_config_path), m.max_tool_response_length, m.format,
-                   m.tool_timeout_s, m.tool_memory_mb, m.tool_workers, m.sandbox)
-
-
-def generator_name(cfg: Config) -> str:
-    """rollout.generator, with `auto` resolved: a conversation with rollout.multi_turn on, vision rows for a
-    vision-language policy, else text."""
-    from portagrpo.paths import uses_vision
-
-    chosen = cfg.rollout.generator
-    if chosen != "auto":
-        return chosen
-    return "conversation" if cfg.rollout.multi_turn.enable else "vision" if uses_vision(cfg.model) else "text"

@@ -130,17 +130,16 @@ def _sample_and_score(engine, tokenizer, processor, records: list, k: int, param
     from tqdm.auto import tqdm
 
     from portagrpo.rewards.functions import score_responses
-    from portagrpo.rollout.engines import rollout_groups
-    from portagrpo.rollout.generators.vision import vision_rollout
+    from portagrpo.rollout.generators import GeneratorInputs, GeneratorSpec, make_generator, one_round
 
+    # each prompt as training samples it: a vision-language policy's with its images
+    rows = make_generator(GeneratorSpec("vision" if processor is not None else "text"),
+                          GeneratorInputs(tokenizer, processor))
     correct, scores, examples = [], [], []
     bar = tqdm(total=len(records), desc=f"eval ({name})", disable=not progress)
     for start in range(0, len(records), batch_size):
         chunk = records[start:start + batch_size]
-        if processor is not None:  # each prompt with its images, as training samples it
-            rb = vision_rollout(engine, processor, chunk, k, params, device)
-        else:
-            rb = rollout_groups(engine, tokenizer, chunk, k, params, device)
+        rb = one_round(rows, engine, chunk, k, params, device)
         texts = rb.response_text
         scored = score_responses(resolver, texts, rb.ground_truth, rb.data_source, rb.prompt_index.tolist(),
                                  rb.extra_info, max_error_frac=1.0)

@@ -149,7 +149,7 @@ def _experience_maker():
     from portagrpo.config import load_config
     from portagrpo.train.experience import ExperienceMaker, ExperienceSettings
 
-    return ExperienceMaker(ExperienceSettings.from_config(load_config(None, []), 1), GRPO)
+    return ExperienceMaker(ExperienceSettings.from_config(load_config(None, [])), GRPO)
 
 
 def multi_turn_stages(scn: dict[str, torch.Tensor], s: Setting, policy: torch.nn.Module, objective: Objective,

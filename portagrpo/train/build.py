@@ -55,8 +55,9 @@ from portagrpo.model.vision_attention import set_vision_attention
 from portagrpo.rewards.functions import RewardResolver
 from portagrpo.rewards.pool import RewardPool
 from portagrpo.rollout.engines import ROLLOUT_ENGINES, EngineInputs, RolloutEngine
+from portagrpo.rollout.generators import generator_spec
 from portagrpo.rollout.process import AheadSampler
-from portagrpo.rollout.settings import EngineSettings, MultiTurnSettings, generator_name
+from portagrpo.rollout.settings import EngineSettings
 from portagrpo.tolerances import DTYPES
 from portagrpo.train.layout import RunLayout, resolve_layout
 from portagrpo.train.memory import PhaseMemory
@@ -432,8 +433,7 @@ def build_sampler_process(cfg: Config, runtime: Runtime, models: Models, tokeniz
     settings = EngineSettings.from_config(cfg)
     eos = stop_token_ids(tokenizer, models.policy)
     init_model = Path(run_dir) / "init_model"
-    generation = dict(generator=generator_name(cfg), multi_turn=MultiTurnSettings.from_config(cfg),
-                      rank=runtime.comm.rank, local_world_size=env.local_world_size)
+    generation = dict(generator=generator_spec(cfg), rank=runtime.comm.rank, local_world_size=env.local_world_size)
     if backend.rollout_engine(cfg.rollout.engine) == "vllm":
         path = str(resolve_model_path(settings.model_path) if settings.model_path else init_model)
         vllm = vllm_engine_kwargs(settings, backend, models.policy, eos, path, runtime.comm.rank)

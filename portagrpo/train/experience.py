@@ -3,7 +3,6 @@ rollout correction and advantages, as a typed Experience; and the settings the p
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
 
 import torch
 
@@ -13,7 +12,6 @@ from portagrpo.batch import RolloutBatch, TrainBatch
 from portagrpo.config import Config, correction_bounds
 from portagrpo.errors import UserError
 from portagrpo.metrics import pass_at_k
-from portagrpo.rollout.settings import SamplingParams
 
 
 def seed_for(seed: int, step: int, salt: int) -> int:
@@ -102,15 +100,6 @@ def correction_from(cfg: Config) -> RolloutCorrection:
                              bypass_mode=rc.bypass_mode)
 
 
-def dapo_settings(cfg: Config) -> dict[str, Any]:
-    """DAPO's overlong penalty and group filter. A filter that drops groups may take several rounds, whose prompts
-    are then padded to at least data.max_prompt_length (so rounds of text prompts share one width)."""
-    ob, fg = cfg.reward.overlong_buffer, cfg.algorithm.filter_groups
-    return {"overlong": (cfg.data.max_response_length, ob.len, ob.penalty_factor) if ob.enable else None,
-            "group_filter": fg.metric if fg.enable else "all", "max_rounds": fg.max_num_gen_batches,
-            "min_prompt_width": cfg.data.max_prompt_length if fg.enable else 0}
-
-
 def is_on_policy(cfg: Config, stale: bool) -> bool:
     """One update on the whole batch: the policy that sampled is the one being updated, so the
     old log-probs are the update's own (detached) and their separate pass is skipped, as in
@@ -127,42 +116,18 @@ def is_on_policy(cfg: Config, stale: bool) -> bool:
 
 @dataclass(frozen=True)
 class ExperienceSettings:
-    seed: int
-    n: int  # responses per prompt
-    micro_batch_size: int  # scoring micro-batch
-    token_budget: int | None  # instead: scoring micro-batches of at most this many tokens
-    temperature: float  # the sampling temperature, which scoring divides the logits by as well
-    sampling: SamplingParams
-    val_sampling: SamplingParams
-    val_n: int
-    val_batch_size: int  # prompts per validation rollout, over all ranks
-    max_error_frac: float
+    """What turns a scored batch into the step's experience, and what that decides for the passes around it: whether
+    the step is on-policy (no scoring pass: the update's first forward gives the old log-probs) and the rollout
+    correction. The pipeline's settings are `RolloutSettings` (train/pipeline.py), the scoring passes'
+    `ScoringSettings` (train/logprobs.py), the update's `UpdateSettings` (train/update.py)."""
+
     on_policy: bool
     correction: RolloutCorrection
-    overlong: tuple[int, int, float] | None = None  # DAPO: (max response length, buffer, penalty factor)
-    group_filter: str = "all"  # the groups a round keeps (train/filters.py): all, or DAPO's acc or score
-    max_rounds: int = 0  # sampling rounds per step at most (0: no limit)
-    min_prompt_width: int = 0  # every round's prompts padded to at least this width
-    routing: str | None = None  # actor.router_replay: what a MoE policy's scoring pass does with its routes
 
     @classmethod
-    def from_config(cls, cfg: Config, world_size: int, stale: bool = False) -> "ExperienceSettings":
+    def from_config(cls, cfg: Config, stale: bool = False) -> "ExperienceSettings":
         """`stale`: the run's schedule samples with an older policy than the one it updates (one_step_off)."""
-        r = cfg.rollout
-
-        def sampling(temperature: float) -> SamplingParams:
-            return SamplingParams(cfg.data.max_response_length, temperature, r.top_p, r.top_k, r.min_p,
-                                  r.repetition_penalty)
-
-        from portagrpo.train.layout import BatchPlan
-
-        batches = BatchPlan.of(cfg, world_size)  # the run layout's cut (train/layout.py)
-        return cls(seed=cfg.trainer.seed, n=r.n, micro_batch_size=batches.scoring_micro_batch,
-                   token_budget=batches.scoring_token_budget,
-                   temperature=r.temperature, sampling=sampling(r.temperature),
-                   val_sampling=sampling(r.val_temperature), val_n=r.val_n, val_batch_size=cfg.data.train_batch_size,
-                   max_error_frac=cfg.reward.max_error_frac, on_policy=is_on_policy(cfg, stale),
-                   correction=correction_from(cfg), routing=cfg.actor.router_replay, **dapo_settings(cfg))
+        return cls(on_policy=is_on_policy(cfg, stale), correction=correction_from(cfg))
 
     @property
     def scoring_pass(self) -> bool:

@@ -7,10 +7,10 @@ from dataclasses import dataclass, replace
 import torch
 
 from portagrpo.batch import RolloutBatch, micro_batches
+from portagrpo.config import Config
 from portagrpo.model.router_replay import Routing, add_counts, in_row_order
 from portagrpo.model.scorer import eval_mode, response_stats
 from portagrpo.train.build import Models, Runtime
-from portagrpo.train.experience import ExperienceSettings
 
 
 @dataclass(frozen=True)
@@ -25,8 +25,29 @@ class Passes:
     route_counts: tuple[torch.Tensor, torch.Tensor] | None = None
 
 
+@dataclass(frozen=True)
+class ScoringSettings:
+    """What the log-prob passes read: the scoring micro-batch (or token budget), the sampling temperature the logits
+    are divided by, whether the policy's scoring pass runs (`ExperienceSettings.scoring_pass`), and what a MoE
+    policy's scoring pass does with its routes (actor.router_replay)."""
+
+    micro_batch_size: int
+    token_budget: int | None
+    temperature: float
+    scoring_pass: bool
+    routing: str | None = None
+
+    @classmethod
+    def from_config(cls, cfg: Config, world_size: int, scoring_pass: bool) -> "ScoringSettings":
+        from portagrpo.train.layout import BatchPlan
+
+        batches = BatchPlan.of(cfg, world_size)  # the run layout's cut (train/layout.py)
+        return cls(batches.scoring_micro_batch, batches.scoring_token_budget, cfg.rollout.temperature, scoring_pass,
+                   cfg.actor.router_replay)
+
+
 class LogProbs:
-    def __init__(self, settings: ExperienceSettings, runtime: Runtime, models: Models) -> None:
+    def __init__(self, settings: ScoringSettings, runtime: Runtime, models: Models) -> None:
         self.settings, self.runtime = settings, runtime
         self.scorer, self.ref_scorer = models.scorer, models.ref_scorer
         self.strategy = models.strategy

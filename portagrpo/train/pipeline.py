@@ -30,6 +30,7 @@ import torch
 
 from portagrpo.algo.advantages import overlong_penalty
 from portagrpo.batch import RolloutBatch
+from portagrpo.config import Config
 from portagrpo.data.records import PromptRecord
 from portagrpo.errors import UserError
 from portagrpo.metrics import ValMetrics
@@ -39,9 +40,9 @@ from portagrpo.rollout.engines import RolloutEngine
 from portagrpo.rollout.generators import Generated, Generator, RoundPrompts
 from portagrpo.rollout.settings import SamplingParams
 from portagrpo.train.build import Data, Models, Runtime
-from portagrpo.train.experience import ExperienceSettings, Scored, ScoredRollout, seed_for, solved_of
+from portagrpo.train.experience import Scored, ScoredRollout, seed_for, solved_of
 from portagrpo.train.filters import FILTERS
-from portagrpo.train.logprobs import LogProbs
+from portagrpo.train.logprobs import LogProbs, ScoringSettings
 from portagrpo.train.record import StepRecord
 
 ROUND_SPAN = 1000  # sampling rounds a step may take (DAPO) before two steps' group ids could meet
@@ -115,18 +116,52 @@ class Kept:
             self.rows += rows.numel()
 
 
+@dataclass(frozen=True)
+class RolloutSettings:
+    """What the pipeline reads: how many responses a prompt gets and how they are sampled (training and validation),
+    how many reward errors a step tolerates, DAPO's overlong penalty and group filter (whose rounds may take several,
+    their prompts padded to at least data.max_prompt_length so rounds of text prompts share one width)."""
+
+    seed: int
+    n: int  # responses per prompt
+    sampling: SamplingParams
+    val_sampling: SamplingParams
+    val_n: int
+    val_batch_size: int  # prompts per validation rollout, over all ranks
+    max_error_frac: float
+    overlong: tuple[int, int, float] | None = None  # DAPO: (max response length, buffer, penalty factor)
+    group_filter: str = "all"  # the groups a round keeps (train/filters.py): all, or DAPO's acc or score
+    max_rounds: int = 0  # sampling rounds per step at most (0: no limit)
+    min_prompt_width: int = 0  # every round's prompts padded to at least this width
+
+    @classmethod
+    def from_config(cls, cfg: Config) -> "RolloutSettings":
+        r, ob, fg = cfg.rollout, cfg.reward.overlong_buffer, cfg.algorithm.filter_groups
+
+        def sampling(temperature: float) -> SamplingParams:
+            return SamplingParams(cfg.data.max_response_length, temperature, r.top_p, r.top_k, r.min_p,
+                                  r.repetition_penalty)
+
+        return cls(seed=cfg.trainer.seed, n=r.n, sampling=sampling(r.temperature),
+                   val_sampling=sampling(r.val_temperature), val_n=r.val_n, val_batch_size=cfg.data.train_batch_size,
+                   max_error_frac=cfg.reward.max_error_frac,
+                   overlong=(cfg.data.max_response_length, ob.len, ob.penalty_factor) if ob.enable else None,
+                   group_filter=fg.metric if fg.enable else "all", max_rounds=fg.max_num_gen_batches,
+                   min_prompt_width=cfg.data.max_prompt_length if fg.enable else 0)
+
+
 class Pipeline:
     """This rank's part in turning a global prompt batch into the step's scored global batch."""
 
-    def __init__(self, settings: ExperienceSettings, runtime: Runtime, data: Data, models: Models,
-                 engine: RolloutEngine, generator: Generator, log: Callable[[str], None]) -> None:
+    def __init__(self, settings: RolloutSettings, scoring: ScoringSettings, runtime: Runtime, data: Data,
+                 models: Models, engine: RolloutEngine, generator: Generator, log: Callable[[str], None]) -> None:
         self.settings, self.runtime, self.log = settings, runtime, log
         self.tokenizer, self.reward, self.reward_pool = data.tokenizer, data.reward, data.reward_pool
         self.loader = data.loader
         self.vision = data.processor is not None  # rows carry images, which the gather moves with them
         self.scorer, self.strategy = models.scorer, models.strategy
         self.engine, self.generator = engine, generator
-        self.logprobs = LogProbs(settings, runtime, models)
+        self.logprobs = LogProbs(scoring, runtime, models)
         self.keep_rows = FILTERS.get(settings.group_filter, field="algorithm.filter_groups.metric")
         generator.check(engine)
 

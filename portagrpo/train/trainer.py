@@ -25,13 +25,13 @@ from pathlib import Path
 from portagrpo.config import Config, to_dict, to_yaml
 from portagrpo.fileio import write_text_atomic
 from portagrpo.metrics import MetricsLogger, StepReport, ValMetrics, make_trackers
-from portagrpo.rollout.generators import Generator, GeneratorInputs, make_generator
-from portagrpo.rollout.settings import MultiTurnSettings, generator_name
+from portagrpo.rollout.generators import Generator, GeneratorInputs, generator_spec, make_generator
 from portagrpo.train.build import Models, Parts, Runtime, build, make_runtime, push_weights
 from portagrpo.train.checkpointer import Checkpointer
 from portagrpo.train.experience import Experience, ExperienceMaker, ExperienceSettings
+from portagrpo.train.logprobs import ScoringSettings
 from portagrpo.train.loop import Cadence, drive
-from portagrpo.train.pipeline import Pipeline
+from portagrpo.train.pipeline import Pipeline, RolloutSettings
 from portagrpo.train.record import StepRecord, param_fingerprint, record_of
 from portagrpo.train.report import StepTimes, step_metrics
 from portagrpo.train.run_dir import RunDir
@@ -118,11 +118,13 @@ class Trainer:
     def _setup_parts(self) -> None:
         cfg, rt = self.cfg, self.runtime
         self.parts = p = build(cfg, rt, self.run_dir, self.log, apart=self.kind.apart)
-        settings = ExperienceSettings.from_config(cfg, rt.comm.world_size, stale=self.kind.stale)
-        self.generator = make_generator(generator_name(cfg), GeneratorInputs(
-            p.data.tokenizer, p.data.processor, MultiTurnSettings.from_config(cfg), rank=rt.comm.rank,
-            local_world_size=rt.comm.env.local_world_size, lockstep=rt.comm, log=self.log))
-        self.pipeline = Pipeline(settings, rt, p.data, p.models, p.engine, self.generator, self.log)
+        settings = ExperienceSettings.from_config(cfg, stale=self.kind.stale)
+        self.generator = make_generator(generator_spec(cfg), GeneratorInputs(
+            p.data.tokenizer, p.data.processor, rank=rt.comm.rank, local_world_size=rt.comm.env.local_world_size,
+            lockstep=rt.comm, log=self.log))
+        self.pipeline = Pipeline(RolloutSettings.from_config(cfg),
+                                 ScoringSettings.from_config(cfg, rt.comm.world_size, settings.scoring_pass), rt,
+                                 p.data, p.models, p.engine, self.generator, self.log)
         self.experience = ExperienceMaker(settings, p.shaping)
         self.schedule = self.kind(ScheduleInputs(self.pipeline, p.data.loader, p.sampler, p.total_steps, self.log))
         self.updater = Updater(UpdateSettings.from_config(cfg, rt.comm.world_size, not settings.scoring_pass,

@@ -100,14 +100,14 @@ def test_a_scoring_pass_leaves_nothing_gathered(one_rank_group, tiny_model_dir):
 
     from portagrpo.backends.dist import Collectives
     from portagrpo.batch import RolloutBatch
-    from portagrpo.train.logprobs import LogProbs
+    from portagrpo.train.logprobs import LogProbs, ScoringSettings
 
     strategy, scorer, model = _fsdp2_scorer(tiny_model_dir, None)
     ids, mask, resp, rmask = _batch()
     rows = ids.shape[0]
     rb = RolloutBatch(ids, mask, resp, rmask.float(), torch.arange(rows), torch.arange(rows), [""] * rows,
                       [""] * rows, [""] * rows, [{}] * rows)
-    settings = SimpleNamespace(micro_batch_size=1, token_budget=None, temperature=1.0, scoring_pass=False)
+    settings = ScoringSettings(micro_batch_size=1, token_budget=None, temperature=1.0, scoring_pass=False)
     runtime = SimpleNamespace(comm=Collectives(), phase=lambda label: contextlib.nullcontext(),
                               autocast=contextlib.nullcontext, device=torch.device("cpu"))
     passes = LogProbs(settings, runtime, SimpleNamespace(scorer=None, ref_scorer=scorer, strategy=strategy))

@@ -95,7 +95,7 @@ def test_overlong_shaping_lowers_long_responses_scores(tmp_path):
     t = Trainer(load_config(None, [*FAST, "reward.overlong_buffer.enable=true", "reward.overlong_buffer.len=4",
                                    "reward.overlong_buffer.penalty_factor=2.0"]), run_dir=tmp_path,
                 log=lambda m: None).setup()
-    rb = t.pipeline.rollout(t.parts.data.loader.next_batch(), 4, t.experience.settings.sampling, uid_base=0)
+    rb = t.pipeline.rollout(t.parts.data.loader.next_batch(), 4, t.pipeline.settings.sampling, uid_base=0)
     shaped = t.pipeline.shaped_scores(rb, [1.0] * rb.size)
     lengths = torch.tensor([r for _, r in rb.host_lengths()], dtype=torch.float32)
     expected = 1.0 + torch.clamp(-(lengths - 4) / 4 * 2.0, max=0.0)

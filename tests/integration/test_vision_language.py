@@ -14,7 +14,7 @@ from portagrpo.config import load_config  # noqa: E402
 from portagrpo.data.records import PromptRecord  # noqa: E402
 from portagrpo.kernels import token_logprobs_reference  # noqa: E402
 from portagrpo.model import vision  # noqa: E402
-from portagrpo.rollout.generators.vision import vision_rollout  # noqa: E402
+from portagrpo.rollout.generators import GeneratorInputs, GeneratorSpec, make_generator, one_round  # noqa: E402
 
 FAST = ["trainer.progress_bar=false", "model.tiny.vision=true", "model.tiny.num_heads=2", "data.task=colours",
         "data.train_size=32", "data.val_size=4", "data.train_batch_size=4", "rollout.n=4",
@@ -82,7 +82,8 @@ def _rollout(n=3):
         PromptRecord(3, [{"role": "user", "content": "no picture"}], "none", "x"),  # a text-only row among them
     ]
     engine = HFRollout(scorer, processor.tokenizer, contextlib.nullcontext)
-    batch = vision_rollout(engine, processor, records, n, SamplingParams(max_tokens=6), "cpu")
+    rows = make_generator(GeneratorSpec("vision"), GeneratorInputs(processor.tokenizer, processor))
+    batch = one_round(rows, engine, records, n, SamplingParams(max_tokens=6), "cpu")
     return scorer, batch
 
 

@@ -2,8 +2,11 @@
 import pytest
 
 from portagrpo.config import ConfigError, load_config
-from portagrpo.rollout.settings import MultiTurnSettings, generator_name
+from portagrpo.errors import UserError
+from portagrpo.rollout.generators import generator_spec
+from portagrpo.rollout.generators.conversation import MultiTurnSettings
 from portagrpo.train.experience import ExperienceSettings
+from portagrpo.train.pipeline import RolloutSettings
 
 AR = "actor_rollout_ref.rollout.multi_turn."
 CALCULATOR = "tools:\n  - class_name: calculator\n    tool_schema: {function: {name: calculator}}\n"
@@ -18,7 +21,9 @@ def _problems(overrides, check_files=False):
 def test_defaults_are_off_and_single_turn_settings_are_unchanged():
     cfg = load_config(None, [])
     assert not cfg.rollout.multi_turn.enable
-    assert generator_name(cfg) == "text" and MultiTurnSettings.from_config(cfg) is None
+    assert generator_spec(cfg).name == "text" and generator_spec(cfg).settings is None
+    with pytest.raises(UserError, match="needs rollout.multi_turn.enable=true"):  # the conversation's own reading
+        MultiTurnSettings.from_config(cfg)
 
 
 def test_enabled_settings_reach_the_generator(tmp_path):
@@ -26,8 +31,9 @@ def test_enabled_settings_reach_the_generator(tmp_path):
     tools.write_text(CALCULATOR)
     cfg = load_config(None, ["rollout.multi_turn.enable=true", f"rollout.multi_turn.tool_config_path={tools}",
                              "rollout.multi_turn.max_assistant_turns=3"])
-    s = MultiTurnSettings.from_config(cfg)
-    assert generator_name(cfg) == "conversation"
+    spec = generator_spec(cfg)
+    s = spec.settings
+    assert spec.name == "conversation" and isinstance(s, MultiTurnSettings)
     assert s.max_assistant_turns == 3 and s.tool_config_path == str(tools)
 
 
@@ -48,8 +54,9 @@ def test_enable_needs_a_tool_file_and_composes_with_one_step_off_and_dapo(tmp_pa
     tools.write_text(CALCULATOR)
     cfg = load_config(None, ["rollout.multi_turn.enable=true", f"rollout.multi_turn.tool_config_path={tools}",
                              "algorithm.filter_groups.enable=true", "rollout.mode=one_step_off"])
-    s = ExperienceSettings.from_config(cfg, 1, stale=True)  # DAPO's rounds, sampled as conversations, one step off
-    assert generator_name(cfg) == "conversation" and s.group_filter == "acc" and not s.on_policy
+    s = ExperienceSettings.from_config(cfg, stale=True)  # DAPO's rounds, sampled as conversations, one step off
+    assert generator_spec(cfg).name == "conversation" and RolloutSettings.from_config(cfg).group_filter == "acc"
+    assert not s.on_policy
     text = _problems(["rollout.multi_turn.enable=true", f"rollout.multi_turn.tool_config_path={tmp_path}/none.yaml"],
                      check_files=True)
     assert "none.yaml' does not exist" in text

@@ -138,7 +138,7 @@ MODES = ["token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-to
 def test_tool_tokens_get_no_gradient_and_the_loss_is_the_hand_masked_one(mode, correction):
     cfg = load_config(None, ["data.train_batch_size=2", "rollout.n=2", "actor.ppo_mini_batch_size=4",
                              "actor.ppo_epochs=2", f"actor.loss_agg_mode={mode}"] + correction)
-    settings = ExperienceSettings.from_config(cfg, 1)
+    settings = ExperienceSettings.from_config(cfg)
     spec = Objective(0.2, 0.2, 3.0, loss_agg_mode=mode, loss_scale_factor=10.0, entropy_coeff=0.0)
     rb, logits, old, scores = _two_turn_batch()
     tb, _, _ = ExperienceMaker(settings, Shaping()).train_batch(rb, scores, old, None)
@@ -258,7 +258,7 @@ def check_on(device_name: str) -> None:
     dev = get_backend(device_name).device(0)
     cfg = load_config(None, ["data.train_batch_size=2", "rollout.n=2", "actor.ppo_mini_batch_size=4",
                              "actor.ppo_epochs=2", "actor.loss_agg_mode=seq-mean-token-sum-norm"])
-    settings = ExperienceSettings.from_config(cfg, 1)
+    settings = ExperienceSettings.from_config(cfg)
     spec = Objective(0.2, 0.2, 3.0, loss_agg_mode="seq-mean-token-sum-norm", loss_scale_factor=10.0)
     rb, logits, old, scores = _two_turn_batch(torch.float32)
     rb, old, scores = rb.to(dev), old.to(dev), scores.to(dev)

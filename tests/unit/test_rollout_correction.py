@@ -221,7 +221,7 @@ def test_a_step_whose_weights_icepop_all_zeroes_is_one_sentence_naming_the_key()
                              old_logp=rollout_logp + log_ratio, ref_logp=None, entropy=None, t_gen=0.0, t_scored=0.0)
 
     cfg = load_config(None, [f"{RC}.rollout_is=token", f"{RC}.rollout_is_threshold=0.5_5.0"])
-    maker = ExperienceMaker(ExperienceSettings.from_config(cfg, 1), Shaping())
+    maker = ExperienceMaker(ExperienceSettings.from_config(cfg), Shaping())
     exp = maker.prepare(step(0.1))
     assert all(type(v) is float for v in exp.rollout_corr.values())
     assert exp.rollout_corr[PREFIX + "rollout_is_mean"] == pytest.approx(math.exp(0.1), rel=1e-6)

@@ -234,18 +234,30 @@ def test_no_getattr_probe_of_a_protocol_member():
 
 
 def test_a_generator_is_one_module_that_registers_itself():
-    """Every module in rollout/generators/ registers one generator, found by make_generator without being named
-    elsewhere; the group filters and the schedules are registries too."""
+    """The promise of rollout/generators/: every module there registers exactly one generator, the registry holds
+    exactly those (make_generator finds each by its name, no list names them), and no module of the package outside
+    that folder imports one; the group filters and the schedules are registries too."""
     from portagrpo.rollout.generators import GENERATORS, discover
     from portagrpo.train.filters import FILTERS
     from portagrpo.train.schedule import SCHEDULES
 
     discover()
-    files = sorted(p.stem for p in (ROOT / "portagrpo/rollout/generators").glob("*.py") if p.stem != "__init__")
-    assert sorted(GENERATORS.names()) == files == ["conversation", "echo", "text", "vision"]
+    folder = "portagrpo.rollout.generators"
+    found = modules()
+    generator_modules = {name for name in found if name.startswith(folder + ".")}
+    registered = {}
+    for name in sorted(generator_modules):
+        calls = [node for node in ast.walk(ast.parse(found[name].read_text()))
+                 if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr == "register"
+                 and isinstance(node.func.value, ast.Name) and node.func.value.id == "GENERATORS"]
+        assert len(calls) == 1, f"{name} registers {len(calls)} generators"
+        registered[name] = calls[0].args[0].value
+    assert sorted(GENERATORS.names()) == sorted(registered.values())
+    assert len(set(registered.values())) == len(registered) >= 5
+    leaks = [f"{name} imports {m}" for name, path in found.items() if not name.startswith(folder)
+             for m in imports_of(name, path, set(found)) if m in generator_modules]
+    assert leaks == [], leaks
     assert {"acc", "all", "score"} <= set(FILTERS.names()) and sorted(SCHEDULES.names()) == list(sorted(MODES))
-    trainer = (ROOT / "portagrpo/train/trainer.py").read_text()
-    assert not any(f"generators.{f}" in trainer for f in files), "the trainer names a generator module"
 
 
 HOST_READS = {"item", "tolist", "cpu", "numpy"}
@@ -361,13 +373,26 @@ def test_rewards_do_not_import_data():
 
 def test_engines_read_no_config():
     """An engine is built from `EngineSettings.from_config` (rollout/settings.py), as the phases are from theirs:
-    no other rollout module imports the config or reaches a `cfg`."""
+    no other rollout module imports the config or reaches a `cfg`. A generator reads its own settings next to its
+    class (rollout/generators/): there `cfg` appears only in the functions that read settings."""
     mods = modules()
+    readers = {"from_config", "settings", "generator_name", "generator_spec", "generator_problem"}
     for name, path in mods.items():
-        if name.startswith("portagrpo.rollout") and name != "portagrpo.rollout.settings":
-            config = {m for m in imports_of(name, path, set(mods)) if m.startswith("portagrpo.config")}
-            assert not config, f"{name} imports {sorted(config)}"
-            tree = ast.parse(path.read_text())
-            names = {n.id for n in ast.walk(tree) if isinstance(n, ast.Name)}
-            attrs = {n.attr for n in ast.walk(tree) if isinstance(n, ast.Attribute)}
-            assert "cfg" not in names | attrs, f"{name} reads a config"
+        if not name.startswith("portagrpo.rollout") or name == "portagrpo.rollout.settings":
+            continue
+        tree = ast.parse(path.read_text())
+        if name.startswith("portagrpo.rollout.generators"):
+            inside = {id(n) for f in ast.walk(tree) if isinstance(f, ast.FunctionDef) and f.name in readers
+                      for n in ast.walk(f)}
+            reads = [n for n in ast.walk(tree) if isinstance(n, ast.Name) and n.id == "cfg"
+                     or isinstance(n, ast.Attribute) and n.attr == "cfg"]
+            outside = [n.lineno for n in reads if id(n) not in inside]
+            assert outside == [], f"{name} reads a config outside its settings, lines {outside}"
+            continue
+        config = {m for m in imports_of(name, path, set(mods)) if m.startswith("portagrpo.config")}
+        assert not config, f"{name} imports {sorted(config)}"
+        names = {n.id for n in ast.walk(tree) if isinstance(n, ast.Name)}
+        attrs = {n.attr for n in ast.walk(tree) if isinstance(n, ast.Attribute)}
+        assert "cfg" not in names | attrs, f"{name} reads a config"
+
+

@@ -30,21 +30,14 @@ from portagrpo.batch import RolloutBatch
 from portagrpo.data.records import PromptRecord, left_pad, tokenize_prompts
 from portagrpo.errors import UserError
 from portagrpo.model.vision import PromptImages, vision_prompts, with_rows
-from portagrpo.rollout.engines import RolloutEngine, decode_responses
-from portagrpo.rollout.generators import (
-    CONVERSATION_NEEDS,
-    GENERATORS,
-    Generated,
-    GeneratorInputs,
-    RoundPrompts,
-    group_ids,
-    repeat,
-)
+from portagrpo.rollout.engines import GroupPrompts, RolloutEngine, rollout_batch, sampled_rows
+from portagrpo.rollout.generators import GENERATORS, Generated, GeneratorInputs, RoundPrompts, group_rows
 from portagrpo.rollout.generators.vision import check_takes_images
 from portagrpo.rollout.settings import SamplingParams
 
 if TYPE_CHECKING:
     from portagrpo.backends.dist import Collectives
+    from portagrpo.config.schema import Config
 
 
 @dataclass
@@ -71,22 +64,30 @@ def tool_counts(counts: dict[str, float]) -> ToolCounts:
     return ToolCounts(**{k: int(v) for k, v in counts.items()})
 
 
-@GENERATORS.register("conversation")
-def conversations(inputs: GeneratorInputs) -> "Conversations":
-    """The run's conversations: its tools (rollout.multi_turn.tool_config_path) in a sandbox started here."""
-    mt = inputs.multi_turn
-    if mt is None:
-        raise UserError(CONVERSATION_NEEDS)
-    too_many = tool_workers_problem(mt.tool_workers, inputs.local_world_size)
-    if too_many:
-        raise UserError(too_many)
-    toolbox = Toolbox.from_file(mt.tool_config_path, Limits(mt.tool_timeout_s, mt.tool_memory_mb), mt.tool_workers,
-                                sandbox=mt.sandbox, rank=inputs.rank)
-    isolation = toolbox.sandbox.start()
-    if inputs.rank == 0:
-        inputs.log(isolation.describe())
-    return Conversations(inputs.tokenizer, toolbox, ToolTurns(inputs.tokenizer, mt.max_tool_response_length),
-                         mt.max_assistant_turns, processor=inputs.processor, lockstep=inputs.lockstep)
+@dataclass(frozen=True)
+class MultiTurnSettings:
+    """rollout.multi_turn: what the conversation generator samples with."""
+
+    max_assistant_turns: int
+    tool_config_path: str
+    max_tool_response_length: int  # tokens
+    format: str
+    tool_timeout_s: float
+    tool_memory_mb: int
+    tool_workers: int
+    sandbox: str  # rollout.multi_turn.sandbox: auto, namespaces or process (agent/isolation.py)
+
+    @classmethod
+    def from_config(cls, cfg: Config) -> "MultiTurnSettings":
+        m = cfg.rollout.multi_turn
+        if not m.enable:
+            raise UserError(CONVERSATION_NEEDS)
+        return cls(m.max_assistant_turns, str(m.tool_config_path), m.max_tool_response_length, m.format,
+                   m.tool_timeout_s, m.tool_memory_mb, m.tool_workers, m.sandbox)
+
+
+CONVERSATION_NEEDS = ("rollout.generator=conversation needs rollout.multi_turn.enable=true and its tool_config_path "
+                      "(the tools a conversation calls).")
 
 
 class Conversations:
@@ -122,17 +123,15 @@ class Conversations:
 
     def generate(self, engine: RolloutEngine, prompts: RoundPrompts, n: int, params: SamplingParams, width: int,
                  device) -> Generated:
-        rows = repeat(prompts.ids, n)
-        self.check_context(engine, rows, params.max_tokens)
-        prompt_ids, prompt_mask = left_pad(rows, engine.pad_id, width=width)
+        group = group_rows(prompts, n, engine.pad_id, width, device)
+        self.check_context(engine, group.ids, params.max_tokens)
         talks = [Conversation(ids, {"ground_truth": prompts.records[i // n].ground_truth})
-                 for i, ids in enumerate(rows)]
+                 for i, ids in enumerate(group.ids)]
         images = with_rows(prompts.images, n)
         tools = ToolCounts()
         has_logp = self.converse(engine, talks, images, params, device, tools)
         counts = replace(tools, turns=sum(t.turns for t in talks), samples=len(talks))
-        batch = self.batch(engine, prompts, n, prompt_ids.to(device), prompt_mask.to(device), talks,
-                           params.max_tokens, has_logp, device)
+        batch = self.batch(engine, group, talks, params.max_tokens, has_logp, device)
         return Generated(replace(batch, images=images), {k: float(v) for k, v in asdict(counts).items()})
 
     def rollout(self, engine: RolloutEngine, records: list[PromptRecord], n: int, params: SamplingParams, device,
@@ -214,27 +213,32 @@ class Conversations:
             start -= 1
         return self.tokenizer.decode(talk.tokens[start:], skip_special_tokens=True)
 
-    def batch(self, engine: RolloutEngine, prompts: RoundPrompts, n: int, prompt_ids: torch.Tensor,
-              prompt_mask: torch.Tensor, talks: list[Conversation], width: int, has_logp: bool,
-              device) -> RolloutBatch:
-        pad = engine.pad_id
-        rows = [t.tokens + [pad] * (width - len(t.tokens)) for t in talks]
-        keeps = [[1.0] * len(t.tokens) + [0.0] * (width - len(t.tokens)) for t in talks]
+    def batch(self, engine: RolloutEngine, group: GroupPrompts, talks: list[Conversation], width: int,
+              has_logp: bool, device) -> RolloutBatch:
+        """The round's batch: each conversation after its prompt as the response, the model's own tokens marked
+        (`model_mask`), the sampler's log-probs where the engine reported them."""
+        rows = [t.tokens for t in talks]
+        sampled = sampled_rows(rows, engine.pad_id, width, device, [t.logp for t in talks] if has_logp else None)
+        own = torch.tensor([t.own + [0.0] * (width - len(t.own)) for t in talks], dtype=torch.float32)
+        own = own.reshape(len(talks), width).to(device)
+        return replace(rollout_batch(self.tokenizer, group, sampled), model_mask=own)
 
-        def tensor(values, dtype):
-            return torch.tensor(values, dtype=dtype).to(device)
 
-        records = prompts.records
-        return RolloutBatch(
-            prompt_ids=prompt_ids, prompt_mask=prompt_mask, responses=tensor(rows, torch.long),
-            response_mask=tensor(keeps, torch.float32), uid=group_ids(prompts, n, device),
-            prompt_index=torch.tensor(repeat([r.index for r in records], n), device=device),
-            response_text=decode_responses(self.tokenizer, rows, keeps),
-            ground_truth=repeat([r.ground_truth for r in records], n),
-            data_source=repeat([r.data_source for r in records], n),
-            extra_info=repeat([r.extra_info for r in records], n),
-            lengths=[(len(t.prompt), len(t.tokens)) for t in talks],
-            rollout_logp=tensor([t.logp + [0.0] * (width - len(t.tokens)) for t in talks], torch.float32)
-            if has_logp else None,
-            model_mask=tensor([t.own + [0.0] * (width - len(t.tokens)) for t in talks], torch.float32),
-        )
+@GENERATORS.register("conversation")
+class ConversationRows(Conversations):
+    """The run's conversations: its tools (rollout.multi_turn.tool_config_path) in a sandbox started here."""
+
+    settings = staticmethod(MultiTurnSettings.from_config)
+
+    def __init__(self, inputs: GeneratorInputs, settings: MultiTurnSettings) -> None:
+        too_many = tool_workers_problem(settings.tool_workers, inputs.local_world_size)
+        if too_many:
+            raise UserError(too_many)
+        toolbox = Toolbox.from_file(settings.tool_config_path, Limits(settings.tool_timeout_s,
+                                                                      settings.tool_memory_mb),
+                                    settings.tool_workers, sandbox=settings.sandbox, rank=inputs.rank)
+        isolation = toolbox.sandbox.start()
+        if inputs.rank == 0:
+            inputs.log(isolation.describe())
+        super().__init__(inputs.tokenizer, toolbox, ToolTurns(inputs.tokenizer, settings.max_tool_response_length),
+                         settings.max_assistant_turns, processor=inputs.processor, lockstep=inputs.lockstep)
