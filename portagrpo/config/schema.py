@@ -263,6 +263,10 @@ class ActorConfig:
     # the offloaded shards in page-locked host memory where the backend row pins them (CUDA, ROCm, Ascend: faster
     # copies, but pinned memory is memory the OS cannot page out; 72B on one node pins about 1.1 TB). false: pageable
     pin_offload: bool = True
+    # FSDP2 with an untied LM head and input embedding: read them one rank's rows at a time to score and train, never
+    # gathered whole (model/parallel.py StreamedRows). false: gather each as an FSDP2 unit (verl's layout), which
+    # holds the whole head and its gradient on every rank; the streamed collectives run in sequence, unprefetched
+    stream_head_rows: bool = True
     clip_ratio: float = 0.2
     clip_ratio_low: Optional[float] = None
     clip_ratio_high: Optional[float] = None

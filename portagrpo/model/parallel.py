@@ -94,10 +94,13 @@ class SingleProcess:
     name = "none"
     shards_checkpoints = False  # rank 0 writes a checkpoint's whole tensors (a sharded strategy: each rank its own)
 
-    def __init__(self, comm: Collectives, shard_group: int = -1, pinned_offload: bool = False) -> None:
+    def __init__(self, comm: Collectives, shard_group: int = -1, pinned_offload: bool = False,
+                 stream_rows: bool = True) -> None:
         """`shard_group`: trainer.fsdp_size, the ranks one FSDP2 shard group spans (-1: all; the others ignore it).
-        `pinned_offload`: the backend's answer to whether offloaded shards sit in page-locked memory."""
+        `pinned_offload`: the backend's answer to whether offloaded shards sit in page-locked memory.
+        `stream_rows`: actor.stream_head_rows (FSDP2: an untied head and embedding read by rows, StreamedRows)."""
         self.comm, self.shard_group, self.pinned_offload = comm, shard_group, pinned_offload
+        self.stream_rows = stream_rows
 
     @property
     def generate_kwargs(self) -> dict[str, Any]:
@@ -251,8 +254,9 @@ class FSDP2(SingleProcess):
             register_fsdp_forward_method(head, "through_head")
             scorer.through_head = head.through_head
             # ... or, for the token log-probs, one rank's rows at a time, never gathered whole; and the embedding
-            scorer.streamed_head = StreamedRows(compute_dtype if low else None)
-            if lookup:
+            if self.stream_rows:
+                scorer.streamed_head = StreamedRows(compute_dtype if low else None)
+            if self.stream_rows and lookup:
                 scorer.streamed_embedding = scorer.streamed_head
         fully_shard(scorer, **mp)
         register_fsdp_forward_method(scorer, "generate")
@@ -452,12 +456,14 @@ def strategy_name(requested: str, resolved: str, world: int, offload: bool) -> s
     return "fsdp2" if resolved == "fsdp2" and (requested == "fsdp2" or offload) else "none"
 
 
-def make_strategy(name: str, comm: Collectives, shard_group: int = -1, pinned_offload: bool = False):
-    """`name` is `strategy_name`'s answer; `shard_group` is trainer.fsdp_size; `pinned_offload` the backend row's.
-    FSDP2 on one rank needs the group of one that `make_runtime` formed for it."""
+def make_strategy(name: str, comm: Collectives, shard_group: int = -1, pinned_offload: bool = False,
+                  stream_rows: bool = True):
+    """`name` is `strategy_name`'s answer; `shard_group` is trainer.fsdp_size; `pinned_offload` the backend row's;
+    `stream_rows` actor.stream_head_rows. FSDP2 on one rank needs the group of one that `make_runtime` formed for
+    it."""
     if name == "none" or (comm.world_size == 1 and not comm.grouped):
         return SingleProcess(comm)
-    return STRATEGIES.get(name, field="trainer.parallel")(comm, shard_group, pinned_offload)
+    return STRATEGIES.get(name, field="trainer.parallel")(comm, shard_group, pinned_offload, stream_rows)
 
 
 _SEQUENCE_GROUPS: dict[tuple[int, int, int], Any] = {}

@@ -157,8 +157,9 @@ def run_shape(cfg, cluster: Cluster, shape: ModelShape, model) -> RunShape:
         pinned_offload=spec.pinned_offload and a.pin_offload, pinned_activations=spec.pinned_offload,
         sampler_apart=layout.engine_apart,
         sampler_param_bytes=SAMPLER_BYTES.get(r.precision, DTYPE_BYTES[cfg.model.dtype]),
-        head_streams=not a.offload and not (layout.lora and any(t.rsplit(".", 1)[-1] == "lm_head"
-                                                                for t in cfg.model.lora.target_modules)))
+        head_streams=a.stream_head_rows and not a.offload and not (
+            layout.lora and any(t.rsplit(".", 1)[-1] == "lm_head" for t in cfg.model.lora.target_modules)),
+        embedding_streams=a.stream_head_rows and not a.offload)
 
 
 def plan_config(cfg, args: argparse.Namespace | None = None) -> tuple[Plan, str]:

@@ -142,9 +142,10 @@ class RunShape:
     # (rollout.devices, after the trainers'): the engine is planned there, and the trainer's devices only gather
     sampler_apart: bool = False
     sampler_param_bytes: int = 4  # an hf sampler's copy of the policy, per parameter (rollout.precision)
-    # an untied head and embedding read by rows (model/parallel.py StreamedRows); gathered units with actor.offload,
-    # and the head with LoRA on it
+    # an untied head and embedding read by rows (model/parallel.py StreamedRows, actor.stream_head_rows); gathered
+    # units with actor.offload, and the head with LoRA on it
     head_streams: bool = True
+    embedding_streams: bool = True
 
 
 @dataclass
@@ -295,7 +296,7 @@ def _terms(m: ModelShape, r: RunShape) -> _Terms:
     block = head / F
     head_fwd, head_bwd = (block * bc, block * (bc + 8 * trained)) if r.head_streams else (
         2 * head * bc, (2 + trained) * head * bc)
-    embed_fwd, embed_bwd = (block * bc, block * 8 * trained) if m.embedding_streams and not r.offload else (
+    embed_fwd, embed_bwd = (block * bc, block * 8 * trained) if m.embedding_streams and r.embedding_streams else (
         2 * head * bc, (2 + trained) * head * bc)
     fwd = (root + FWD_GATHER_UNITS * unit) * bc if fsdp else 0.0
     fwd = max(fwd, (root + unit) * bc + max(head_fwd, embed_fwd)) if fsdp else 0.0

@@ -24,12 +24,10 @@ def score(streamed: bool, dtype: torch.dtype | None, rank: int) -> dict:
     lm = LlamaForCausalLM(LlamaConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
                                       num_attention_heads=4, num_key_value_heads=4, tie_word_embeddings=False,
                                       max_position_embeddings=64))
-    scorer = FSDP2(Collectives()).wrap(ResponseScorer(lm, logprob_impl("chunked")), trainable=True,
-                                       compute_dtype=dtype)
-    # an untied head and embedding of their own units stream by default
-    assert scorer.streamed_head is not None and scorer.streamed_embedding is not None
-    if not streamed:
-        scorer.streamed_head = scorer.streamed_embedding = None
+    # actor.stream_head_rows (default true) or false: the gathered units
+    scorer = FSDP2(Collectives(), stream_rows=streamed).wrap(ResponseScorer(lm, logprob_impl("chunked")),
+                                                             trainable=True, compute_dtype=dtype)
+    assert (scorer.streamed_head is not None and scorer.streamed_embedding is not None) == streamed
     calls, lookups = [], []
     through = scorer.through_head
     scorer.through_head = lambda fn, *args: calls.append(1) or through(fn, *args)

@@ -265,3 +265,20 @@ def test_a_one_step_off_run_plans_its_engine_on_the_samplers_devices():
     assert plans["apart"]["sampler"].items[vllm_term] == plans["sync"]["rollout"].items[vllm_term]
     assert plans["apart"]["rollout"].total < plans["sync"]["rollout"].total
     assert "whole tensors gathered for the push (a layer's, or the largest)" in plans["apart"]["push"].items
+
+
+def test_the_head_read_by_rows_is_planned_by_the_ranks_and_gathered_whole_without():
+    """actor.stream_head_rows: an untied 152,064 x 3,584 head (Qwen2.5-7B) read one rank's rows at a time holds
+    head / 8 rows in its backward; gathered as an FSDP2 unit (false, or under actor.offload), its weight, all-gather
+    output and gradient, whole."""
+    def update(*extra):
+        cfg = load_config(ROOT / "configs" / "qwen2.5-7b-gsm8k-cuda.yaml", list(extra), check_files=False)
+        p, _ = plan_config(cfg)
+        return next(ph for ph in p.phases if ph.name == "update").items["FSDP2 gathered units and unsharded gradients"]
+
+    head = 152_064 * 3_584
+    gathered, by_rows = update("actor.stream_head_rows=false"), update()
+    assert gathered == pytest.approx(3 * head * 2, rel=0.01)  # bf16: weight, all-gather output, gradient
+    # by rows: a bf16 block with its fp32 gradient and the rank's own (0.68 GB) is less than a decoder layer's
+    # backward, which then decides the term
+    assert head / 8 * (2 + 8) < by_rows < gathered - 1e9
