@@ -211,19 +211,30 @@ class ResponseScorer(torch.nn.Module):
                             f"and model.use_remove_padding=true.")
 
     def embedded(self, ids: torch.Tensor) -> dict[str, torch.Tensor]:
-        """The decoder's input for token ids: the ids themselves, or (`streamed_embedding`) their embeddings looked
-        up one rank's rows at a time. Where gradients are on, those ask for one (as transformers'
+        """The decoder's input for token ids: their embeddings where they are read by rows (`streamed`), else the
+        ids themselves."""
+        out = self.streamed(ids)
+        return {"input_ids": ids} if out is None else {"inputs_embeds": out}
+
+    def embeddings(self, ids: torch.Tensor) -> torch.Tensor:
+        """Token ids as embeddings (a vision-language row's, before its image features go in)."""
+        out = self.streamed(ids)
+        return self.lm.get_input_embeddings()(ids) if out is None else out
+
+    def streamed(self, ids: torch.Tensor) -> torch.Tensor | None:
+        """The embeddings of `ids` looked up one rank's rows at a time (`streamed_embedding`), or None where the
+        embedding is not read by rows. Where gradients are on, they ask for one (as transformers'
         enable_input_require_grads makes a frozen embedding's output do), so a LoRA model's layers, checkpointed
         or not, run their backward."""
         embed = self.lm.get_input_embeddings()
         blocks = None if self.streamed_embedding is None else self.streamed_embedding.blocks(embed.weight, ids.device)
         if blocks is None:
-            return {"input_ids": ids}
+            return None
         out = embedding_streamed(ids, embed.weight.to_local(), blocks, padding_idx=embed.padding_idx,
                                  weight_dtype=self.streamed_embedding.param_dtype)
         if torch.is_grad_enabled() and not out.requires_grad:
             out.requires_grad_(True)
-        return {"inputs_embeds": out}
+        return out
 
     def _offloaded(self) -> ContextManager:
         return contextlib.nullcontext() if self.activations is None else self.activations.around(self.lm)
@@ -273,7 +284,7 @@ class ResponseScorer(torch.nn.Module):
                                                                          decoder.config.hidden_size, attention)
         with autocast(), self._offloaded():
             if images is not None:
-                out = vl_hidden_states(self.lm, input_ids, attention_mask, images, prompt_len)
+                out = vl_hidden_states(self.lm, input_ids, attention_mask, images, prompt_len, self.embeddings)
             else:
                 out = _text_hidden(decoder, input_ids, attention_mask, n_valid, packed, self.embedded)
         with autocast():
@@ -331,7 +342,7 @@ class ResponseScorer(torch.nn.Module):
         pad = sum(row.seqlens) - n_valid
         with autocast(), self._offloaded():
             if images is not None:  # the vision tower runs on every rank before the split (its features are few)
-                embeds, positions = vl_inputs(self.lm, input_ids, attention_mask, images, prompt_len)
+                embeds, positions = vl_inputs(self.lm, input_ids, attention_mask, images, prompt_len, self.embeddings)
                 embeds = _pad_rows(embeds.flatten(0, 1).index_select(0, keep), pad)[row.start:row.stop]
                 positions = _pad_rows(positions.flatten(-2).index_select(-1, keep).movedim(-1, 0), pad)
                 inputs = {"inputs_embeds": embeds[None],

@@ -16,7 +16,7 @@ from __future__ import annotations
 import io
 from dataclasses import replace
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import torch
 
@@ -259,19 +259,21 @@ def hf_config(model):
 
 
 def vl_hidden_states(model, input_ids: torch.Tensor, attention_mask: torch.Tensor, images: PromptImages,
-                     prompt_len: int) -> torch.Tensor:
+                     prompt_len: int, embed: Callable[[torch.Tensor], torch.Tensor] | None = None) -> torch.Tensor:
     """Final hidden states [B, S, H] of left-padded prompt + response rows: the vision tower runs once per
     distinct prompt of these rows, every row's prompt image tokens get its prompt's image features, and the
     multimodal rotary positions come from the rows' ids, grids and attention masks (as `generate` computed
-    them: text positions count real tokens only)."""
-    embeds, positions = vl_inputs(model, input_ids, attention_mask, images, prompt_len)
+    them: text positions count real tokens only). `embed`: how token ids become embeddings (the scorer's, which may
+    read the embedding by rows: model/parallel.py StreamedRows); by default the language model's own."""
+    embeds, positions = vl_inputs(model, input_ids, attention_mask, images, prompt_len, embed)
     out = vl_body(model).language_model(inputs_embeds=embeds, attention_mask=attention_mask, position_ids=positions,
                                         use_cache=False)
     return out.last_hidden_state
 
 
 def vl_inputs(model, input_ids: torch.Tensor, attention_mask: torch.Tensor, images: PromptImages,
-              prompt_len: int) -> tuple[torch.Tensor, torch.Tensor]:
+              prompt_len: int, embed: Callable[[torch.Tensor], torch.Tensor] | None = None
+              ) -> tuple[torch.Tensor, torch.Tensor]:
     """What `vl_hidden_states` hands the language model: the rows' embeddings [B, S, H] with the image features in
     place, and their multimodal rotary positions [3, B, S] (a packed forward selects the real tokens of both)."""
     body = vl_body(model)
@@ -286,7 +288,7 @@ def vl_inputs(model, input_ids: torch.Tensor, attention_mask: torch.Tensor, imag
         at += k
     rows = [f for p in images.row_prompt for f in per_prompt[p]]
     types = mm_token_types(model, input_ids, prompt_len)
-    embeds = body.get_input_embeddings()(input_ids)
+    embeds = (embed or body.get_input_embeddings())(input_ids)
     if rows:  # rows whose prompts have no image keep their plain embeddings
         embeds = embeds.masked_scatter(types.bool()[..., None], torch.cat(rows).to(embeds.dtype))
     if idle is not None:

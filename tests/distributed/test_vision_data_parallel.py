@@ -110,3 +110,20 @@ def test_freeze_vision_tower_holds_on_two_ranks(tmp_path, vl_data, parallel):
     vision = [n for n in two["state"] if _vision(n)]
     assert vision and all(torch.equal(two["state"][n], two["before"][n]) for n in vision)
     assert any(not torch.equal(p, two["before"][n]) for n, p in two["state"].items() if "language_model" in n)
+
+
+def test_an_untied_policy_trains_as_one_process_with_its_embedding_read_by_rows(tmp_path, vl_data):
+    """Untied, FSDP2 reads the language model's embedding one rank's rows at a time (model/parallel.py StreamedRows)
+    for the rows with images too (model/vision.py vl_inputs takes the scorer's lookup): 2 ranks equal 1 process."""
+    _skip_without_fsdp2("fsdp2")
+    untied = [*vl_data, "model.tiny.tie_word_embeddings=false"]
+    one, two = run_worker(tmp_path / "one", 1, "auto", untied), run_worker(tmp_path / "two", 2, "fsdp2", untied)
+    assert relative_error(one["state"]["lm_head.weight"], one["state"]["model.language_model.embed_tokens.weight"]
+                          if "model.language_model.embed_tokens.weight" in one["state"] else
+                          next(p for n, p in one["state"].items() if n.endswith("embed_tokens.weight"))) > 0.1
+    for m1, m2 in zip(one["metrics"], two["metrics"], strict=True):
+        for key, quantity in METRICS.items():
+            bound = tolerance(FP64, quantity)
+            assert m2[key] == pytest.approx(m1[key], rel=bound, abs=bound), (key, m1[key], m2[key])
+    for name, p1 in one["state"].items():
+        assert relative_error(two["state"][name], p1) <= tolerance(FP64, "params"), name
