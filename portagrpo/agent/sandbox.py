@@ -531,9 +531,13 @@ class ToolSandbox:
     code). `rank` names this training rank in the sentences that stop a run."""
 
     def __init__(self, targets: dict[str, str], limits: Limits, workers: int = 2, setting: str = "auto",
-                 untrusted: tuple[str, ...] = (), rank: int = 0) -> None:
+                 untrusted: tuple[str, ...] = (), rank: int = 0, field: str = SETTING,
+                 source: str = "rollout.multi_turn.tool_config_path") -> None:
+        """`field`: the config key `setting` came from, and `source` the one that names the tools, for the sentences
+        that stop a run (the code generator's are rollout.code.sandbox and rollout.generator=code)."""
         self.targets, self.limits, self.num_workers = dict(targets), limits, workers
         self.setting, self.untrusted, self.rank = setting, tuple(untrusted), rank
+        self.field, self.source = field, source
         self._workers: list[_Worker] = []
         self._deaths_at_start = 0
         self.isolation: Isolation | None = None  # known once a worker is ready
@@ -560,9 +564,8 @@ class ToolSandbox:
                 self.close()
                 what = (f"the tool {late.importing!r} did not import" if late.importing
                         else "a tool worker did not start")
-                raise UserError(f"rank {self.rank}: {what} within {timeout_s:g}s (rollout.multi_turn."
-                                f"tool_config_path); make its module import quickly (no work or waiting at import "
-                                f"time).")
+                raise UserError(f"rank {self.rank}: {what} within {timeout_s:g}s ({self.source}); make its module "
+                                f"import quickly (no work or waiting at import time).")
             for w in wait([w for w in self._workers if not w.ready], timeout=1.0):
                 self._receive(w, [])
             self._fill()
@@ -575,14 +578,14 @@ class ToolSandbox:
             return
         if self.setting == "namespaces":
             self.close()
-            raise UserError(f"{SETTING}=namespaces, but this host refuses them ({iso.reason}); allow unprivileged "
-                            f"user namespaces (or run as root in a container that permits unshare), or set "
-                            f"{SETTING}=process to run the tools without them.")
+            raise UserError(f"{self.field}=namespaces, but this host refuses them ({iso.reason}); allow "
+                            f"unprivileged user namespaces (or run as root in a container that permits unshare), or "
+                            f"set {self.field}=process to run the tools without them.")
         if self.setting == "auto" and self.untrusted:
             self.close()
             raise UserError(f"rank {self.rank}: the tool(s) {', '.join(self.untrusted)} run model-written code, and "
                             f"this host refuses the namespaces that would isolate it ({iso.reason}); run where "
-                            f"namespaces are allowed, or accept a process-level sandbox with {SETTING}=process.")
+                            f"namespaces are allowed, or accept a process-level sandbox with {self.field}=process.")
 
     def run(self, jobs: list[ToolJob]) -> list[ToolResult]:
         """A result per job, in order; the calls run in parallel over the workers."""

@@ -156,8 +156,13 @@ def calculator(expression: str) -> str:
 
 def python(code: str) -> str:
     """Runs `code` in this call's sandbox process: what it prints (to the process's stdout, which the sandbox reads
-    up to its cap) is the result."""
-    exec(compile(code, "<tool>", "exec"), {"__name__": "__main__"})  # noqa: S102 - the sandbox is the isolation
+    up to its cap) is the result. A program that ends with `sys.exit()`, `exit(0)` or `quit()` ended well, as
+    Python's own interpreter says by its status 0; another exit status is the program's failure."""
+    try:
+        exec(compile(code, "<tool>", "exec"), {"__name__": "__main__"})  # noqa: S102 - the sandbox is the isolation
+    except SystemExit as stop:
+        if stop.code not in (None, 0):
+            raise
     return ""
 
 

@@ -248,16 +248,19 @@ class FSDP2(SingleProcess):
         # a vision-language policy's vision blocks are units of their own too (frozen ones are gathered, never reduced)
         for layer in [*vision_blocks(scorer.lm), *getattr(decoder_of(scorer.lm), "layers", [])]:
             fully_shard(layer, **mp)
-        lookup = streams_lookup(scorer.lm.get_input_embeddings())  # before fully_shard makes its class a subclass
+        # before fully_shard makes their classes subclasses
+        lookup = streams_lookup(scorer.lm.get_input_embeddings())
+        linear = streams_head(scorer.lm.get_output_embeddings())
         head = split_root(scorer, lambda unit: fully_shard(unit, **mp), trainable)
         if head is not None:  # the kernels read the head's weight: they run as a forward of its unit
             register_fsdp_forward_method(head, "through_head")
             scorer.through_head = head.through_head
             # ... or, for the token log-probs, one rank's rows at a time, never gathered whole; and the embedding
-            if self.stream_rows:
-                scorer.streamed_head = StreamedRows(compute_dtype if low else None)
+            rows = StreamedRows(compute_dtype if low else None)
+            if self.stream_rows and linear:
+                scorer.streamed_head = rows
             if self.stream_rows and lookup:
-                scorer.streamed_embedding = scorer.streamed_head
+                scorer.streamed_embedding = rows
         fully_shard(scorer, **mp)
         register_fsdp_forward_method(scorer, "generate")
         problem = fsdp2_problem(torch.float32 if low else compute_dtype)
@@ -354,8 +357,9 @@ class StreamedRows:
     and embedding are 152,064 x 8,192 each, 2.5 GB in bf16 and 5 GB in fp32, on every rank at any world size.
     Streamed, a rank holds one block of V / world rows and that block's gradient; the collectives move the same bytes
     as the all-gather and reduce-scatter they replace (a broadcast and a reduce per rank; the embedding's backward
-    only the reduce). The head's vocabulary log-distribution (`vocab`), a LoRA-adapted head, a head with a bias, an
-    embedding of another kind than torch's own (Gemma's scaled one) and generation still run the gathered unit."""
+    only the reduce). The head's vocabulary log-distribution (`vocab`), a LoRA-adapted head and a head with a bias
+    (`streams_head`), an embedding of another kind than torch's own (`streams_lookup`: Gemma's scaled one), a trained
+    shard in host memory (`blocks`) and generation run the gathered unit."""
 
     def __init__(self, param_dtype: torch.dtype | None) -> None:
         self.param_dtype = param_dtype  # the mixed-precision policy's parameter dtype (None: the shard's own)
@@ -421,9 +425,18 @@ class RankRows:
 
 
 def streams_lookup(embed: torch.nn.Module) -> bool:
-    """Whether an input embedding is torch's own lookup (no max_norm, dense gradients), which kernels/streamed.py's
-    StreamedLookup reproduces, rather than a subclass that adds to it (Gemma's scaled embedding)."""
-    return type(embed) is torch.nn.Embedding and embed.max_norm is None and not embed.sparse
+    """Whether an input embedding is torch's own lookup (no max_norm, dense gradients not scaled by frequency),
+    which kernels/streamed.py's StreamedLookup reproduces, rather than a subclass that adds to it (Gemma's scaled
+    embedding)."""
+    return (type(embed) is torch.nn.Embedding and embed.max_norm is None and not embed.sparse
+            and not embed.scale_grad_by_freq)
+
+
+def streams_head(head: torch.nn.Module | None) -> bool:
+    """Whether an LM head is torch's own linear layer without a bias, which kernels/streamed.py's
+    StreamedHeadLogprob computes: not a biased head (Phi-2's), not a peft LoRA-adapted one (its weight is the base's
+    plus the adapters' product)."""
+    return head is not None and type(head) is torch.nn.Linear and head.bias is None
 
 
 def gathered(value: torch.Tensor) -> torch.Tensor:

@@ -77,6 +77,7 @@ class ModelShape:
     vision_patch: int = 0  # pixel values per patch (channels x temporal patch x patch side squared)
     head_params: int = 0  # an untied LM head's parameters, and its input embedding's: two units of their own
     embedding_streams: bool = True  # the input embedding is torch's own lookup (model/parallel.py streams_lookup)
+    head_streams: bool = True  # the LM head is a linear layer without a bias (model/parallel.py streams_head)
     largest_tensor: int = 0  # the largest parameter tensor's elements (the push gathers one whole tensor at a time)
 
     @property
@@ -294,7 +295,7 @@ def _terms(m: ModelShape, r: RunShape) -> _Terms:
     # head; an embedding of another kind) holds its whole weight beside its all-gather's output in the forward, and
     # its unsharded gradient as well in its backward (measured on the emulated device: test_memory_plan_measured).
     block = head / F
-    head_fwd, head_bwd = (block * bc, block * (bc + 8 * trained)) if r.head_streams else (
+    head_fwd, head_bwd = (block * bc, block * (bc + 8 * trained)) if m.head_streams and r.head_streams else (
         2 * head * bc, (2 + trained) * head * bc)
     embed_fwd, embed_bwd = (block * bc, block * 8 * trained) if m.embedding_streams and r.embedding_streams else (
         2 * head * bc, (2 + trained) * head * bc)

@@ -105,7 +105,7 @@ def _tiny_model(cfg):
 def model_shape(cfg) -> tuple[ModelShape, Any, str]:
     """(the shape, the empty model, where its config came from)."""
     from portagrpo.model.loading import decoder_of
-    from portagrpo.model.parallel import streams_lookup
+    from portagrpo.model.parallel import streams_head, streams_lookup
     from portagrpo.model.vision import is_vision_language, vision_blocks, vision_tower
 
     config, source = _config_source(cfg)
@@ -147,7 +147,7 @@ def model_shape(cfg) -> tuple[ModelShape, Any, str]:
         name=Path(cfg.model.path).name if cfg.model.path else "tiny", params=params,
         unit_params=max(unit_sizes, default=0), vision_params=vision,
         root_params=params - sum(unit_sizes) - (head + embed.weight.numel() if untied else 0), head_params=head,
-        embedding_streams=embed is not None and streams_lookup(embed),
+        embedding_streams=embed is not None and streams_lookup(embed), head_streams=streams_head(lm_head),
         largest_tensor=max(p.numel() for p in model.parameters()),
         layers=layers, hidden=text.hidden_size, mlp_width=mlp, heads=heads,
         kv_heads=getattr(text, "num_key_value_heads", None) or heads, head_dim=head_dim, vocab=text.vocab_size,

@@ -154,3 +154,34 @@ def test_a_streamed_head_and_embedding_score_and_differentiate_as_gathered_ones(
         assert set(streamed["grads"]) == set(whole["grads"]) and "lm.lm_head.weight" in streamed["grads"]
         for name, grad in whole["grads"].items():
             assert_close(streamed["grads"][name], grad, low, "grad", name)
+
+
+def test_a_biased_or_adapted_head_stays_a_gathered_unit(one_rank_group):
+    """kernels/streamed.py computes a plain linear head: a head with a bias (Phi-2's) or one LoRA adapts is computed
+    by its gathered unit, the embedding still read by rows; a plain untied head is read by rows."""
+    from peft import LoraConfig, get_peft_model
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from portagrpo.backends.dist import Collectives
+    from portagrpo.kernels import logprob_impl
+    from portagrpo.model.parallel import FSDP2
+    from portagrpo.model.scorer import ResponseScorer
+
+    def wrapped(kind: str):
+        torch.manual_seed(0)
+        lm = LlamaForCausalLM(LlamaConfig(vocab_size=64, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+                                          num_attention_heads=2, num_key_value_heads=2, tie_word_embeddings=False))
+        if kind == "bias":
+            lm.lm_head = torch.nn.Linear(16, 64, bias=True)
+        if kind == "lora":
+            lm = get_peft_model(lm, LoraConfig(r=2, target_modules=["q_proj", "lm_head"]))
+        return FSDP2(Collectives()).wrap(ResponseScorer(lm, logprob_impl("chunked")), trainable=True)
+
+    plain, biased, adapted = wrapped("plain"), wrapped("bias"), wrapped("lora")
+    assert plain.streamed_head is not None and plain.streamed_embedding is not None
+    assert biased.streamed_head is None and biased.streamed_embedding is not None
+    assert adapted.streamed_head is None
+    ids, mask, resp, rmask = _batch(vocab=64)
+    logp, _, _, _ = biased(ids, mask, resp, rmask, 1.0, False, False)
+    logp.sum().backward()  # the bias is in the computation: it gets a gradient
+    assert biased.lm.lm_head.bias.grad is not None and biased.lm.lm_head.bias.grad.abs().sum() > 0

@@ -98,8 +98,12 @@ def test_a_program_past_its_limit_is_stopped_by_the_generators_own_setting():
     assert pickle.loads(pickle.dumps(spec)) == spec and spec.settings.timeout_s == 1.0  # it crosses to a sampler
     rows = make_generator(spec, GeneratorInputs(build_char_tokenizer()))
     try:
-        loop, ok = rows.run(["```python\nwhile True: pass\n```", "```python\nprint(7)\n```"])
+        loop, ok, done, failed = rows.run(["```python\nwhile True: pass\n```", "```python\nprint(7)\n```",
+                                           "```python\nimport sys\nprint(8)\nsys.exit()\n```",
+                                           "```python\nimport sys\nprint(9)\nsys.exit(3)\n```"])
         assert loop["error"] == "timeout" and "1s" in loop["output"] and ok == {"output": "7\n", "error": None}
+        assert done == {"output": "8\n", "error": None}  # sys.exit() with status 0: the program ended well
+        assert failed["error"] == "exception"
     finally:
         rows.close()
 

@@ -288,3 +288,12 @@ def test_stale_call_directories_are_removed_at_the_next_start(tmp_path, monkeypa
     live.mkdir()
     assert remove_stale_dirs() == 1
     assert not stale.exists() and live.exists()
+
+
+def test_a_refusal_names_the_key_its_setting_came_from():
+    """The code generator's sandbox (rollout.code.sandbox) says its own key: following the sentence must change
+    what the run reads."""
+    box = ToolSandbox({}, Limits(), workers=0, setting="auto", untrusted=("python",), field="rollout.code.sandbox")
+    box.isolation = Isolation("process", "unshare: Operation not permitted (EPERM)")
+    with pytest.raises(UserError, match=r"with rollout\.code\.sandbox=process\.$"):
+        box._check_isolation()

@@ -76,7 +76,8 @@ class CodeRows(PlainRows):
         limits = Limits(settings.timeout_s, settings.memory_mb, settings.max_output_bytes)
         # the `python` tool's target: the program runs as __main__ in the call's process, its output read there
         self.sandbox = ToolSandbox({"python": "builtin:python"}, limits, settings.workers, setting=settings.sandbox,
-                                   untrusted=("python",), rank=inputs.rank)
+                                   untrusted=("python",), rank=inputs.rank, field="rollout.code.sandbox",
+                                   source="rollout.generator=code")
         isolation = self.sandbox.start()
         if inputs.rank == 0:
             inputs.log(isolation.describe())
