@@ -40,7 +40,8 @@ class BackendSpec:
     install_hint: str = ""
     # How data parallelism shards the policy: FSDP2 where the vendor runs it well, else replicated (DDP-style).
     default_parallel: str = "fsdp2"
-    parallel_choices: tuple[str, ...] = ("ddp", "fsdp2")
+    # "ep": expert parallelism, its all-to-all on the row's dist_backend (gloo, NCCL, RCCL, HCCL; model/parallel.py)
+    parallel_choices: tuple[str, ...] = ("ddp", "fsdp2", "ep")
     rollout_engines: tuple[str, ...] = ("hf", "fixed", "vllm")
     # dtypes the collective library reduces; None = any. HCCL on Atlas A2/A3 refuses float64.
     collective_dtypes: tuple[torch.dtype, ...] | None = None
@@ -454,7 +455,7 @@ class BaseBackend:
 
     def parallel_strategy(self, requested: str) -> str:
         choice = self.spec.default_parallel if requested == "auto" else requested
-        problem = fsdp2_sum_reduction_available() if choice == "fsdp2" else None
+        problem = fsdp2_sum_reduction_available() if choice in ("fsdp2", "ep") else None
         if problem:
             if requested == "auto":
                 choice = "ddp"  # FSDP2 without plain-SUM comms would average gradients; replicate instead

@@ -398,15 +398,34 @@ def validate_world(cfg: Config, world_size: int) -> list[str]:
 def strategy_problems(cfg: Config, world_size: int, strategy: str) -> list[str]:
     """trainer.fsdp_size against the strategy the backend resolves trainer.parallel to (`strategy`: none, ddp or
     fsdp2): a shard group is applied or refused, never ignored. `train` and `portagrpo plan` ask the same."""
+    p = expert_group_problems(cfg, world_size, strategy)
     k = cfg.trainer.fsdp_size
     if k <= 0 or k == world_size == 1:
-        return []
+        return p
     if world_size == 1:
         return [f"trainer.fsdp_size={k} asks for shard groups of {k} ranks, and this run has 1; use "
                 f"trainer.fsdp_size=-1, or run on a multiple of {k} ranks."]
-    if strategy != "fsdp2":
+    if strategy not in ("fsdp2", "ep"):
         return [f"trainer.fsdp_size={k} sets FSDP2's shard groups, and trainer.parallel={cfg.trainer.parallel} runs "
                 f"{strategy} here; set trainer.parallel=fsdp2, or trainer.fsdp_size=-1."]
+    return p
+
+
+def expert_group_problems(cfg: Config, world_size: int, strategy: str) -> list[str]:
+    """trainer.ep_size against the world and the strategy: an expert-parallel group is applied or refused, never
+    ignored."""
+    e = cfg.trainer.ep_size
+    if e == -1:
+        return []
+    if e < 1:
+        return [f"trainer.ep_size={e} is not a group size; give -1 (every rank in one expert-parallel group) or a "
+                f"divisor of the ranks."]
+    if strategy != "ep" and e > 1:
+        return [f"trainer.ep_size={e} splits the experts under trainer.parallel=ep, and this run takes {strategy}; "
+                f"set trainer.parallel=ep, or trainer.ep_size=-1."]
+    if world_size % e:
+        return [f"trainer.ep_size={e} must divide the {world_size} ranks (groups of that many consecutive ranks "
+                f"split the experts); give a divisor of {world_size}."]
     return []
 
 

@@ -310,11 +310,15 @@ class TrainerConfig:
     nproc_per_node: int = 1
     nnodes: int = 1
     devices_per_node: int = 1
-    parallel: Literal["auto", "fsdp2", "ddp"] = "auto"
+    parallel: Literal["auto", "fsdp2", "ddp", "ep"] = "auto"
     # FSDP2: ranks one shard group spans (verl's fsdp_size). -1: every rank (one group). A divisor k of the world
     # size shards within groups of k consecutive ranks (a node) and replicates across groups (HSDP), so the per-layer
     # all-gathers stay inside a node and only gradients cross nodes.
     fsdp_size: int = -1
+    # trainer.parallel=ep: ranks one expert-parallel group spans (verl's expert_model_parallel_size); each holds
+    # num_experts / ep_size of every MoE layer's experts, and tokens travel to their expert's rank by all-to-all.
+    # -1: every rank. The world / ep_size ranks holding the same experts shard them with FSDP2 (model/parallel.py).
+    ep_size: int = -1
     # The cluster a run is planned for (portagrpo plan, --dry-run): one device's memory in GiB (None: ask the device)
     # and one node's host memory in GiB (None: 1024).
     device_memory_gb: Optional[float] = None

@@ -95,12 +95,13 @@ class SingleProcess:
     shards_checkpoints = False  # rank 0 writes a checkpoint's whole tensors (a sharded strategy: each rank its own)
 
     def __init__(self, comm: Collectives, shard_group: int = -1, pinned_offload: bool = False,
-                 stream_rows: bool = True) -> None:
+                 stream_rows: bool = True, expert_group: int = -1) -> None:
         """`shard_group`: trainer.fsdp_size, the ranks one FSDP2 shard group spans (-1: all; the others ignore it).
         `pinned_offload`: the backend's answer to whether offloaded shards sit in page-locked memory.
-        `stream_rows`: actor.stream_head_rows (FSDP2: an untied head and embedding read by rows, StreamedRows)."""
+        `stream_rows`: actor.stream_head_rows (FSDP2: an untied head and embedding read by rows, StreamedRows).
+        `expert_group`: trainer.ep_size, the ranks one expert-parallel group spans (-1: all; only `ep` reads it)."""
         self.comm, self.shard_group, self.pinned_offload = comm, shard_group, pinned_offload
-        self.stream_rows = stream_rows
+        self.stream_rows, self.expert_group = stream_rows, expert_group
 
     @property
     def generate_kwargs(self) -> dict[str, Any]:
@@ -220,9 +221,7 @@ class FSDP2(SingleProcess):
                 raise UserError(f"trainer.fsdp_size={k} needs torch 2.8 or newer here (FSDP2 summing gradients across "
                                 f"replicas, set_force_sum_reduction_for_comms); use trainer.fsdp_size=-1 on torch "
                                 f"{torch.__version__}.")
-            accelerator = torch.accelerator.current_accelerator() if hasattr(torch, "accelerator") else None
-            self._mesh = init_device_mesh(accelerator.type if accelerator is not None else "cpu", (world // k, k),
-                                          mesh_dim_names=("replicate", "shard"))
+            self._mesh = init_device_mesh(mesh_device(), (world // k, k), mesh_dim_names=("replicate", "shard"))
         return self._mesh
 
     @property
@@ -245,6 +244,7 @@ class FSDP2(SingleProcess):
             from torch.distributed.fsdp import CPUOffloadPolicy
 
             mp["offload_policy"] = CPUOffloadPolicy(pin_memory=self.pinned_offload)
+        self.shard_experts(scorer, mp, offload)
         # a vision-language policy's vision blocks are units of their own too (frozen ones are gathered, never reduced)
         for layer in [*vision_blocks(scorer.lm), *getattr(decoder_of(scorer.lm), "layers", [])]:
             fully_shard(layer, **mp)
@@ -270,6 +270,11 @@ class FSDP2(SingleProcess):
             if isinstance(module, FSDPModule):
                 sum_gradients(module)  # the losses divide by global counts: ranks' gradients add up
         return scorer
+
+    def shard_experts(self, scorer: torch.nn.Module, options: dict[str, Any], offload: bool) -> None:
+        """Before the layers are sharded: FSDP2 shards a MoE layer's experts with the rest of its layer (gathered
+        whole for each forward); expert parallelism makes them units of their own."""
+        return None
 
     def gradient_sync(self, scorer: torch.nn.Module, enabled: bool) -> None:
         """On (the update's default): the next backward reduce-scatters each unit's gradients as it finishes and
@@ -317,6 +322,59 @@ class FSDP2(SingleProcess):
         """One parameter gathered at a time (a collective on every rank, in the same order everywhere)."""
         for name, value in _unique_state(scorer):
             yield name.removeprefix("lm."), gathered(value).detach()
+
+
+class ExpertParallel(FSDP2):
+    """trainer.parallel=ep: FSDP2 for the dense layers, and every MoE layer's experts split over groups of
+    trainer.ep_size ranks (model/expert_parallel.py: torchtitan's all-to-all dispatcher under transformers' block).
+    Ranks that hold the same experts (world / ep_size of them, `efsdp`) shard those with FSDP2 too, as a unit of
+    their own: an expert's gradient reaches its holders through the all-to-all's backward and is summed over efsdp
+    by FSDP2's reduce-scatter, never over ep. Generation keeps FSDP2's lockstep (every forward is an all-to-all)."""
+
+    name = "ep"
+    _sparse = None
+
+    def sparse_mesh(self):
+        """The (efsdp, ep) mesh: rank r holds the experts of ep coordinate r % ep_size, consecutive ranks forming
+        one expert-parallel group (a node's ranks, where the all-to-all is cheapest). Made once, shared by the
+        policy and the reference."""
+        world, ep = self.comm.world_size, self.ep_size
+        if self._sparse is None:
+            from torch.distributed.device_mesh import init_device_mesh
+
+            self._sparse = init_device_mesh(mesh_device(), (world // ep, ep), mesh_dim_names=("efsdp", "ep"))
+        return self._sparse
+
+    @property
+    def ep_size(self) -> int:
+        return self.comm.world_size if self.expert_group in (-1, 0) else self.expert_group
+
+    def shard_experts(self, scorer: torch.nn.Module, options: dict[str, Any], offload: bool) -> None:
+        from torch.distributed.fsdp import fully_shard
+
+        from portagrpo.model.expert_parallel import ep_import_problem, ep_model_problem, to_expert_parallel
+
+        problem = ep_import_problem() or ep_model_problem(scorer.lm, self.ep_size)
+        if problem is None and offload:
+            problem = ("actor.offload / actor.ref_offload are not built for trainer.parallel=ep (its expert shards "
+                       "stay on the device); turn offload off, or use trainer.parallel=fsdp2.")
+        if problem:
+            raise UserError(problem)
+        sparse = self.sparse_mesh()
+        expert_options = {k: v for k, v in options.items() if k != "mesh"}
+        for module in to_expert_parallel(scorer.lm, sparse["ep"]):
+            fully_shard(module, mesh=sparse["efsdp"], **expert_options)
+
+    def clip_grad_norm(self, params: list[torch.nn.Parameter], max_norm: float) -> torch.Tensor:
+        from portagrpo.model.expert_parallel import clip_over_meshes
+
+        return clip_over_meshes(params, max_norm)
+
+
+def mesh_device() -> str:
+    """The device type a device mesh of this process's ranks is made on: the accelerator's, else the CPU."""
+    accelerator = torch.accelerator.current_accelerator() if hasattr(torch, "accelerator") else None
+    return accelerator.type if accelerator is not None else "cpu"
 
 
 def _output_asks_for_gradient(module, inputs, output):
@@ -456,6 +514,7 @@ STRATEGIES: Registry[type] = Registry("parallel strategy")
 STRATEGIES.register("none")(SingleProcess)
 STRATEGIES.register("ddp")(Replicated)
 STRATEGIES.register("fsdp2")(FSDP2)
+STRATEGIES.register("ep")(ExpertParallel)
 
 
 def strategy_name(requested: str, resolved: str, world: int, offload: bool) -> str:
@@ -470,13 +529,14 @@ def strategy_name(requested: str, resolved: str, world: int, offload: bool) -> s
 
 
 def make_strategy(name: str, comm: Collectives, shard_group: int = -1, pinned_offload: bool = False,
-                  stream_rows: bool = True):
+                  stream_rows: bool = True, expert_group: int = -1):
     """`name` is `strategy_name`'s answer; `shard_group` is trainer.fsdp_size; `pinned_offload` the backend row's;
-    `stream_rows` actor.stream_head_rows. FSDP2 on one rank needs the group of one that `make_runtime` formed for
-    it."""
+    `stream_rows` actor.stream_head_rows; `expert_group` trainer.ep_size. FSDP2 on one rank needs the group of one
+    that `make_runtime` formed for it."""
     if name == "none" or (comm.world_size == 1 and not comm.grouped):
         return SingleProcess(comm)
-    return STRATEGIES.get(name, field="trainer.parallel")(comm, shard_group, pinned_offload, stream_rows)
+    return STRATEGIES.get(name, field="trainer.parallel")(comm, shard_group, pinned_offload, stream_rows,
+                                                          expert_group)
 
 
 _SEQUENCE_GROUPS: dict[tuple[int, int, int], Any] = {}

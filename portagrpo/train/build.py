@@ -187,7 +187,8 @@ def build(cfg: Config, runtime: Runtime, run_dir: Path, log: Callable[[str], Non
     if problems:
         raise ConfigError(problems)
     strategy = make_strategy(chosen, runtime.comm, cfg.trainer.fsdp_size,
-                             runtime.backend.spec.pinned_offload and cfg.actor.pin_offload, cfg.actor.stream_head_rows)
+                             runtime.backend.spec.pinned_offload and cfg.actor.pin_offload, cfg.actor.stream_head_rows,
+                             cfg.trainer.ep_size)
     data = build_data(cfg, log)
     try:
         models = build_models(cfg, runtime, strategy, layout, data.tokenizer, run_dir, log)

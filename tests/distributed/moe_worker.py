@@ -3,7 +3,7 @@
 A tiny Qwen3-MoE (4 experts, top-2, 2 layers, hidden 64). ENGINE=fixed: rollouts that depend only on the prompt, so 1
 process and K processes train on identical rollouts; ENGINE=hf: sampled, with actor.router_replay=R3.
 Writes `result.pt` from rank 0: metrics, the full state after 2 steps, and how FSDP2 placed the experts.
-Usage: moe_worker.py OUT PARALLEL DTYPE ENGINE [DEVICE]
+Usage: moe_worker.py OUT PARALLEL DTYPE ENGINE [DEVICE [KEY=VALUE ...]] (the pairs: more config overrides)
 """
 import os
 import sys
@@ -37,7 +37,7 @@ def main() -> None:
     device = sys.argv[5] if len(sys.argv) > 5 else "cpu"
     replay = ["actor.router_replay=R3"] if engine == "hf" else []
     cfg = load_config(None, [*OVERRIDES, *replay, f"rollout.engine={engine}", f"trainer.parallel={parallel}",
-                             f"model.dtype={dtype}", f"trainer.device={device}"])
+                             f"model.dtype={dtype}", f"trainer.device={device}", *sys.argv[6:]])
     trainer = Trainer(cfg, run_dir=out / "run", log=lambda m: None).setup()
     metrics = [trainer.step().metrics for _ in range(2)]
     placement = expert_placement(trainer.models.scorer)

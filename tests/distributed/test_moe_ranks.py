@@ -21,9 +21,9 @@ pytestmark = pytest.mark.skipif(fsdp2_problem(torch.float64) is not None, reason
                                 f"{torch.__version__}: {fsdp2_problem(torch.float64)}")
 
 
-def run_worker(out: Path, nproc: int, dtype: str, engine: str, parallel: str = "fsdp2") -> dict:
+def run_worker(out: Path, nproc: int, dtype: str, engine: str, parallel: str = "fsdp2", *overrides: str) -> dict:
     out.mkdir(parents=True, exist_ok=True)
-    worker = [str(HERE / "moe_worker.py"), str(out), parallel, dtype, engine]
+    worker = [str(HERE / "moe_worker.py"), str(out), parallel, dtype, engine, "cpu", *overrides]
     cmd = [sys.executable, *worker] if nproc == 1 else [sys.executable, "-m", "portagrpo.launcher", "--nproc",
                                                          str(nproc), *worker]
     res = subprocess.run(cmd, env=ENV, capture_output=True, text=True, timeout=600, cwd="/")

@@ -30,7 +30,7 @@ SPEC = BackendSpec(
     default_kernel="chunked",
     install_hint="`pip install -e plugins/emu` (test-only)",
     default_parallel="ddp",
-    parallel_choices=("ddp", "fsdp2"),
+    parallel_choices=("ddp", "fsdp2", "ep"),  # the EP all-to-all runs on emuccl, under its dtype rule
     rollout_engines=("hf", "fixed"),
     collective_dtypes=(torch.float32, torch.bfloat16, torch.float16, torch.int64, torch.int32, torch.uint8,
                        torch.int8, torch.bool),
