@@ -33,9 +33,11 @@ class TinyModelConfig:
     # A vision-language policy (Qwen2.5-VL architecture: this text part plus a small vision tower) with a
     # processor built locally, for rows with images (model/vision.py).
     vision: bool = False
-    # A mixture-of-experts policy instead of the dense Llama: "qwen3_moe" or "qwen2_moe" (model/loading.py), every
-    # layer's MLP `num_experts` experts of `moe_intermediate_size`, each token routed to `num_experts_per_tok`.
-    moe: Optional[Literal["qwen3_moe", "qwen2_moe"]] = None
+    # A mixture-of-experts policy instead of the dense Llama: "qwen3_moe", "qwen2_moe" or "deepseek_v3"
+    # (model/loading.py), every layer's MLP `num_experts` experts of `moe_intermediate_size`, each token routed to
+    # `num_experts_per_tok`. DeepSeek-V3's shape: multi-head latent attention, the first layer dense, a shared expert,
+    # a sigmoid router choosing within the best of 2 expert groups, its weights scaled by 2.5.
+    moe: Optional[Literal["qwen3_moe", "qwen2_moe", "deepseek_v3"]] = None
     num_experts: int = 4
     num_experts_per_tok: int = 2
     moe_intermediate_size: int = 64

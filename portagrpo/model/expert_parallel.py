@@ -99,6 +99,11 @@ class ExpertParallelExperts(torch.nn.Module):
                                       output_size=routed.shape[0])
         ones = torch.ones((routed.shape[0], 1), dtype=routed.dtype, device=routed.device)
         out = self.run_local(LocalExperts(self, gate_up, down), routed, ids[:, None], ones)
+        if routed.shape[0] == 0 and torch.is_grad_enabled():
+            # No token reached this rank's experts (a router that prefers the other rank's group): transformers' eager
+            # loop then returns zeros cut off from its inputs, and this rank's backward would skip both all-to-alls
+            # that the other ranks' backwards wait in (measured: a hang). A zero that depends on them keeps them.
+            out = out + (routed.sum() + gate_up.sum() + down.sum()) * 0
         return self.dispatcher.combine(out, meta, hidden_states)
 
 

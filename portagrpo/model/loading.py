@@ -106,7 +106,22 @@ def build_tiny_model(cfg: "ModelConfig", tokenizer, seed: int):
 
 
 MOE_FAMILIES = {"qwen3_moe": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM"),
-                "qwen2_moe": ("Qwen2MoeConfig", "Qwen2MoeForCausalLM")}
+                "qwen2_moe": ("Qwen2MoeConfig", "Qwen2MoeForCausalLM"),
+                "deepseek_v3": ("DeepseekV3Config", "DeepseekV3ForCausalLM")}
+
+
+def _family_settings(t) -> dict:
+    """A tiny model's settings that only its family has."""
+    qwen = {"num_experts": t.num_experts, "decoder_sparse_step": 1}
+    if t.moe == "qwen2_moe":
+        return {**qwen, "shared_expert_intermediate_size": t.moe_intermediate_size}
+    if t.moe == "deepseek_v3":  # DeepSeek-V3's shape, small: latent attention, a dense first layer, grouped routing
+        head = t.hidden_size // t.num_heads
+        return {"n_routed_experts": t.num_experts, "n_shared_experts": 1, "first_k_dense_replace": 1,
+                "n_group": 2, "topk_group": 1, "routed_scaling_factor": 2.5, "kv_lora_rank": head,
+                "q_lora_rank": 2 * head, "qk_rope_head_dim": head // 2, "qk_nope_head_dim": head // 2,
+                "v_head_dim": head}
+    return qwen
 
 
 def build_tiny_moe_model(t, tokenizer, seed: int):
@@ -117,11 +132,11 @@ def build_tiny_moe_model(t, tokenizer, seed: int):
     import transformers
 
     config_name, model_name = MOE_FAMILIES[t.moe]
-    extra = {"shared_expert_intermediate_size": t.moe_intermediate_size} if t.moe == "qwen2_moe" else {}
+    extra = _family_settings(t)
     config = getattr(transformers, config_name)(
         vocab_size=len(tokenizer), hidden_size=t.hidden_size, intermediate_size=t.intermediate_size,
-        moe_intermediate_size=t.moe_intermediate_size, num_experts=t.num_experts,
-        num_experts_per_tok=t.num_experts_per_tok, norm_topk_prob=True, decoder_sparse_step=1,
+        moe_intermediate_size=t.moe_intermediate_size,
+        num_experts_per_tok=t.num_experts_per_tok, norm_topk_prob=True,
         num_hidden_layers=t.num_layers, num_attention_heads=t.num_heads, num_key_value_heads=t.num_heads,
         max_position_embeddings=512, tie_word_embeddings=t.tie_word_embeddings,
         bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,

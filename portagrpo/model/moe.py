@@ -26,6 +26,11 @@ class MoeLayer:
     top_k: int
     num_experts: int
     norm_topk_prob: bool
+    # how the router weighs its chosen experts: "softmax" over every expert (Qwen), or "sigmoid" of each expert's
+    # logit (DeepSeek-V3's family, whose router keeps an e_score_correction_bias for choosing), then times `scale`
+    # (DeepSeek-V3's routed_scaling_factor)
+    scoring: str = "softmax"
+    scale: float = 1.0
 
 
 def base_lm(model) -> torch.nn.Module:
@@ -50,7 +55,9 @@ def moe_layers(model) -> list[MoeLayer]:
         if gate is None or experts is None:
             continue
         if hasattr(gate, "top_k"):  # transformers >= 5: a router module
-            out.append(MoeLayer(len(out), gate, "router", gate.top_k, gate.num_experts, bool(gate.norm_topk_prob)))
+            sigmoid = hasattr(gate, "e_score_correction_bias")
+            out.append(MoeLayer(len(out), gate, "router", gate.top_k, gate.num_experts, bool(gate.norm_topk_prob),
+                                "sigmoid" if sigmoid else "softmax", float(getattr(gate, "routed_scaling_factor", 1.0))))
         elif isinstance(gate, torch.nn.Linear) and hasattr(block, "top_k"):  # transformers 4.x
             out.append(MoeLayer(len(out), gate, "linear", block.top_k, block.num_experts,
                                 bool(getattr(block, "norm_topk_prob", False))))

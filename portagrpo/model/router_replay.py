@@ -37,10 +37,18 @@ def live_topk(logits: torch.Tensor, k: int) -> torch.Tensor:
     return torch.topk(torch.softmax(logits, dim=-1, dtype=torch.float32), k, dim=-1).indices
 
 
-def replayed_weights(logits: torch.Tensor, experts: torch.Tensor, renormalise: bool) -> torch.Tensor:
-    """[N, E] logits, [N, k] given experts -> [N, k] their weights from the live router: the softmax over every
-    expert gathered at the given ones, divided by their sum when the model renormalises its top-k (differentiable
-    in the logits, as a live top-k is)."""
+def replayed_weights(logits: torch.Tensor, experts: torch.Tensor, renormalise: bool, scoring: str = "softmax",
+                     scale: float = 1.0) -> torch.Tensor:
+    """[N, E] logits, [N, k] given experts -> [N, k] their weights from the live router (differentiable in the
+    logits, as a live top-k is). `softmax` (Qwen): the softmax over every expert gathered at the given ones, divided
+    by their sum when the model renormalises its top-k. `sigmoid` (DeepSeek-V3's router, transformers'
+    DeepseekV3TopkRouter): each given expert's sigmoid, divided by their sum (+1e-20) when renormalised, times
+    `scale` (routed_scaling_factor); its choosing bias never weighs."""
+    if scoring == "sigmoid":
+        weights = logits.float().sigmoid().gather(1, experts)
+        if renormalise:
+            weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
+        return (weights * scale).to(logits.dtype)
     probs = torch.softmax(logits, dim=-1, dtype=torch.float32)
     weights = probs.gather(1, experts)
     if renormalise:
@@ -203,7 +211,8 @@ class RouterHooks:
     def _hook(self, layer: MoeLayer):
         def hook(module, args, output):
             fwd = self.active
-            vendor = self.select is not None and layer.layout == "router"
+            # the vendor's top-k op is a softmax top-k (torch_npu's npu_moe_gating_top_k_softmax): softmax routers only
+            vendor = self.select is not None and layer.layout == "router" and layer.scoring == "softmax"
             if fwd is None and not vendor:
                 return None
             logits = output[0] if layer.layout == "router" else output
@@ -226,7 +235,7 @@ class RouterHooks:
             if not fwd.apply:
                 return output if vendor else None
             if layer.layout == "router":
-                return logits, replayed_weights(logits, chosen, layer.norm_topk_prob), chosen
+                return logits, replayed_weights(logits, chosen, layer.norm_topk_prob, layer.scoring, layer.scale), chosen
             # transformers 4.x: the block takes top-k of softmax(logits) itself; logits masked to the chosen experts
             # give it exactly those, weighted by the renormalised live probabilities
             keep = torch.zeros_like(logits, dtype=torch.bool).scatter_(1, chosen, True) | ~known[:, None]

@@ -3,7 +3,8 @@
 A tiny Qwen3-MoE (4 experts, top-2, 2 layers, hidden 64). ENGINE=fixed: rollouts that depend only on the prompt, so 1
 process and K processes train on identical rollouts; ENGINE=hf: sampled, with actor.router_replay=R3.
 Writes `result.pt` from rank 0: metrics, the full state after 2 steps, and how FSDP2 placed the experts.
-Usage: moe_worker.py OUT PARALLEL DTYPE ENGINE [DEVICE [KEY=VALUE ...]] (the pairs: more config overrides)
+Usage: moe_worker.py OUT PARALLEL DTYPE ENGINE [DEVICE [KEY=VALUE ...]] (the pairs: more config overrides; steps=N
+the number of steps, 2 by default)
 """
 import os
 import sys
@@ -37,9 +38,11 @@ def main() -> None:
     device = sys.argv[5] if len(sys.argv) > 5 else "cpu"
     replay = ["actor.router_replay=R3"] if engine == "hf" else []
     cfg = load_config(None, [*OVERRIDES, *replay, f"rollout.engine={engine}", f"trainer.parallel={parallel}",
-                             f"model.dtype={dtype}", f"trainer.device={device}", *sys.argv[6:]])
+                             f"model.dtype={dtype}", f"trainer.device={device}",
+                             *[a for a in sys.argv[6:] if not a.startswith("steps=")]])
+    steps = int(next((a.split("=")[1] for a in sys.argv[6:] if a.startswith("steps=")), 2))
     trainer = Trainer(cfg, run_dir=out / "run", log=lambda m: None).setup()
-    metrics = [trainer.step().metrics for _ in range(2)]
+    metrics = [trainer.step().metrics for _ in range(steps)]
     placement = expert_placement(trainer.models.scorer)
     state = {k: v.cpu() for k, v in trainer.models.strategy.model_state(trainer.models.scorer).items()}
     if trainer.runtime.comm.is_main:

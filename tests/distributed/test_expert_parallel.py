@@ -2,6 +2,11 @@
 ranks (torchtitan's all-to-all dispatcher under transformers' block) train exactly as one process holding every
 expert, in fp64, with router replay R3 on sampled rollouts too; the expert tensors keep their names, so the full
 state is the one-process state."""
+import os
+import subprocess
+import sys
+from pathlib import Path
+
 import pytest
 import torch
 from test_moe_ranks import run_worker
@@ -11,6 +16,7 @@ from portagrpo.model.expert_parallel import ep_import_problem
 
 pytestmark = [pytest.mark.skipif(ep_import_problem() is not None, reason=str(ep_import_problem())),
               pytest.mark.skipif(fsdp2_problem(torch.float64) is not None, reason="FSDP2 refused on this torch")]
+HERE = Path(__file__).resolve().parent
 KEYS = ("loss_policy", "loss_kl", "kl", "grad_norm", "reward_mean", "entropy", "pg_clipfrac")
 
 
@@ -60,3 +66,36 @@ def test_four_ranks_as_two_expert_groups_of_two(tmp_path):
     ep = run_worker(tmp_path / "ep", 4, "fp64", "fixed", "ep", "trainer.ep_size=2")
     assert_same_run(one, ep)
     split_experts(ep, 4, 1)  # 2 experts per ep rank, halved again over efsdp
+
+
+def test_a_rank_whose_experts_get_no_token_still_joins_the_backward(tmp_path):
+    """Module level, fp64: in layer 0 every route of both ranks points at rank 1's experts, so rank 0's experts get no
+    token (transformers' eager loop then returns zeros cut off from the graph: before the fix rank 0 skipped both
+    all-to-alls in its backward and the ranks hung). Loss and every gradient equal the unsplit model's over both
+    batches, and the ids that reached the experts are the replayed routes, including those held by the other rank."""
+    res = subprocess.run([sys.executable, "-m", "portagrpo.launcher", "--nproc", "2", str(HERE / "ep_block_worker.py"),
+                          str(tmp_path)], env={**os.environ, "OMP_NUM_THREADS": "1"}, capture_output=True, text=True,
+                         timeout=600, cwd="/")
+    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
+    out = torch.load(tmp_path / "result.pt", weights_only=False)
+    assert out["loss"] == pytest.approx(out["ref_loss"], rel=1e-13)
+    assert out["worst"] < 1e-12 and out["reached"] and out["local_experts"] == [2, 2]
+
+
+def test_a_deepseek_v3_shaped_model_trains_three_steps_under_ep_as_one_process(tmp_path):
+    """DeepSeek-V3's shape (latent attention, a dense first layer, a shared expert, a sigmoid router choosing within
+    the best of 2 expert groups, weights scaled by 2.5), 3 steps in fp64: EP=2 equals one process. Its grouped router
+    sends whole batches to one rank's experts, the case the test above isolates."""
+    one = run_worker(tmp_path / "one", 1, "fp64", "fixed", "fsdp2", "model.tiny.moe=deepseek_v3", "steps=3")
+    ep = run_worker(tmp_path / "ep", 2, "fp64", "fixed", "ep", "model.tiny.moe=deepseek_v3", "steps=3")
+    assert_same_run(one, ep)
+    split_experts(ep, 4, 2)
+
+
+def test_deepseek_v3_with_r3_under_ep_equals_fsdp2(tmp_path):
+    """Sampled rollouts with R3 on the DeepSeek-V3-shaped model, 3 steps: its sigmoid router's replayed weights are
+    its own (model/router_replay.py), and EP trains as FSDP2 does."""
+    fsdp2 = run_worker(tmp_path / "fsdp2", 2, "fp64", "hf", "fsdp2", "model.tiny.moe=deepseek_v3", "steps=3")
+    ep = run_worker(tmp_path / "ep", 2, "fp64", "hf", "ep", "model.tiny.moe=deepseek_v3", "steps=3")
+    assert_same_run(fsdp2, ep, keys=(*KEYS, "moe/route_agreement"))
+    assert len(ep["metrics"]) == 3 and all(m["moe/route_agreement"] == 1.0 for m in ep["metrics"])
