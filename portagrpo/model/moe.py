@@ -55,9 +55,10 @@ def moe_layers(model) -> list[MoeLayer]:
         if gate is None or experts is None:
             continue
         if hasattr(gate, "top_k"):  # transformers >= 5: a router module
-            sigmoid = hasattr(gate, "e_score_correction_bias")
+            scoring = "sigmoid" if hasattr(gate, "e_score_correction_bias") else "softmax"
+            scale = float(getattr(gate, "routed_scaling_factor", 1.0))
             out.append(MoeLayer(len(out), gate, "router", gate.top_k, gate.num_experts, bool(gate.norm_topk_prob),
-                                "sigmoid" if sigmoid else "softmax", float(getattr(gate, "routed_scaling_factor", 1.0))))
+                                scoring, scale))
         elif isinstance(gate, torch.nn.Linear) and hasattr(block, "top_k"):  # transformers 4.x
             out.append(MoeLayer(len(out), gate, "linear", block.top_k, block.num_experts,
                                 bool(getattr(block, "norm_topk_prob", False))))

@@ -235,7 +235,8 @@ class RouterHooks:
             if not fwd.apply:
                 return output if vendor else None
             if layer.layout == "router":
-                return logits, replayed_weights(logits, chosen, layer.norm_topk_prob, layer.scoring, layer.scale), chosen
+                weights = replayed_weights(logits, chosen, layer.norm_topk_prob, layer.scoring, layer.scale)
+                return logits, weights, chosen
             # transformers 4.x: the block takes top-k of softmax(logits) itself; logits masked to the chosen experts
             # give it exactly those, weighted by the renormalised live probabilities
             keep = torch.zeros_like(logits, dtype=torch.bool).scatter_(1, chosen, True) | ~known[:, None]

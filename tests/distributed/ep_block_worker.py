@@ -14,7 +14,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from portagrpo.model.expert_parallel import expert_modules, to_expert_parallel
+from portagrpo.model.expert_parallel import to_expert_parallel
 from portagrpo.model.router_replay import RouterHooks
 
 
