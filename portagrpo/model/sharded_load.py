@@ -54,7 +54,7 @@ def weight_files(path: str | Path) -> dict[str, Path] | None:
 
 def sharded_load_problem(path: str | Path, *, strategy: str, world_size: int) -> str | None:
     """Why a model loads whole instead (None: it loads by shards)."""
-    if strategy != "fsdp2":
+    if strategy not in ("fsdp2", "ep"):
         return "only FSDP2 shards a model (on one rank too: its shard is the whole, read straight to where it lives)"
     if tuple(int(x) for x in torch.__version__.split("+")[0].split(".")[:2]) < MIN_TORCH:
         return f"the sharded build is tested on torch {MIN_TORCH[0]}.{MIN_TORCH[1]} and newer, not {torch.__version__}"
@@ -111,16 +111,20 @@ def buffers_to(model: torch.nn.Module, device: torch.device) -> None:
 
 def local_rows(param: torch.Tensor) -> tuple[slice, ...]:
     """The global index of the shard this rank holds of an FSDP2 parameter (a DTensor sharded as torch.chunk
-    splits, over one or more mesh dimensions); the whole tensor for a plain one."""
+    splits, over one or more mesh dimensions); the whole tensor for a plain one. A strided shard (FSDP2 over a tensor
+    already sharded on the same dim by a later mesh dimension: an expert-parallel expert tensor, `(efsdp, ep)` as
+    `(_StridedShard(0), Shard(0))`) splits the later dimension's block, so it is applied after it."""
     from torch.distributed.tensor import DTensor, Shard
+    from torch.distributed.tensor.placement_types import _StridedShard
 
     shape = list(param.shape)
     if not isinstance(param, DTensor):
         return tuple(slice(0, n) for n in shape)
     start, size = [0] * len(shape), list(shape)
     coordinate = param.device_mesh.get_coordinate()
-    for mesh_dim, placement in enumerate(param.placements):
-        if isinstance(placement, Shard):
+    order = sorted(enumerate(param.placements), key=lambda item: isinstance(item[1], _StridedShard))
+    for mesh_dim, placement in order:
+        if isinstance(placement, (Shard, _StridedShard)):  # torch 2.13's _StridedShard is no Shard subclass
             d, parts, index = placement.dim, param.device_mesh.size(mesh_dim), coordinate[mesh_dim]
             chunk = -(-size[d] // parts)
             lo = min(index * chunk, size[d])

@@ -24,12 +24,19 @@ OVERRIDES = [
 
 
 def expert_placement(scorer) -> dict:
-    """Each packed expert tensor's global and local shape and FSDP2's placement of it."""
-    out = {}
+    """Each packed expert tensor's global and local shape and FSDP2's placement of it; under `_rows`, whether the
+    sharded load's index of this rank's block (model/sharded_load.py `local_rows`) is where its shard sits in the
+    whole tensor (a collective: every rank calls it)."""
+    from portagrpo.model.sharded_load import local_rows
+
+    out, rows = {}, True
     for name, p in scorer.named_parameters():
         if ".experts." in name or name.endswith("mlp.gate.weight"):
             local = p.to_local() if hasattr(p, "to_local") else p
             out[name] = (tuple(p.shape), tuple(local.shape), str(getattr(p, "placements", None)))
+            whole = p.full_tensor() if hasattr(p, "full_tensor") else p
+            rows &= bool(torch.equal(whole.detach()[local_rows(p)], local.detach()))
+    out["_rows"] = rows
     return out
 
 
