@@ -355,9 +355,6 @@ class ExpertParallel(FSDP2):
         from portagrpo.model.expert_parallel import ep_import_problem, ep_model_problem, to_expert_parallel
 
         problem = ep_import_problem() or ep_model_problem(scorer.lm, self.ep_size)
-        if problem is None and offload:
-            problem = ("actor.offload / actor.ref_offload are not built for trainer.parallel=ep (its expert shards "
-                       "stay on the device); turn offload off, or use trainer.parallel=fsdp2.")
         if problem:
             raise UserError(problem)
         sparse = self.sparse_mesh()

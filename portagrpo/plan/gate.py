@@ -137,7 +137,8 @@ def run_shape(cfg, cluster: Cluster, shape: ModelShape, model) -> RunShape:
         update_tokens, scoring_tokens = mb * seq, lp_mb * sp * seq
     attention = spec.default_attention if cfg.model.attn_implementation == "auto" else cfg.model.attn_implementation
     return RunShape(
-        strategy=layout.strategy, shard_group=layout.shard_group if layout.strategy == "fsdp2" else world,
+        strategy=layout.strategy, shard_group=layout.shard_group if layout.strategy in ("fsdp2", "ep") else world,
+        ep=(cfg.trainer.ep_size if cfg.trainer.ep_size > 0 else world) if layout.strategy == "ep" else 1, world=world,
         master_bytes=DTYPE_BYTES[layout.master_dtype], compute_bytes=DTYPE_BYTES[layout.compute_dtype],
         trainable_params=trainable, has_ref=layout.reference == "model",
         offload=a.offload, ref_offload=a.ref_offload, no_sync=a.use_no_sync_for_gradient_accumulation,
@@ -179,7 +180,9 @@ def refusal(p: Plan) -> str | None:
     if p.fits:
         return None
     c = p.cluster
-    where = (f"peak {p.peak.total / GIB:.1f} GiB in {p.peak.name} per device of trainer.device_memory_gb="
+    where = (f"vLLM's weights, {p.vllm_weights / GIB:.0f} GiB a device, exceed its rollout.vllm_gpu_memory_utilization="
+             f"{p.run.vllm_fraction:g} share of {c.capacity / GIB:.1f} usable GiB" if p.vllm_short else
+             f"peak {p.peak.total / GIB:.1f} GiB in {p.peak.name} per device of trainer.device_memory_gb="
              f"{c.device_memory_gb:g}{usable(c)}" if not p.fits_device else
              f"{sum(p.host_per_node.values()) / GIB:.0f} GiB of host memory per node of trainer.host_memory_gb="
              f"{c.host_memory_gb:g}")

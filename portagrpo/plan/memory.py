@@ -47,6 +47,14 @@ BWD_GRAD_UNITS = 1.1  # ... and layer-sized fp32 ones (the reduce-scatter's inpu
 GEN_GATHER_UNITS = 0.5  # the hf engine's whole-model gather: an all-gather buffer on top, on average half a layer
 # (an untied head's whole: the largest unit)
 ADAM_TEMP = 1.0  # AdamW's foreach step: one temporary the size of the parameters it updates (fp32); fused: none
+# trainer.parallel=ep (model/expert_parallel.py): tensors of top-k x hidden per token that one MoE layer keeps in flight
+# beside what a layer saves: the dispatched tokens and the experts' output (2, saved for the backward), and in the
+# forward the sorted copy, the received copy, the output before and after the return exchange (4, transient).
+A2A_SAVED = 2.0
+A2A_WORK = 4.0
+# A rank's experts receive up to this many times their even share of the routed tokens: an allowance, not a
+# measurement (a router under training is not balanced, and the dispatcher drops no token: no capacity factor).
+EP_IMBALANCE = 2.0
 LOGITS_CHUNK_ELEMENTS = 2**25  # kernels/chunked.py's chunk of logits (fp32), and its gradient in the backward
 HOST_BUFFER_GB = 4.0  # a rank's host-side working set besides offloaded states (Python, CUDA context, loaders)
 
@@ -79,6 +87,8 @@ class ModelShape:
     embedding_streams: bool = True  # the input embedding is torch's own lookup (model/parallel.py streams_lookup)
     head_streams: bool = True  # the LM head is a linear layer without a bias (model/parallel.py streams_head)
     largest_tensor: int = 0  # the largest parameter tensor's elements (the push gathers one whole tensor at a time)
+    expert_params: int = 0  # every MoE layer's routed experts (what trainer.parallel=ep splits over the ranks)
+    layer_experts: int = 0  # one MoE layer's routed experts
 
     @property
     def is_moe(self) -> bool:
@@ -147,6 +157,8 @@ class RunShape:
     # units with actor.offload, and the head with LoRA on it
     head_streams: bool = True
     embedding_streams: bool = True
+    ep: int = 1  # trainer.parallel=ep: ranks one expert-parallel group spans (trainer.ep_size), 1 otherwise
+    world: int = 1  # training ranks (an expert tensor is split over all of them under ep: efsdp x ep)
 
 
 @dataclass
@@ -173,8 +185,22 @@ class Plan:
         return max(self.phases, key=lambda p: p.total)
 
     @property
+    def vllm_weights(self) -> float:
+        """Bytes of the policy's weights in one colocated vLLM engine's share of a device (0 without one)."""
+        r = self.run
+        if r.engine != "vllm" or r.sampler_apart:
+            return 0.0
+        return r.compute_bytes * self.model.params / max(r.tensor_parallel, 1)
+
+    @property
+    def vllm_short(self) -> bool:
+        """vLLM's weights alone exceed its rollout.vllm_gpu_memory_utilization share (vLLM then stops at start, with
+        no memory left for its KV cache)."""
+        return self.vllm_weights > self.run.vllm_fraction * self.cluster.capacity
+
+    @property
     def fits_device(self) -> bool:
-        return self.peak.total <= self.cluster.capacity
+        return self.peak.total <= self.cluster.capacity and not self.vllm_short
 
     @property
     def pinned_per_node(self) -> float:
@@ -209,7 +235,17 @@ def layer_activation_bytes(m: ModelShape, r: RunShape, tokens: int, seq_len: int
         per_token += m.heads * seq_len * r.compute_bytes
     if m.is_moe:
         per_token += 2 * 4 * m.experts  # router logits and probabilities, fp32
+    if r.ep > 1:
+        per_token += A2A_SAVED * EP_IMBALANCE * m.experts_per_token * m.hidden * r.compute_bytes
     return per_token * tokens / max(r.sequence_parallel, 1)
+
+
+def exchange_bytes(m: ModelShape, r: RunShape, tokens: int) -> dict[str, float]:
+    """Under expert parallelism, one MoE layer's all-to-all copies in flight (not saved) over `tokens` tokens."""
+    if r.ep <= 1:
+        return {}
+    copies = A2A_WORK * EP_IMBALANCE * m.experts_per_token * m.hidden * r.compute_bytes * tokens
+    return {"expert all-to-all copies in flight (one layer)": copies / max(r.sequence_parallel, 1)}
 
 
 def activations(m: ModelShape, r: RunShape, tokens: int, rows: int, training: bool) -> dict[str, float]:
@@ -224,7 +260,7 @@ def activations(m: ModelShape, r: RunShape, tokens: int, rows: int, training: bo
             per_token += m.heads * seq * r.compute_bytes
         working = per_token * tokens / max(r.sequence_parallel, 1)
         return {"one layer's working set (forward only)": working, "logits chunk": logits,
-                "final hidden states": hidden_out}
+                "final hidden states": hidden_out, **exchange_bytes(m, r, tokens)}
     if r.gradient_checkpointing:
         saved = m.layers * GC_H * r.compute_bytes * m.hidden * tokens / max(r.sequence_parallel, 1)
         recompute = one_layer
@@ -232,7 +268,8 @@ def activations(m: ModelShape, r: RunShape, tokens: int, rows: int, training: bo
         saved, recompute = m.layers * one_layer, 0.0
     if r.activation_offload:
         saved = saved / m.layers  # each layer's saved tensors go to host memory; one layer's on the device
-    out = {"saved activations": saved, "logits chunk and its gradient": 2 * logits, "final hidden states": hidden_out}
+    out = {"saved activations": saved, "logits chunk and its gradient": 2 * logits, "final hidden states": hidden_out,
+           **exchange_bytes(m, r, tokens)}
     if recompute:
         out["one layer recomputed"] = recompute
     if m.vision_depth and r.image_tokens:
@@ -265,6 +302,7 @@ class _Terms:
 
     fsdp: bool
     shards: int  # F: ranks one FSDP2 group spans, 1 without FSDP2
+    spread: float  # the share of the parameters one rank holds (1 / F; under ep the experts over every rank)
     states: dict[str, float]  # what is resident from the load on (parameters, reference, the runtime's allowance)
     steady: dict[str, float]  # ... and AdamW's state, from the first update on
     grads: float
@@ -273,18 +311,23 @@ class _Terms:
 
 
 def _terms(m: ModelShape, r: RunShape) -> _Terms:
-    fsdp = r.strategy == "fsdp2"
+    fsdp = r.strategy in ("fsdp2", "ep")
     F = r.shard_group if fsdp else 1
     bm, bc, P, Ptr = r.master_bytes, r.compute_bytes, m.params, r.trainable_params
-    grads = 0.0 if r.offload else bm * Ptr / F
+    # the share of the parameters a rank holds: 1/F under FSDP2; under ep the dense part over F and the routed
+    # experts over every rank (efsdp x ep)
+    experts = m.expert_params if r.strategy == "ep" else 0
+    spread = ((P - experts) / F + experts / max(r.world, 1)) / P if P and experts else 1.0 / F
+    grads = 0.0 if r.offload else bm * Ptr * spread
     if r.no_sync and r.accumulation > 1 and fsdp:
         grads = bm * Ptr  # unsharded, kept across the micro-batches (on the device even with offload)
-    states = {"policy parameters": 0.0 if r.offload else bm * P / F,
-              "reference parameters": (0.0 if r.ref_offload else bc * P / F) if r.has_ref else 0.0}
+    states = {"policy parameters": 0.0 if r.offload else bm * P * spread,
+              "reference parameters": (0.0 if r.ref_offload else bc * P * spread) if r.has_ref else 0.0}
     if r.runtime_reserve:
         states["device runtime and collective buffers (allowance)"] = r.runtime_reserve
-    steady = {**states, "optimizer state (AdamW)": 0.0 if r.offload else 2 * bm * Ptr / F}
-    unit, root, head = m.unit_params, m.root_params, m.head_params
+    steady = {**states, "optimizer state (AdamW)": 0.0 if r.offload else 2 * bm * Ptr * spread}
+    # under ep a layer's experts are gathered over efsdp only: this rank's ep block, never the layer's whole experts
+    unit, root, head = expert_parallel_unit(m, r), m.root_params, m.head_params
     # The root stays gathered from the forward's start to the backward's end, and holds its unsharded gradient from
     # the head's backward on (the LM head's, where tied). Gradients and their reduce-scatter buffers exist for
     # trained parameters only (LoRA: its adapters' share).
@@ -303,7 +346,15 @@ def _terms(m: ModelShape, r: RunShape) -> _Terms:
     fwd = max(fwd, (root + unit) * bc + max(head_fwd, embed_fwd)) if fsdp else 0.0
     layers_bwd = BWD_GATHER_UNITS * unit * bc + BWD_GRAD_UNITS * trained * unit * 4
     bwd = ((1 + trained) * root * bc + max(layers_bwd, head_bwd, embed_bwd)) if fsdp else 0.0
-    return _Terms(fsdp, F, states, steady, grads, fwd, bwd)
+    return _Terms(fsdp, F, spread, states, steady, grads, fwd, bwd)
+
+
+def expert_parallel_unit(m: ModelShape, r: RunShape) -> float:
+    """The largest decoder layer as a rank gathers it: whole under FSDP2; under ep its routed experts are the rank's
+    ep block (1/ep of them)."""
+    if r.strategy != "ep":
+        return m.unit_params
+    return m.unit_params - m.layer_experts * (1 - 1 / max(r.ep, 1))
 
 
 def _load(m: ModelShape, r: RunShape, t: _Terms) -> PhasePlan:
@@ -321,7 +372,7 @@ def _push(m: ModelShape, r: RunShape, t: _Terms) -> PhasePlan:
         # gathered in the master dtype (model/parallel.py gathered), a layer's held until it is loaded (or sent to
         # the sampler process)
         push["whole tensors gathered for the push (a layer's, or the largest)"] = (
-            max(m.unit_params, m.largest_tensor) * r.master_bytes)
+            max(expert_parallel_unit(m, r), m.largest_tensor) * r.master_bytes)
     return PhasePlan("push", push)
 
 
@@ -354,9 +405,10 @@ def _rollout(m: ModelShape, cluster: Cluster, r: RunShape, t: _Terms) -> PhasePl
     if r.engine == "vllm":
         rollout["vLLM (weights, KV cache, its activations)"] = r.vllm_fraction * cluster.capacity
     elif r.engine == "hf":
-        if t.fsdp:
-            rollout["the policy gathered whole for sampling"] = bc * (m.params + max(GEN_GATHER_UNITS * m.unit_params,
-                                                                                 m.head_params))
+        if t.fsdp:  # under ep every unit but the experts' (gathered over efsdp: the rank's ep block)
+            gathered = m.params - (m.expert_params * (1 - 1 / r.ep) if r.strategy == "ep" else 0)
+            rollout["the policy gathered whole for sampling"] = bc * (gathered + max(
+                GEN_GATHER_UNITS * expert_parallel_unit(m, r), m.head_params))
         rollout["KV cache"] = 2 * m.layers * m.kv_heads * m.head_dim * bc * r.rollout_rows * r.seq_len
     return PhasePlan("rollout", rollout)
 
@@ -386,7 +438,7 @@ def _update(m: ModelShape, r: RunShape, t: _Terms) -> PhasePlan:
     step = _held(m, r, t)
     step["gradients"] = t.grads
     step["AdamW's step temporaries"] = (0.0 if r.offload or r.fused_adamw
-                                        else ADAM_TEMP * r.master_bytes * r.trainable_params / t.shards)
+                                        else ADAM_TEMP * r.master_bytes * r.trainable_params * t.spread)
     return PhasePlan("update", step if sum(step.values()) > sum(update.values()) else update)
 
 
@@ -395,9 +447,9 @@ def _host(m: ModelShape, cluster: Cluster, r: RunShape, t: _Terms) -> dict[str, 
     host = {"working set of each rank": HOST_BUFFER_GB * GIB * per_node}
     shards = PINNED if r.pinned_offload else ""
     if r.offload:
-        host["offloaded policy, gradients and AdamW state" + shards] = 4 * bm * P / t.shards * per_node
+        host["offloaded policy, gradients and AdamW state" + shards] = 4 * bm * P * t.spread * per_node
     if r.ref_offload and r.has_ref:
-        host["offloaded reference" + shards] = r.compute_bytes * P / t.shards * per_node
+        host["offloaded reference" + shards] = r.compute_bytes * P * t.spread * per_node
     if r.activation_offload:  # each layer's saved tensors (its input, with checkpointing) wait in host memory
         tokens = r.update_tokens / max(r.sequence_parallel, 1)
         per_layer = (GC_H * r.compute_bytes * m.hidden * tokens if r.gradient_checkpointing
@@ -408,7 +460,7 @@ def _host(m: ModelShape, cluster: Cluster, r: RunShape, t: _Terms) -> dict[str, 
         # the sharded checkpoint writes the offloaded states where they already are (host memory, counted above):
         # no second copy (issue 51: 72B on one node planned 2063 GiB against about 1.25 TiB)
         return host
-    host["checkpoint staging (one rank's shards at a time)"] = staging / t.shards * per_node if t.fsdp else staging
+    host["checkpoint staging (one rank's shards at a time)"] = staging * t.spread * per_node if t.fsdp else staging
     return host
 
 
@@ -429,6 +481,16 @@ def advise(p: Plan) -> list[str]:
 
     cap = p.cluster.capacity
     r = p.run
+    if p.vllm_short:
+        share = p.vllm_weights / cap
+        if share < 0.9:
+            return [f"rollout.vllm_gpu_memory_utilization={min(share + 0.1, 0.9):.2f} (vLLM's weights alone are "
+                    f"{p.vllm_weights / GIB:.0f} GiB a device at rollout.tensor_model_parallel_size="
+                    f"{r.tensor_parallel}; check the plan again with it)"]
+        return [f"vLLM's weights alone are {p.vllm_weights / GIB:.0f} GiB a device at rollout."
+                f"tensor_model_parallel_size={r.tensor_parallel}, more than its rollout.vllm_gpu_memory_utilization="
+                f"{r.vllm_fraction:g} share; vLLM's own expert parallelism across engines is not built in portagrpo, "
+                f"so this model needs a larger tensor-parallel group or a smaller model"]
     if p.fits_device:  # the host overflows: only settings that take host memory back can fix it
         return _host_advice(p) or ["none of the single settings tried fits the host: more nodes (trainer.nnodes) "
                                    "spread the offloaded shards, or plan for more host memory (trainer.host_memory_gb)"]
@@ -437,7 +499,7 @@ def advise(p: Plan) -> list[str]:
         tries.append(("actor.use_no_sync_for_gradient_accumulation=false", replace(r, no_sync=False)))
     if not r.gradient_checkpointing:
         tries.append(("model.gradient_checkpointing=true", replace(r, gradient_checkpointing=True)))
-    if r.has_ref and not r.ref_offload and r.strategy == "fsdp2":
+    if r.has_ref and not r.ref_offload and r.strategy in ("fsdp2", "ep"):
         tries.append(("actor.ref_offload=true", replace(r, ref_offload=True)))
     if r.engine == "vllm" and r.vllm_fraction > 0.3:
         tries.append(("rollout.vllm_gpu_memory_utilization=0.3", replace(r, vllm_fraction=0.3)))
@@ -449,17 +511,15 @@ def advise(p: Plan) -> list[str]:
         knob = (f"actor.ppo_max_token_len_per_gpu={tokens // max(r.sequence_parallel, 1)}" if r.token_budget
                 else f"actor.micro_batch_size={half}")
         tries.append((knob, replace(r, update_rows=half, update_tokens=tokens)))
-    if not r.offload and r.strategy == "fsdp2":
+    if not r.offload and r.strategy in ("fsdp2", "ep"):
         tries.append(("actor.offload=true", replace(r, offload=True)))
+    if p.model.is_moe and r.strategy == "fsdp2":
+        tries.append(("trainer.parallel=ep", replace(r, strategy="ep", ep=r.world, shard_group=r.world)))
     out = []
     for setting, run in tries:
         trial = plan_fits(p.model, p.cluster, run)
         if trial is not None:
             out.append(f"{setting} (peak {trial / GIB:.1f} GiB of {cap / GIB:.0f})")
-    if not out and p.model.is_moe:
-        out.append(f"expert parallelism, which portagrpo does not have: FSDP2 shards each of the "
-                   f"{p.model.experts} experts' tensors over the ranks but gathers a whole MoE layer to compute it; "
-                   f"plan for more devices (trainer.nnodes) or a smaller model")
     if not out:
         out.append("none of the single settings tried fits: more devices (trainer.nnodes), offload with a shorter "
                    "response length, or a smaller model")

@@ -129,11 +129,18 @@ def model_shape(cfg) -> tuple[ModelShape, Any, str]:
     text = model.config.get_text_config()
     heads = text.num_attention_heads
     head_dim = getattr(text, "head_dim", None) or text.hidden_size // heads
+    if getattr(text, "kv_lora_rank", None):  # latent attention (DeepSeek-V3): transformers caches every head's key
+        # (qk_nope + qk_rope wide) and value (v_head_dim wide), so the plan's 2 x heads x head_dim is their mean
+        head_dim = (text.qk_nope_head_dim + text.qk_rope_head_dim + text.v_head_dim) // 2
     experts = int(getattr(text, "num_experts", 0) or getattr(text, "n_routed_experts", 0) or 0)
     top_k = int(getattr(text, "num_experts_per_tok", 0) or 0)
     expert_params = sum(p.numel() for n, p in model.named_parameters() if ".experts." in n or n.endswith(".experts"))
-    if experts:
-        shared = int(getattr(text, "shared_expert_intermediate_size", 0) or 0)
+    layer_experts = max((sum(p.numel() for p in layer.mlp.experts.parameters())
+                         for layer in getattr(decoder_of(model), "layers", [])
+                         if hasattr(getattr(layer, "mlp", None), "experts")), default=0)
+    if experts:  # a shared expert: Qwen2-MoE's own width, or DeepSeek-V3's n_shared_experts of the experts' width
+        shared = int(getattr(text, "shared_expert_intermediate_size", 0) or 0) or (
+            int(getattr(text, "n_shared_experts", 0) or 0) * int(text.moe_intermediate_size))
         mlp = top_k * int(text.moe_intermediate_size) + shared
         active = params - expert_params + expert_params * top_k // experts
     else:
@@ -151,7 +158,8 @@ def model_shape(cfg) -> tuple[ModelShape, Any, str]:
         largest_tensor=max(p.numel() for p in model.parameters()),
         layers=layers, hidden=text.hidden_size, mlp_width=mlp, heads=heads,
         kv_heads=getattr(text, "num_key_value_heads", None) or heads, head_dim=head_dim, vocab=text.vocab_size,
-        experts=experts, experts_per_token=top_k, active_params=active, **vision_fields)
+        experts=experts, experts_per_token=top_k, active_params=active, expert_params=expert_params,
+        layer_experts=layer_experts, **vision_fields)
     return shape, model, source
 
 

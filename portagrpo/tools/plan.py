@@ -29,7 +29,8 @@ def describe(p: Plan, source: str) -> list[str]:
     lines = [f"memory plan: {m.name}, {m.params / 1e9:.2f}B parameters{moe} (shape from {source})",
              f"  cluster: {c.nodes} node(s) x {c.devices_per_node} device(s) of {c.device_memory_gb:g} GiB"
              f"{usable(c)}, {c.host_memory_gb:g} GiB host memory per node; {r.strategy}"
-             + (f" (shard groups of {r.shard_group})" if r.strategy == "fsdp2" else "")
+             + (f" (shard groups of {r.shard_group})" if r.strategy in ("fsdp2", "ep") else "")
+             + (f", experts split over groups of {r.ep}" if r.strategy == "ep" else "")
              + f"; rollout engine {r.engine}"
              + ("; each rank's sampler process on a device of its own (rollout.mode=one_step_off, the phase "
                 "'sampler')" if r.sampler_apart else ""),

@@ -66,7 +66,7 @@ def resolve_layout(cfg: Config, world: int, parallel: Callable[[str], str], apar
     kl = a.use_kl_loss or cfg.algorithm.use_kl_in_reward
     return RunLayout(
         world=world, strategy=strategy,
-        shard_group=(t.fsdp_size if t.fsdp_size > 0 else world) if strategy == "fsdp2" else 1,
+        shard_group=(t.fsdp_size if t.fsdp_size > 0 else world) if strategy in ("fsdp2", "ep") else 1,
         sequence_parallel=sp, data_parallel=max(world // sp, 1),
         master_dtype="fp64" if cfg.model.dtype == "fp64" else "fp32", compute_dtype=cfg.model.dtype, lora=lora,
         reference=("adapters_off" if lora else "model") if kl else None, frozen_vision=a.freeze_vision_tower,

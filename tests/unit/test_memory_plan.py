@@ -11,7 +11,7 @@ import pytest
 from portagrpo.cli import main
 from portagrpo.config import load_config
 from portagrpo.errors import UserError
-from portagrpo.plan.gate import plan_config
+from portagrpo.plan.gate import plan_config, refusal
 from portagrpo.plan.memory import GIB, Cluster, plan
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -86,17 +86,20 @@ def test_verls_32b_command_translates_honours_offload_and_fits_two_nodes():
 
 
 def test_one_node_admits_32b_with_offload_and_says_what_admits_72b():
-    """The 7B recipe's batch shapes on one 8 x 80 GB node: the largest shipped dense model whose plan fits."""
+    """The 7B recipe's batch shapes on one 8 x 80 GB node: the largest shipped dense model whose plan fits (32B with
+    vLLM at its recipe's tensor-parallel size 4, so that its weights fit vLLM's share: they are 61 GiB at size 1;
+    72B at size 1 holds 145 GiB of weights a device)."""
     base = load_config(ROOT / "configs" / "qwen2.5-7b-gsm8k-cuda.yaml", check_files=False)
     fits = {}
-    for name in ("Qwen2.5-7B-Instruct", "Qwen2.5-32B-Instruct", "Qwen2.5-72B-Instruct"):
+    for name, tp in (("Qwen2.5-7B-Instruct", 1), ("Qwen2.5-32B-Instruct", 4), ("Qwen2.5-72B-Instruct", 1)):
         for offload in (False, True):
             cfg = replace(base, model=replace(base.model, path=f"/models/{name}"),
-                          actor=replace(base.actor, offload=offload, ref_offload=offload))
+                          actor=replace(base.actor, offload=offload, ref_offload=offload),
+                          rollout=replace(base.rollout, tensor_model_parallel_size=tp))
             fits[(name, offload)] = plan_config(cfg)[0].fits
     assert fits[("Qwen2.5-7B-Instruct", False)] and fits[("Qwen2.5-32B-Instruct", True)]
     assert not fits[("Qwen2.5-32B-Instruct", False)]  # without offload 32B needs two nodes (the 32B recipe)
-    assert not fits[("Qwen2.5-72B-Instruct", True)]  # one node's 8 devices are too few for 72B's activations + vLLM
+    assert not fits[("Qwen2.5-72B-Instruct", True)]  # vLLM alone at size 1 cannot hold 72B
     wide = load_config(ROOT / "configs" / "qwen2.5-72b-gsm8k-cuda.yaml", check_files=False)
     assert plan_config(wide)[0].fits  # four nodes with offload do (docs/memory.md)
 
@@ -135,11 +138,41 @@ def test_a_run_whose_plan_does_not_fit_stops_before_any_rank_starts(tmp_path, ca
 
 
 def test_an_moe_model_that_only_expert_parallelism_would_fit_is_told_so():
-    cfg = load_config(None, ["model.path=/models/Qwen3-30B-A3B", "trainer.device_memory_gb=4",
-                             "trainer.nproc_per_node=8", "trainer.device=cuda"], check_files=False)
+    """Qwen3-30B-A3B in fp32 with the hf engine on 8 x 100 GiB: FSDP2 gathers the whole model to sample (173 GiB),
+    offloaded or not; under trainer.parallel=ep every rank keeps its 16 of each layer's 128 experts (78 GiB)."""
+    cfg = load_config(None, ["model.path=/models/Qwen3-30B-A3B", "trainer.device_memory_gb=100",
+                             "trainer.nproc_per_node=8", "trainer.device=cuda", "trainer.parallel=fsdp2"],
+                      check_files=False)
     p, _ = plan_config(cfg)
     assert not p.fits and p.model.experts == 128
-    assert any("expert parallelism" in line for line in p.advice)
+    assert [line for line in p.advice if line.startswith("trainer.parallel=ep (peak ")], p.advice
+    ep, _ = plan_config(replace(cfg, trainer=replace(cfg.trainer, parallel="ep")))
+    assert ep.fits and ep.run.ep == 8 and ep.model.expert_params > 0.9 * ep.model.params
+    fsdp2_rollout = next(ph for ph in p.phases if ph.name == "rollout").total
+    ep_rollout = next(ph for ph in ep.phases if ph.name == "rollout").total
+    # the hf engine gathers every unit but the experts, which stay 1/8 on each rank
+    gathered = p.run.compute_bytes * ep.model.expert_params * (1 - 1 / 8)
+    assert fsdp2_rollout - ep_rollout == pytest.approx(gathered, rel=0.02)
+
+
+def test_a_model_whose_weights_outgrow_vllm_on_a_node_is_refused_in_one_sentence():
+    """DeepSeek-V3 (671B) with vLLM at tensor-parallel 8: 156 GiB of bf16 weights a device, whatever the ranks; and
+    a share too small for the weights (vLLM would stop at start) is said with the share that holds them."""
+    cfg = load_config(None, ["model.path=/models/DeepSeek-V3", "trainer.device_memory_gb=80", "trainer.nnodes=16",
+                             "trainer.devices_per_node=8", "trainer.nproc_per_node=8", "trainer.device=cuda",
+                             "trainer.parallel=ep", "rollout.engine=vllm", "rollout.tensor_model_parallel_size=8",
+                             "model.dtype=bf16", "actor.offload=true", "data.train_batch_size=128",
+                             "actor.ppo_mini_batch_size=128"], check_files=False)
+    p, _ = plan_config(cfg)
+    assert not p.fits and p.model.experts == 256
+    sentence = refusal(p)
+    assert "vLLM's weights alone are 156 GiB a device" in sentence and sentence.count(". ") == 0
+    q = load_config(None, ["model.path=/models/Qwen2.5-32B-Instruct", "trainer.device_memory_gb=80",
+                           "trainer.nproc_per_node=8", "trainer.device=cuda", "rollout.engine=vllm",
+                           "model.dtype=bf16", "rollout.vllm_gpu_memory_utilization=0.5"], check_files=False)
+    p, _ = plan_config(q)
+    assert p.vllm_short and not p.fits  # 61 GiB of weights in a 40 GiB share
+    assert p.advice[0].startswith("rollout.vllm_gpu_memory_utilization=0.87 (vLLM's weights alone are 61 GiB")
 
 
 def test_what_the_plan_cannot_know_is_one_sentence(tmp_path):
