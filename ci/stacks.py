@@ -63,6 +63,9 @@ def features(stack: dict) -> dict[str, bool]:
         "vllm": "vllm" in v,
         "vllm_ascend": "vllm-ascend" in v,
         "bf16": True,
+        # trainer.parallel=ep: torchtitan 0.3.0's dispatcher imports torch.nn.attention.varlen's AuxRequest (in the
+        # torch 2.11 wheel, not in 2.9's; 2.10's not read), and splits transformers 5's packed experts
+        "ep": torch >= (2, 11) and _release(v["transformers"]) >= (5, 0),
     }
 
 

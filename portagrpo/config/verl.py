@@ -142,13 +142,17 @@ GLOBAL_MICRO = {AR + "actor.ppo_micro_batch_size": "actor.micro_batch_size",
                 AR + "ref.log_prob_micro_batch_size": "actor.logprob_micro_batch_size"}
 
 
+EXPERT_PARALLEL = AR + "actor.megatron.expert_model_parallel_size"  # -> trainer.parallel=ep, trainer.ep_size
+
+
 def expert_parallel_refusal(key: str) -> str | None:
-    """verl's expert-parallel keys (the trainer's `expert_model_parallel_size`, the rollout's
-    `expert_parallel_size` or `enable_expert_parallel`), refused in one sentence that says why; None for another key."""
+    """verl's expert-parallel keys that portagrpo does not take (the rollout's `expert_parallel_size` or
+    `enable_expert_parallel`: vLLM's experts split across engines; expert tensor parallelism), refused in one sentence
+    that says why; None for another key."""
     if not any(part in key for part in ("expert_model_parallel", "expert_parallel", "expert_tensor_parallel")):
         return None
-    return (f"verl key {key}: portagrpo has no expert parallelism (FSDP2 shards every expert's tensors over the "
-            f"ranks and gathers one MoE layer at a time); remove it, and `portagrpo plan` says whether the model fits "
+    return (f"verl key {key}: portagrpo splits the experts in training only (trainer.parallel=ep, trainer.ep_size), "
+            f"not in vLLM's engines nor within an expert; remove it, and `portagrpo plan` says whether the model fits "
             f"without it.")
 
 
@@ -162,6 +166,11 @@ def translate(pairs: list[tuple[str, Any]]) -> tuple[list[tuple[str, Any]], list
             notices.append(f"verl key {key}=-1 -> portagrpo {key}=0 (never)")
         elif not is_verl_key(key) or (key in DIRECT and DIRECT[key] == key):
             out.append((key, value))
+        elif key == EXPERT_PARALLEL and str(value).strip().lstrip("-").isdigit():
+            size = int(value)
+            out += [("trainer.parallel", "ep"), ("trainer.ep_size", size)] if size > 1 else []
+            notices.append(f"verl key {key}={value} -> portagrpo " + (
+                f"trainer.parallel=ep trainer.ep_size={size}" if size > 1 else "nothing (one rank's experts: no EP)"))
         elif key == ROUTER_REPLAY:
             mode = None if str(value).strip().lower() in ("disabled", "none", "null") else value
             out.append(("actor.router_replay", mode))

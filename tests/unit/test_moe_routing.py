@@ -340,14 +340,25 @@ def test_r3_with_multi_turn_is_refused_by_the_config():
         load_config(None, ["actor.router_replay=R3", "rollout.multi_turn.enable=true"], check_files=False)
 
 
-@pytest.mark.parametrize("key", ["actor_rollout_ref.actor.megatron.expert_model_parallel_size=4",
-                                 "actor_rollout_ref.rollout.expert_parallel_size=8",
+@pytest.mark.parametrize("key", ["actor_rollout_ref.rollout.expert_parallel_size=8",
                                  "actor_rollout_ref.rollout.enable_expert_parallel=true"])
-def test_verls_expert_parallel_keys_are_refused_naming_expert_parallelism(key):
+def test_verls_rollout_expert_parallel_keys_are_refused_naming_what_portagrpo_splits(key):
     from portagrpo.config import load_config
 
-    with pytest.raises(UserError, match="portagrpo has no expert parallelism .* `portagrpo plan`"):
+    with pytest.raises(UserError, match="portagrpo splits the experts in training only .* `portagrpo plan`"):
         load_config(None, [key], check_files=False)
+
+
+def test_verls_trainer_expert_parallel_size_is_trainer_ep_size():
+    from portagrpo.config import load_config
+
+    notices = []
+    cfg = load_config(None, ["actor_rollout_ref.actor.megatron.expert_model_parallel_size=4"], check_files=False,
+                      notices=notices)
+    assert (cfg.trainer.parallel, cfg.trainer.ep_size) == ("ep", 4)
+    assert any("trainer.parallel=ep trainer.ep_size=4" in n for n in notices)
+    one = load_config(None, ["actor_rollout_ref.actor.megatron.expert_model_parallel_size=1"], check_files=False)
+    assert (one.trainer.parallel, one.trainer.ep_size) == ("auto", -1)
 
 
 def test_routes_cross_the_ranks_as_their_bytes_and_come_back_exact():

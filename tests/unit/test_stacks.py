@@ -77,9 +77,13 @@ def test_every_recipe_fits_every_stack_of_its_vendor(recipe):
     vendor = cfg.trainer.device
     if vendor not in ("cuda", "rocm", "npu"):
         return
-    for name, s in ((n, s) for n, s in STACKS.items() if s["vendor"] == vendor):
+    ours = [(n, s) for n, s in STACKS.items() if s["vendor"] == vendor]
+    if cfg.trainer.parallel == "ep":  # expert parallelism runs on the stacks that have it, and its header names them
+        ours = [(n, s) for n, s in ours if stacks.features(s)["ep"]]
+        assert ours and all(n in recipe.read_text() for n, _ in ours), f"{recipe.name}: no {vendor} stack runs EP"
+    for name, s in ours:
         have, v = stacks.features(s), stacks.versions(s)
-        if cfg.trainer.parallel == "fsdp2":
+        if cfg.trainer.parallel in ("fsdp2", "ep"):
             assert have["fsdp2"], f"{recipe.name} asks {name} for FSDP2, which its torch {v['torch']} lacks"
         if cfg.rollout.engine == "vllm":
             assert have["vllm"] and SpecifierSet(SUPPORTED_VLLM).contains(Version(v["vllm"]), prereleases=True)
