@@ -30,7 +30,7 @@ def ep_import_problem() -> str | None:
     except Exception as exc:  # ImportError, or torchtitan importing what this torch lacks
         return (f"trainer.parallel=ep runs torchtitan's all-to-all token dispatcher, which does not import here "
                 f"({type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}); {EP_INSTALL} on torch "
-                f"2.13 or newer, or use trainer.parallel=fsdp2.")
+                f"2.11 or newer (it imports torch.nn.attention.varlen), or use trainer.parallel=fsdp2.")
     return None
 
 
