@@ -131,6 +131,10 @@ def build_tiny_moe_model(t, tokenizer, seed: int):
     3-D tensors (`mlp.experts.gate_up_proj` [E, 2I, H], `mlp.experts.down_proj` [E, H, I]), 4.x as one module each."""
     import transformers
 
+    if t.moe == "deepseek_v3" and int(transformers.__version__.split(".")[0]) < 5:
+        raise ModelLoadError(f"model.tiny.moe=deepseek_v3 needs transformers 5 (its router returns the logits, weights "
+                             f"and experts portagrpo replays), and this is transformers {transformers.__version__}; "
+                             f"upgrade transformers, or use model.tiny.moe=qwen3_moe.")
     config_name, model_name = MOE_FAMILIES[t.moe]
     extra = _family_settings(t)
     config = getattr(transformers, config_name)(

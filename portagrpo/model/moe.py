@@ -54,7 +54,7 @@ def moe_layers(model) -> list[MoeLayer]:
         gate, experts = getattr(block, "gate", None), getattr(block, "experts", None)
         if gate is None or experts is None:
             continue
-        if hasattr(gate, "top_k"):  # transformers >= 5: a router module
+        if hasattr(gate, "top_k") and hasattr(gate, "num_experts"):  # transformers >= 5: a router module
             scoring = "sigmoid" if hasattr(gate, "e_score_correction_bias") else "softmax"
             scale = float(getattr(gate, "routed_scaling_factor", 1.0))
             out.append(MoeLayer(len(out), gate, "router", gate.top_k, gate.num_experts, bool(gate.norm_topk_prob),

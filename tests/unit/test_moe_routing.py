@@ -12,7 +12,9 @@ from portagrpo.model.loading import ModelLoadError, apply_lora, build_char_token
 from portagrpo.rollout.vllm_routes import routes_from_engine
 
 TOK = build_char_tokenizer()
-FAMILIES = ["qwen3_moe", "qwen2_moe", "deepseek_v3"]
+# DeepSeek-V3's tiny model needs transformers 5 (its 4.x router returns the experts and weights alone)
+TRANSFORMERS_5 = int(__import__("transformers").__version__.split(".")[0]) >= 5
+FAMILIES = ["qwen3_moe", "qwen2_moe", *(["deepseek_v3"] if TRANSFORMERS_5 else [])]
 
 
 def tiny(family: str, seed: int = 0, dtype=torch.float32):
