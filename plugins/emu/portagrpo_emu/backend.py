@@ -30,10 +30,8 @@ SPEC = BackendSpec(
     default_kernel="chunked",
     install_hint="`pip install -e plugins/emu` (test-only)",
     default_parallel="ddp",
-    # not "ep": the backward of torch's functional all_to_all_single (torchtitan's dispatcher) fails on this Python
-    # PrivateUse1 device in the autograd device thread (one device: std::terminate in torch's PythonDeviceGuard::
-    # exchangeStream while unwinding; two: a plain tensor on emu:1 reaches aten.mm), so the run is refused up front
-    parallel_choices=("ddp", "fsdp2"),
+    # "ep": the all-to-all of expert parallelism on emuccl, under its dtype rule (no fp64)
+    parallel_choices=("ddp", "fsdp2", "ep"),
     rollout_engines=("hf", "fixed"),
     collective_dtypes=(torch.float32, torch.bfloat16, torch.float16, torch.int64, torch.int32, torch.uint8,
                        torch.int8, torch.bool),

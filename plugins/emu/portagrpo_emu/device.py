@@ -149,6 +149,11 @@ class EmuTensor(torch.Tensor):
 
     @classmethod
     def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
+        if any(not issubclass(t, EmuTensor) for t in types):
+            # Another tensor subclass among the arguments (torch's AsyncCollectiveTensor, which the functional
+            # collectives return, saved for a backward): it unwraps itself to device tensors and dispatches again,
+            # as it does around a CUDA tensor, where no second subclass stands in its way.
+            return NotImplemented
         return _dispatch(func, args, kwargs or {})
 
     def __format__(self, spec: str) -> str:
