@@ -17,7 +17,7 @@ from typing import Any, Callable
 
 import torch
 
-from portagrpo.model.moe import base_lm, moe_layers
+from portagrpo.model.moe import expert_modules, moe_layers
 
 EP_INSTALL = ("pip install 'portagrpo[ep]' (torchtitan 0.3.0, spmd_types, tyro and triton, the versions "
               "ci/constraints-cpu.txt pins)")
@@ -56,18 +56,6 @@ def ep_model_problem(model, ep: int) -> str | None:
         return (f"trainer.ep_size={ep} must divide the model's {experts} experts (each rank of an expert-parallel "
                 f"group holds experts / ep_size of every layer); give a divisor of {experts}.")
     return None
-
-
-def expert_modules(model) -> list[torch.nn.Module]:
-    """Every MoE layer's experts module (`mlp.experts`), in layer order."""
-    from portagrpo.model.loading import decoder_of
-
-    out = []
-    for layer in getattr(decoder_of(base_lm(model)), "layers", []):
-        block = getattr(layer, "mlp", None)
-        if getattr(block, "gate", None) is not None and getattr(block, "experts", None) is not None:
-            out.append(block.experts)
-    return out
 
 
 class LocalExperts:

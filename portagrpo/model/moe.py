@@ -143,15 +143,25 @@ def fit_experts_to_dtype(model, choice: str = "grouped_mm") -> None:
     config._experts_implementation = "eager" if fp64 else choice
 
 
-def moe_decoder_indices(model) -> list[int]:
-    """The decoder-layer index of each MoE layer, in order (an engine that reports every layer, vLLM, is read at
-    these)."""
+def _moe_blocks(model) -> list[tuple[int, torch.nn.Module]]:
+    """(decoder-layer index, MoE block) of every layer whose `mlp` has a `gate` and `experts`, in order."""
     out = []
     for i, layer in enumerate(_decoder_layers(model)):
         block = getattr(layer, "mlp", None)
         if getattr(block, "gate", None) is not None and getattr(block, "experts", None) is not None:
-            out.append(i)
+            out.append((i, block))
     return out
+
+
+def moe_decoder_indices(model) -> list[int]:
+    """The decoder-layer index of each MoE layer, in order (an engine that reports every layer, vLLM, is read at
+    these)."""
+    return [i for i, _ in _moe_blocks(model)]
+
+
+def expert_modules(model) -> list[torch.nn.Module]:
+    """Every MoE layer's experts module (`mlp.experts`), in layer order (what trainer.parallel=ep splits)."""
+    return [block.experts for _, block in _moe_blocks(model)]
 
 
 

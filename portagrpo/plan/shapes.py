@@ -105,6 +105,7 @@ def _tiny_model(cfg):
 def model_shape(cfg) -> tuple[ModelShape, Any, str]:
     """(the shape, the empty model, where its config came from)."""
     from portagrpo.model.loading import decoder_of
+    from portagrpo.model.moe import expert_modules
     from portagrpo.model.parallel import streams_head, streams_lookup
     from portagrpo.model.vision import is_vision_language, vision_blocks, vision_tower
 
@@ -135,9 +136,7 @@ def model_shape(cfg) -> tuple[ModelShape, Any, str]:
     experts = int(getattr(text, "num_experts", 0) or getattr(text, "n_routed_experts", 0) or 0)
     top_k = int(getattr(text, "num_experts_per_tok", 0) or 0)
     expert_params = sum(p.numel() for n, p in model.named_parameters() if ".experts." in n or n.endswith(".experts"))
-    layer_experts = max((sum(p.numel() for p in layer.mlp.experts.parameters())
-                         for layer in getattr(decoder_of(model), "layers", [])
-                         if hasattr(getattr(layer, "mlp", None), "experts")), default=0)
+    layer_experts = max((sum(p.numel() for p in m.parameters()) for m in expert_modules(model)), default=0)
     if experts:  # a shared expert: Qwen2-MoE's own width, or DeepSeek-V3's n_shared_experts of the experts' width
         shared = int(getattr(text, "shared_expert_intermediate_size", 0) or 0) or (
             int(getattr(text, "n_shared_experts", 0) or 0) * int(text.moe_intermediate_size))

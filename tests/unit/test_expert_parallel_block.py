@@ -7,7 +7,8 @@ import pytest
 import torch
 
 from portagrpo.config import load_config, strategy_problems
-from portagrpo.model.expert_parallel import clip_over_meshes, ep_import_problem, ep_model_problem, expert_modules
+from portagrpo.model.expert_parallel import clip_over_meshes, ep_import_problem, ep_model_problem
+from portagrpo.model.moe import expert_modules
 
 needs_torchtitan = pytest.mark.skipif(ep_import_problem() is not None, reason=str(ep_import_problem()))
 
