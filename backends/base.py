@@ -76,6 +76,9 @@ class BackendSpec:
     vllm_head_sizes: tuple[int, ...] | None = None
     # Environment vLLM reads when its engine is built, set unless the user set it (e.g. the CPU's KV cache size).
     vllm_env: tuple[tuple[str, str], ...] = ()
+    # vLLM's expert parallelism (rollout.expert_parallel_size: `enable_expert_parallel`, each rank of the engine's
+    # tensor- and data-parallel groups holding whole experts, tokens exchanged between them) on this vendor's vLLM.
+    vllm_expert_parallel: bool = True
     # Whether `sdpa` keeps each head's length x length attention probabilities for backward (a math path, as torch's
     # fallback on a device without a fused kernel); `eager` always does. The memory plan (portagrpo plan) counts them.
     attention_saves_scores: bool = False

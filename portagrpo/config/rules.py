@@ -114,7 +114,7 @@ def validate(cfg: Config, *, check_files: bool = True) -> list[str]:
     """Cross-field rules. Returns one sentence per problem (empty when valid)."""
     p = (_names_and_sizes(cfg) + _batch_and_loss(cfg) + _run_settings(cfg) + rollout_correction_problems(cfg)
          + rollout_precision_problems(cfg) + rollout_mode_problems(cfg) + multi_turn_problems(cfg) + code_problems(cfg)
-         + logger_problems(cfg) + dapo_problems(cfg)
+         + logger_problems(cfg) + dapo_problems(cfg) + rollout_expert_problems(cfg)
          + value_problems(cfg))
     if check_files:
         p.extend(missing_files(cfg))
@@ -147,6 +147,8 @@ def _names_and_sizes(cfg: Config) -> list[str]:
                          unset_is_fine.get(a.logprob_micro_batch_size, a.logprob_micro_batch_size)),
                         ("actor.ppo_epochs", a.ppo_epochs),
                         ("rollout.tensor_model_parallel_size", r.tensor_model_parallel_size),
+                        ("rollout.expert_parallel_size", r.expert_parallel_size),
+                        ("rollout.data_parallel_size", r.data_parallel_size),
                         ("data.max_response_length", d.max_response_length),
                         ("data.max_prompt_length", d.max_prompt_length)):
         if value < 1:
@@ -301,6 +303,28 @@ def rollout_mode_problems(cfg: Config) -> list[str]:
     return p
 
 
+def rollout_expert_problems(cfg: Config) -> list[str]:
+    """rollout.expert_parallel_size and rollout.data_parallel_size (vLLM's expert parallelism): applied or refused."""
+    r = cfg.rollout
+    ep, dp, tp = r.expert_parallel_size, r.data_parallel_size, r.tensor_model_parallel_size
+    if ep == dp == 1 or min(ep, dp, tp) < 1:
+        return []
+    if r.engine != "vllm":
+        key = "expert_parallel_size" if ep > 1 else "data_parallel_size"
+        return [f"rollout.{key}={getattr(r, key)} splits a MoE policy's experts in vLLM's engines, and "
+                f"rollout.engine={r.engine} has none; use rollout.engine=vllm, or rollout.{key}=1."]
+    if ep == 1:
+        return [f"rollout.data_parallel_size={dp} joins vLLM engines into one only for its expert parallelism (every "
+                f"tensor-parallel group already runs an engine of its own); set rollout.expert_parallel_size="
+                f"{tp * dp} (tensor x data parallel), or rollout.data_parallel_size=1."]
+    if ep != tp * dp:
+        return [f"rollout.expert_parallel_size={ep} must be rollout.tensor_model_parallel_size x "
+                f"rollout.data_parallel_size = {tp} x {dp} = {tp * dp}: vLLM splits the experts over every rank of its "
+                f"tensor- and data-parallel groups; set rollout.data_parallel_size={max(ep // tp, 1)}"
+                + ("" if ep % tp == 0 else f" and an expert_parallel_size that is a multiple of {tp}") + "."]
+    return []
+
+
 def sampler_process_problems(cfg: Config) -> list[str]:
     """What each rank's sampler process (rollout.mode=one_step_off) is not built to hold."""
     r, p = cfg.rollout, []
@@ -309,10 +333,11 @@ def sampler_process_problems(cfg: Config) -> list[str]:
                  f"portagrpo has not built it for rollout.engine={r.engine} (a limit of portagrpo, not of the "
                  f"{r.engine} engine); use rollout.mode=sync with rollout.engine={r.engine}, or rollout.engine=hf or "
                  f"vllm to overlap.")
-    if r.engine == "vllm" and r.tensor_model_parallel_size > 1:
-        p.append(f"rollout.mode={r.mode} with rollout.tensor_model_parallel_size={r.tensor_model_parallel_size} is not "
-                 f"built: each rank's sampler process holds a whole vLLM engine of its own (a limit of portagrpo, not "
-                 f"of vLLM); use rollout.tensor_model_parallel_size=1, or rollout.mode=sync.")
+    for key in ("tensor_model_parallel_size", "expert_parallel_size"):
+        if r.engine == "vllm" and getattr(r, key) > 1:
+            p.append(f"rollout.mode={r.mode} with rollout.{key}={getattr(r, key)} is not built: each rank's sampler "
+                     f"process holds a whole vLLM engine of its own (a limit of portagrpo, not of vLLM); use "
+                     f"rollout.{key}=1, or rollout.mode=sync.")
     return p
 
 
@@ -379,6 +404,16 @@ def validate_world(cfg: Config, world_size: int) -> list[str]:
                 f"consecutive ranks split each micro-batch); give a divisor of {world_size}."]
     if sp > 1 and not cfg.model.use_remove_padding:
         return [f"actor.ulysses_sequence_parallel_size={sp} splits packed rows; set model.use_remove_padding=true."]
+    r = cfg.rollout
+    if r.engine == "vllm" and r.expert_parallel_size > 1 and r.expert_parallel_size != world_size:
+        tp = r.tensor_model_parallel_size
+        return [f"rollout.expert_parallel_size={r.expert_parallel_size} on {world_size} rank(s): vLLM's data "
+                f"parallelism under its external launcher makes the whole world one instance (data_parallel_rank = "
+                f"RANK // tensor size, which must stay below data_parallel_size), so tensor x data parallel must be "
+                f"every rank; set rollout.data_parallel_size={max(world_size // tp, 1)} and "
+                f"rollout.expert_parallel_size={world_size}" + ("" if world_size % tp == 0 else
+                                                                 f" with a tensor size that divides {world_size}")
+                + "."]
     if world_size == 1:
         return []
     p = []

@@ -148,6 +148,13 @@ class RolloutConfig:
     # vLLM only: ranks per engine. Consecutive training ranks of one node form a tensor-parallel group
     # that runs one engine under vLLM's external launcher (verl's rollout.tensor_model_parallel_size).
     tensor_model_parallel_size: int = 1
+    # vLLM only, for a mixture-of-experts policy: the ranks vLLM splits each MoE layer's experts over
+    # (`enable_expert_parallel`; verl's rollout.expert_parallel_size): 1 (off), or tensor_model_parallel_size x
+    # data_parallel_size. data_parallel_size engines (one per tensor-parallel group) then run as one vLLM instance
+    # whose experts are split over all their ranks (verl's rollout.data_parallel_size); vLLM's external launcher
+    # makes that instance the whole world, so tensor x data parallel must equal the ranks.
+    expert_parallel_size: int = 1
+    data_parallel_size: int = 1
     # The sampler's copy of the weights: auto samples with the training model itself (its dtype under
     # autocast); fp32/bf16/int8 keep a separate copy in that precision, refreshed after every update
     # (int8: PyTorch's dynamic int8 linear layers, CPU only). The training weights are never touched.

@@ -32,6 +32,8 @@ DIRECT = {
     AR + "model.target_modules": "model.lora.target_modules",
     AR + "rollout.n": "rollout.n",
     AR + "rollout.tensor_model_parallel_size": "rollout.tensor_model_parallel_size",
+    AR + "rollout.expert_parallel_size": "rollout.expert_parallel_size",
+    AR + "rollout.data_parallel_size": "rollout.data_parallel_size",
     AR + "rollout.temperature": "rollout.temperature",
     AR + "rollout.top_p": "rollout.top_p",
     AR + "rollout.top_k": "rollout.top_k",
@@ -146,14 +148,14 @@ EXPERT_PARALLEL = AR + "actor.megatron.expert_model_parallel_size"  # -> trainer
 
 
 def expert_parallel_refusal(key: str) -> str | None:
-    """verl's expert-parallel keys that portagrpo does not take (the rollout's `expert_parallel_size` or
-    `enable_expert_parallel`: vLLM's experts split across engines; expert tensor parallelism), refused in one sentence
-    that says why; None for another key."""
+    """verl's expert-parallel keys that portagrpo does not take (expert tensor parallelism; vLLM's keys other than the
+    rollout's expert_parallel_size and data_parallel_size, which translate), refused in one sentence that says why;
+    None for another key."""
     if not any(part in key for part in ("expert_model_parallel", "expert_parallel", "expert_tensor_parallel")):
         return None
-    return (f"verl key {key}: portagrpo splits the experts in training only (trainer.parallel=ep, trainer.ep_size), "
-            f"not in vLLM's engines nor within an expert; remove it, and `portagrpo plan` says whether the model fits "
-            f"without it.")
+    return (f"verl key {key}: portagrpo splits the experts by whole experts, in training (trainer.parallel=ep, "
+            f"trainer.ep_size) and in vLLM (rollout.expert_parallel_size, rollout.data_parallel_size), never within an "
+            f"expert; remove it, and `portagrpo plan` says whether the model fits without it.")
 
 
 def translate(pairs: list[tuple[str, Any]]) -> tuple[list[tuple[str, Any]], list[str], list[str]]:

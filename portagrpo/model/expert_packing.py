@@ -10,23 +10,38 @@ import torch
 PACKED_EXPERTS = (".experts.gate_up_proj", ".experts.down_proj")
 
 
+def packed_kind(name: str, tensor: torch.Tensor) -> str | None:
+    """Which of transformers 5's packed expert tensors `name` is ("gate_up_proj" [E, 2I, H] or "down_proj" [E, H, I]),
+    or None for any other tensor."""
+    for suffix in PACKED_EXPERTS:
+        if name.endswith(suffix) and tensor.dim() == 3:
+            return suffix.rsplit(".", 1)[1]
+    return None
+
+
+def one_expert(name: str, kind: str, e: int, block: torch.Tensor) -> list[tuple[str, torch.Tensor]]:
+    """Expert `e`'s block of the packed tensor `name` (its row, [2I, H] or [H, I]) under a hub checkpoint's names:
+    `experts.<e>.gate_proj.weight` and `experts.<e>.up_proj.weight` (the halves of gate_up_proj), or
+    `experts.<e>.down_proj.weight`. Views, no copies."""
+    prefix = name[:-len(kind)]
+    if kind == "gate_up_proj":
+        half = block.shape[0] // 2
+        return [(f"{prefix}{e}.gate_proj.weight", block[:half]), (f"{prefix}{e}.up_proj.weight", block[half:])]
+    return [(f"{prefix}{e}.down_proj.weight", block)]
+
+
 def per_expert_names(named: Iterable[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:
     """(name, tensor) pairs with transformers 5's packed experts split into the per-expert tensors of a Hugging Face
     checkpoint, the names every vLLM MoE loader takes (a hub checkpoint's): `<layer>.mlp.experts.gate_up_proj`
     [E, 2I, H] gives `experts.<e>.gate_proj.weight` (rows :I) and `experts.<e>.up_proj.weight` (rows I:),
     `experts.down_proj` [E, H, I] gives `experts.<e>.down_proj.weight`. Views, no copies; other pairs pass through."""
     for name, tensor in named:
-        if name.endswith(PACKED_EXPERTS[0]) and tensor.dim() == 3:
-            prefix, half = name[:-len("gate_up_proj")], tensor.shape[1] // 2
-            for e in range(tensor.shape[0]):
-                yield f"{prefix}{e}.gate_proj.weight", tensor[e, :half]
-                yield f"{prefix}{e}.up_proj.weight", tensor[e, half:]
-        elif name.endswith(PACKED_EXPERTS[1]) and tensor.dim() == 3:
-            prefix = name[:-len("down_proj")]
-            for e in range(tensor.shape[0]):
-                yield f"{prefix}{e}.down_proj.weight", tensor[e]
-        else:
+        kind = packed_kind(name, tensor)
+        if kind is None:
             yield name, tensor
+            continue
+        for e in range(tensor.shape[0]):
+            yield from one_expert(name, kind, e, tensor[e])
 
 
 def packed_experts(state: dict[str, torch.Tensor], model) -> dict[str, torch.Tensor]:

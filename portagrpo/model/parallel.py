@@ -8,7 +8,7 @@ global mini-batch is the SUM of the per-rank gradients: both strategies sum, nev
 from __future__ import annotations
 
 import contextlib
-from typing import Any, Iterator, Protocol
+from typing import Any, Callable, Iterable, Iterator, Protocol
 
 import torch
 from torch.distributed.checkpoint.state_dict import (
@@ -63,8 +63,10 @@ class ParallelStrategy(Protocol):
     def generation(self, scorer: torch.nn.Module) -> contextlib.AbstractContextManager:
         """Around a rollout with the training model itself (a sharded one is gathered once)."""
 
-    def full_tensors(self, scorer: torch.nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
-        """Every parameter unsharded, one at a time (a weight push)."""
+    def full_tensors(self, scorer: torch.nn.Module,
+                     wanted: "ExpertsWanted" = None) -> Iterator[tuple[str, torch.Tensor]]:
+        """Every parameter unsharded, one at a time (a weight push; packed experts one expert at a time, only those
+        `wanted`: `push_pairs`)."""
 
     def release(self, scorer: torch.nn.Module) -> None:
         """After forwards without a backward (a scoring pass): free whatever they left gathered."""
@@ -120,11 +122,12 @@ class SingleProcess:
         """Nothing is gathered: every rank holds its parameters whole."""
         return None
 
-    def full_tensors(self, scorer: torch.nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
+    def full_tensors(self, scorer: torch.nn.Module,
+                     wanted: "ExpertsWanted" = None) -> Iterator[tuple[str, torch.Tensor]]:
         """(name, full tensor) of every LM weight, one at a time (keys as in the Hugging Face model): a
-        consumer that drops each after use (the vLLM weight push) never holds the whole gathered model."""
-        for name, value in _unique_state(scorer):
-            yield name.removeprefix("lm."), value.detach()
+        consumer that drops each after use (the vLLM weight push) never holds the whole gathered model. With
+        `wanted`, packed experts go one expert at a time, only those this rank's engine keeps (`push_pairs`)."""
+        return push_pairs(((name.removeprefix("lm."), value) for name, value in _unique_state(scorer)), wanted)
 
     def gradient_sync(self, scorer: torch.nn.Module, enabled: bool) -> None:
         """Whether the next backward reduces gradients across ranks (only a sharded strategy reduces
@@ -318,10 +321,11 @@ class FSDP2(SingleProcess):
         if isinstance(scorer, FSDPModule):
             scorer.reshard()
 
-    def full_tensors(self, scorer: torch.nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
-        """One parameter gathered at a time (a collective on every rank, in the same order everywhere)."""
-        for name, value in _unique_state(scorer):
-            yield name.removeprefix("lm."), gathered(value).detach()
+    def full_tensors(self, scorer: torch.nn.Module,
+                     wanted: "ExpertsWanted" = None) -> Iterator[tuple[str, torch.Tensor]]:
+        """One parameter gathered at a time (a collective on every rank, in the same order everywhere); packed
+        experts one expert at a time, from the rank that holds it to the ranks whose engine keeps it (`push_pairs`)."""
+        return push_pairs(((name.removeprefix("lm."), value) for name, value in _unique_state(scorer)), wanted)
 
 
 class ExpertParallel(FSDP2):
@@ -505,6 +509,100 @@ def gathered(value: torch.Tensor) -> torch.Tensor:
     if value.device.type != mesh_device:
         value = value.to(mesh_device)
     return value.full_tensor()
+
+
+# Which experts of a MoE layer the rollout engine of a rank keeps, as (rank, number of experts) -> expert ids; None:
+# every rank's engine keeps every expert (rollout/vllm_parallel.py `ExpertLayout.wanted` under vLLM's EP).
+ExpertsWanted = Callable[[int, int], range] | None
+
+
+def push_pairs(named: Iterable[tuple[str, torch.Tensor]], wanted: ExpertsWanted = None
+               ) -> Iterator[tuple[str, torch.Tensor]]:
+    """The (name, tensor) pairs of a weight push, each tensor whole when it is reached (`gathered`), except
+    transformers 5's packed experts ([E, 2I, H] / [E, H, I]), which go one expert at a time under a hub checkpoint's
+    per-expert names (model/expert_packing.py `one_expert`), and only to the ranks whose engine keeps that expert
+    (`wanted`; None: every rank). A sharded packed tensor (FSDP2 and trainer.parallel=ep shard the experts' dim,
+    whole experts per rank) is never gathered whole: each expert is broadcast by a rank holding it, or, where every
+    rank that wants it holds it (the trainer's expert layout matches the engine's), sent without a collective. So the
+    push holds one expert, not a layer's packed tensor (DeepSeek-V3's is 256 x 44 M parameters). Every rank runs the
+    same broadcasts in the same order."""
+    from portagrpo.model.expert_packing import packed_kind
+
+    for name, value in named:
+        kind = packed_kind(name, value)
+        if kind is None or not (hasattr(value, "full_tensor") or wanted is not None):
+            yield name, gathered(value).detach()
+            continue
+        holders = expert_holders(value) if hasattr(value, "full_tensor") else None
+        if hasattr(value, "full_tensor") and holders is None:  # an expert split across ranks: whole tensor
+            whole = gathered(value).detach()
+            holders, local, first = None, whole, 0
+        elif holders is None:
+            local, first = value.detach(), 0
+        else:
+            local, first = value.to_local().detach(), _first_row(value)
+        yield from _experts_of(name, kind, value.shape, local, first, holders, wanted)
+
+
+def expert_holders(value) -> list[list[int]] | None:
+    """For a DTensor of packed experts: the global ranks holding each expert whole (its shard has the expert's row
+    and every other dim whole), or None where some expert is split across ranks."""
+    import itertools
+
+    from portagrpo.model.sharded_load import local_rows
+
+    mesh = value.device_mesh
+    holders: list[list[int]] = [[] for _ in range(value.shape[0])]
+    for coordinate in itertools.product(*(range(n) for n in mesh.shape)):
+        rows = local_rows(value, coordinate)
+        if any((r.start, r.stop) != (0, n) for r, n in zip(rows[1:], value.shape[1:])):
+            return None
+        for e in range(rows[0].start, rows[0].stop):
+            holders[e].append(int(mesh.mesh[coordinate]))
+    return holders if all(holders) else None
+
+
+def _first_row(value) -> int:
+    from portagrpo.model.sharded_load import local_rows
+
+    return local_rows(value)[0].start
+
+
+def _experts_of(name: str, kind: str, shape, local: torch.Tensor, first: int, holders: list[list[int]] | None,
+                wanted: ExpertsWanted) -> Iterator[tuple[str, torch.Tensor]]:
+    """One packed tensor's experts, each to the ranks that want it (see `push_pairs`)."""
+    import torch.distributed as dist
+
+    from portagrpo.model.expert_packing import one_expert
+
+    experts = shape[0]
+    if holders is None:  # every rank has every expert: each keeps what its engine wants
+        me = dist.get_rank() if dist.is_initialized() else 0
+        for e in (range(experts) if wanted is None else wanted(me, experts)):
+            yield from one_expert(name, kind, e, local[e])
+        return
+    me, world = dist.get_rank(), dist.get_world_size()
+    per_rank = [range(experts) if wanted is None else wanted(r, experts) for r in range(world)]
+    device = local.device
+    mesh_type = mesh_device()
+    if device.type != mesh_type:  # an offloaded shard: each expert travels over the device's library
+        device = torch.device(mesh_type)
+    for e in range(experts):
+        needers = [r for r in range(world) if e in per_rank[r]]
+        if not needers:
+            continue
+        if set(needers) <= set(holders[e]):  # the engines that keep it are on the ranks that hold it
+            if me in needers:
+                yield from one_expert(name, kind, e, local[e - first])
+            continue
+        src = holders[e][0]
+        if me == src:
+            block = local[e - first].to(device).contiguous()
+        else:
+            block = torch.empty(tuple(shape[1:]), dtype=local.dtype, device=device)
+        dist.broadcast(block, src=src)
+        if me in needers:
+            yield from one_expert(name, kind, e, block)
 
 
 STRATEGIES: Registry[type] = Registry("parallel strategy")

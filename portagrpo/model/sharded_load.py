@@ -109,11 +109,12 @@ def buffers_to(model: torch.nn.Module, device: torch.device) -> None:
                 module._buffers[name] = buffer.to(device)
 
 
-def local_rows(param: torch.Tensor) -> tuple[slice, ...]:
-    """The global index of the shard this rank holds of an FSDP2 parameter (a DTensor sharded as torch.chunk
-    splits, over one or more mesh dimensions); the whole tensor for a plain one. A strided shard (FSDP2 over a tensor
-    already sharded on the same dim by a later mesh dimension: an expert-parallel expert tensor, `(efsdp, ep)` as
-    `(_StridedShard(0), Shard(0))`) splits the later dimension's block, so it is applied after it."""
+def local_rows(param: torch.Tensor, coordinate: tuple[int, ...] | None = None) -> tuple[slice, ...]:
+    """The global index of the shard this rank (or the rank at mesh `coordinate`) holds of an FSDP2 parameter (a
+    DTensor sharded as torch.chunk splits, over one or more mesh dimensions); the whole tensor for a plain one. A
+    strided shard (FSDP2 over a tensor already sharded on the same dim by a later mesh dimension: an expert-parallel
+    expert tensor, `(efsdp, ep)` as `(_StridedShard(0), Shard(0))`) splits the later
+    dimension's block, so it is applied after it."""
     from torch.distributed.tensor import DTensor, Shard
     from torch.distributed.tensor.placement_types import _StridedShard
 
@@ -121,7 +122,7 @@ def local_rows(param: torch.Tensor) -> tuple[slice, ...]:
     if not isinstance(param, DTensor):
         return tuple(slice(0, n) for n in shape)
     start, size = [0] * len(shape), list(shape)
-    coordinate = param.device_mesh.get_coordinate()
+    coordinate = param.device_mesh.get_coordinate() if coordinate is None else coordinate
     order = sorted(enumerate(param.placements), key=lambda item: isinstance(item[1], _StridedShard))
     for mesh_dim, placement in order:
         if isinstance(placement, (Shard, _StridedShard)):  # torch 2.13's _StridedShard is no Shard subclass

@@ -47,6 +47,9 @@ class EngineSettings:
     correction_uses: tuple[str, ...] = ()
     # actor.router_replay: R3 asks the engine for the experts it routed each token to
     router_replay: str | None = None
+    # rollout.expert_parallel_size and data_parallel_size (vLLM's expert parallelism; 1: off)
+    expert_parallel_size: int = 1
+    data_parallel_size: int = 1
 
     @classmethod
     def from_config(cls, cfg: Config) -> "EngineSettings":
@@ -60,6 +63,7 @@ class EngineSettings:
                    attn_implementation=m.attn_implementation, lora=m.lora.rank > 0,
                    tiny_hidden_size=m.tiny.hidden_size, tiny_num_heads=m.tiny.num_heads, precision=r.precision,
                    tensor_parallel_size=r.tensor_model_parallel_size,
+                   expert_parallel_size=r.expert_parallel_size, data_parallel_size=r.data_parallel_size,
                    vllm_gpu_memory_utilization=r.vllm_gpu_memory_utilization,
                    vllm_weight_bucket_mb=r.vllm_weight_bucket_mb, vllm_max_model_len=r.vllm_max_model_len,
                    correction_uses=uses, router_replay=cfg.actor.router_replay)

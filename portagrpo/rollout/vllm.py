@@ -30,7 +30,13 @@ from portagrpo.rollout.settings import SamplingParams
 from portagrpo.rollout.vllm_checks import SleepState, check_encoder_cache_reset, check_head_size
 from portagrpo.rollout.vllm_cpu_push import CpuGemmWeights
 from portagrpo.rollout.vllm_images import VisionSpec, check_context, check_expanded, vision_requests, vllm_prompt
-from portagrpo.rollout.vllm_parallel import TensorParallel, _process_state_kept, fresh_model_parallel_groups, tp_layout
+from portagrpo.rollout.vllm_parallel import (
+    ExpertLayout,
+    TensorParallel,
+    _process_state_kept,
+    fresh_model_parallel_groups,
+    tp_layout,
+)
 from portagrpo.rollout.vllm_sampling import (
     LOGPROBS_MODE,
     raw_is_processed,
@@ -53,10 +59,10 @@ def _nz_off(version: str) -> tuple[dict[str, str], dict[str, Any]]:
     return {"VLLM_ASCEND_ENABLE_NZ": "0"}, {"weight_nz_mode": 0}
 
 
-def _engine_extra(world_size: int, vision, fp8: bool) -> dict[str, Any]:
+def _engine_extra(world_size: int, vision, fp8: bool, experts: ExpertLayout | None = None) -> dict[str, Any]:
     """`vllm.LLM` arguments beyond the common ones: dummy weights until the first push, the external launcher on
-    several ranks, images without videos, FP8."""
-    extra: dict[str, Any] = {"load_format": "dummy"}
+    several ranks, images without videos, FP8, expert parallelism."""
+    extra: dict[str, Any] = {"load_format": "dummy", **(experts.engine_args() if experts is not None else {})}
     if world_size > 1:
         extra["distributed_executor_backend"] = "external_launcher"
     if vision is not None:  # prompts carry images, never videos: vLLM profiles no video input (no video processor)
@@ -282,6 +288,9 @@ class VLLMRollout:
         from portagrpo.model.moe import moe_decoder_indices, moe_layers
 
         moe = bool(moe_layers(inputs.policy))
+        experts = ExpertLayout.of(s.expert_parallel_size, s.data_parallel_size, s.tensor_parallel_size,
+                                  comm.world_size, moe_layers(inputs.policy)[0].num_experts if moe else None,
+                                  inputs.backend)
         return cls(inputs.scorer, inputs.tokenizer, inputs.autocast, inputs.generate_kwargs,
                    model_path=model_path, dtype=s.vllm_dtype, vision=vision,
                    seed=s.seed + 7919 * group,  # one per engine: vLLM needs a TP group's ranks seeded alike
@@ -293,9 +302,11 @@ class VLLMRollout:
                    fp8=fp8_allowed(s.precision, inputs.backend, inputs.policy, s.tensor_parallel_size),
                    reseed=inputs.backend.seed, sleep_mode=inputs.backend.spec.vllm_sleep_mode,
                    env=dict(inputs.backend.spec.vllm_env),
-                   weights=PolicyWeights(inputs.scorer, inputs.policy, lora=s.lora, tied=tied),
+                   weights=PolicyWeights(inputs.scorer, inputs.policy, lora=s.lora, tied=tied,
+                                         wanted=experts.wanted if experts is not None else None),
                    route_layers=moe_decoder_indices(inputs.policy) if moe else None,
-                   top_k=moe_layers(inputs.policy)[0].top_k if moe else 0, routes_required=s.router_replay == "R3")
+                   top_k=moe_layers(inputs.policy)[0].top_k if moe else 0, routes_required=s.router_replay == "R3",
+                   experts=experts)
 
     def __init__(self, model, tokenizer, autocast, generate_kwargs: dict | None = None, *, model_path: str,
                  dtype: str = "bfloat16", seed: int = 0, gpu_memory_utilization: float = 0.5,
@@ -305,7 +316,8 @@ class VLLMRollout:
                  fp8: bool = False, reseed: Callable[[int], None] | None = None,
                  weights: Callable[[], Any] | None = None, sleep_mode: bool = True,
                  env: dict[str, str] | None = None, vision: VisionSpec | None = None,
-                 route_layers: list[int] | None = None, top_k: int = 0, routes_required: bool = False) -> None:
+                 route_layers: list[int] | None = None, top_k: int = 0, routes_required: bool = False,
+                 experts: ExpertLayout | None = None) -> None:
         vllm, self._tokens_prompt = _import_vllm()
         plugin_env, additional = check_versions(plugin)
         if fp8:
@@ -335,7 +347,9 @@ class VLLMRollout:
         # a MoE policy: the experts vLLM routed each token to, per decoder layer (read at the MoE layers' indices), for
         # R3 (required: a build that cannot return them refuses the run) or for moe/route_agreement (where it can)
         self.route_layers, self.top_k, self.routes_required = route_layers, top_k, routes_required
-        extra = _engine_extra(world_size, vision, fp8)
+        extra = _engine_extra(world_size, vision, fp8, experts)
+        # vLLM's expert parallelism: each rank's engine keeps its block of experts, the push sends it those alone
+        self.experts_wanted = experts.wanted if experts is not None else None
         # on vLLM's CPU build: every GEMM keeps its weight, small ones compute on it (CpuGemmWeights); else a no-op
         self._gemm_dispatch = (lambda: contextlib.nullcontext()) if fp8 else CpuGemmWeights.building
         common = dict(model=model_path, tokenizer=model_path, dtype=dtype, seed=seed,

@@ -8,7 +8,7 @@ from typing import Iterable, Iterator
 
 import torch
 
-from portagrpo.model.parallel import gathered
+from portagrpo.model.parallel import push_pairs
 from portagrpo.rollout.engines import hf_weight_names
 
 
@@ -43,16 +43,18 @@ class PolicyWeights:
     rank reaches together: ranks generate in step), the tied LM head left out. The engine reloads from it when
     it must generate after a level-2 sleep without a push in between (validation, DAPO's extra rounds)."""
 
-    def __init__(self, scorer: torch.nn.Module, policy: torch.nn.Module, *, lora: bool, tied: bool) -> None:
+    def __init__(self, scorer: torch.nn.Module, policy: torch.nn.Module, *, lora: bool, tied: bool,
+                 wanted=None) -> None:
         self.scorer, self.policy, self.lora, self.tied = scorer, policy, lora, tied
+        self.wanted = wanted  # the engine's experts under vLLM's expert parallelism (model/parallel.py push_pairs)
 
     @contextlib.contextmanager
     def __call__(self) -> Iterator[Iterator[tuple[str, torch.Tensor]]]:
         if self.lora:
             self.policy.merge_adapter()
         try:
-            named = vllm_weight_names(self.scorer.state_dict().items(), tied_embeddings=self.tied)
-            yield ((n, gathered(t).detach()) for n, t in named)
+            named = hf_weight_names(self.scorer.state_dict().items(), tied_embeddings=self.tied)
+            yield push_pairs(named, self.wanted)  # packed experts one at a time, never a layer's whole tensor
         finally:
             if self.lora:
                 self.policy.unmerge_adapter()

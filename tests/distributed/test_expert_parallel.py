@@ -140,3 +140,24 @@ def test_a_hugging_face_checkpoint_loads_by_expert_shards_and_exports_for_transf
         assert err < 1e-5, (name, err)  # fp32: the all-to-all sums in another order than FSDP2's gathered experts
     ids = torch.randint(0, model.config.vocab_size, (1, 6), generator=torch.Generator().manual_seed(0))
     assert torch.isfinite(model(input_ids=ids).logits).all()
+
+
+@pytest.mark.parametrize("parallel", ["ep", "fsdp2"])
+def test_the_push_sends_experts_one_at_a_time_to_the_ranks_whose_engine_keeps_them(tmp_path, parallel):
+    """Issue 53 item 3: the weight push never gathers a packed expert tensor whole (model/parallel.py push_pairs). Each
+    expert goes from a rank that holds it to the ranks whose engine keeps it, under a hub checkpoint's per-expert names,
+    equal to the gathered state's. Where the engines' layout is the trainer's (rank r's engine keeps the r-th block of
+    experts, vLLM's linear placement, and rank r holds it), no collective runs for the experts at all; where every
+    engine keeps every expert, one broadcast per expert tensor (3 a layer: gate, up and down travel as gate_up and
+    down)."""
+    result = run_worker(tmp_path / parallel, 2, "fp64", "fixed", parallel, "steps=1", "push=1")
+    layers, experts, block = 2, 4, 2  # 2 MoE layers of 4 experts; rank r holds experts 2r, 2r + 1
+    for rank, push in enumerate(result["push"]):
+        for layout, seen in push.items():
+            assert seen["equal"], (rank, layout)
+            assert seen["whole"] == 0, (rank, layout)  # no packed tensor gathered whole
+            assert seen["largest"] == 64 * 64, (rank, layout)  # one expert's gate, up or down [64, 64], not [4, ...]
+        dense = push["every"]["broadcasts"] - layers * experts * 2
+        assert dense >= 0 and push["own"]["broadcasts"] == dense  # the experts: none sent by collective
+        assert push["other"]["broadcasts"] == dense + layers * block * 2 * 2  # every expert crosses ranks
+        assert push["every"]["names"] - push["own"]["names"] == layers * block * 3

