@@ -86,7 +86,9 @@ class ModelShape:
     head_params: int = 0  # an untied LM head's parameters, and its input embedding's: two units of their own
     embedding_streams: bool = True  # the input embedding is torch's own lookup (model/parallel.py streams_lookup)
     head_streams: bool = True  # the LM head is a linear layer without a bias (model/parallel.py streams_head)
-    largest_tensor: int = 0  # the largest parameter tensor's elements (the push gathers one whole tensor at a time)
+    # the largest tensor the push holds at once (elements): it gathers one tensor at a time, and a packed expert tensor
+    # one expert at a time (model/parallel.py push_pairs)
+    largest_tensor: int = 0
     expert_params: int = 0  # every MoE layer's routed experts (what trainer.parallel=ep splits over the ranks)
     layer_experts: int = 0  # one MoE layer's routed experts
 
@@ -159,6 +161,7 @@ class RunShape:
     embedding_streams: bool = True
     ep: int = 1  # trainer.parallel=ep: ranks one expert-parallel group spans (trainer.ep_size), 1 otherwise
     world: int = 1  # training ranks (an expert tensor is split over all of them under ep: efsdp x ep)
+    vllm_ep: int = 1  # rollout.expert_parallel_size: vLLM holds 1/vllm_ep of the routed experts a rank (1: off)
 
 
 @dataclass
@@ -190,7 +193,7 @@ class Plan:
         r = self.run
         if r.engine != "vllm" or r.sampler_apart:
             return 0.0
-        return r.compute_bytes * self.model.params / max(r.tensor_parallel, 1)
+        return vllm_weight_bytes(self.model, r)
 
     @property
     def vllm_short(self) -> bool:
@@ -349,6 +352,14 @@ def _terms(m: ModelShape, r: RunShape) -> _Terms:
     return _Terms(fsdp, F, spread, states, steady, grads, fwd, bwd)
 
 
+def vllm_weight_bytes(m: ModelShape, r: RunShape) -> float:
+    """One colocated vLLM rank's weights: the model over its tensor-parallel group, or under vLLM's expert parallelism
+    (rollout.expert_parallel_size) the routed experts over the expert-parallel ranks (whole experts a rank) and the
+    rest over the tensor-parallel group."""
+    experts = m.expert_params if r.vllm_ep > 1 else 0
+    return r.compute_bytes * ((m.params - experts) / max(r.tensor_parallel, 1) + experts / max(r.vllm_ep, 1))
+
+
 def expert_parallel_unit(m: ModelShape, r: RunShape) -> float:
     """The largest decoder layer as a rank gathers it: whole under FSDP2; under ep its routed experts are the rank's
     ep block (1/ep of them)."""
@@ -367,12 +378,14 @@ def _load(m: ModelShape, r: RunShape, t: _Terms) -> PhasePlan:
 def _push(m: ModelShape, r: RunShape, t: _Terms) -> PhasePlan:
     push = _held(m, r, t)
     if r.engine == "vllm" and not r.sampler_apart:
-        push["vLLM weights (awake for the push)"] = r.compute_bytes * m.params / max(r.tensor_parallel, 1)
+        push["vLLM weights (awake for the push)"] = vllm_weight_bytes(m, r)
     if t.fsdp and (r.engine == "vllm" or r.sampler_apart):
-        # gathered in the master dtype (model/parallel.py gathered), a layer's held until it is loaded (or sent to
-        # the sampler process)
+        # gathered in the master dtype (model/parallel.py push_pairs: packed experts one expert at a time), a layer's
+        # held until vLLM's layerwise reload has all of it (or it is sent to the sampler process): of its experts,
+        # those this rank's engine keeps (every one, but 1/vllm_ep under vLLM's expert parallelism)
+        layer = m.unit_params - m.layer_experts + m.layer_experts / max(r.vllm_ep, 1)
         push["whole tensors gathered for the push (a layer's, or the largest)"] = (
-            max(expert_parallel_unit(m, r), m.largest_tensor) * r.master_bytes)
+            max(layer, m.largest_tensor) * r.master_bytes)
     return PhasePlan("push", push)
 
 
@@ -487,10 +500,22 @@ def advise(p: Plan) -> list[str]:
             return [f"rollout.vllm_gpu_memory_utilization={min(share + 0.1, 0.9):.2f} (vLLM's weights alone are "
                     f"{p.vllm_weights / GIB:.0f} GiB a device at rollout.tensor_model_parallel_size="
                     f"{r.tensor_parallel}; check the plan again with it)"]
+        ep = r.world
+        if p.model.is_moe and r.vllm_ep == 1 and p.model.experts % ep == 0 and ep % max(r.tensor_parallel, 1) == 0:
+            split = replace(r, vllm_ep=ep)
+            weights = vllm_weight_bytes(p.model, split)
+            if weights <= r.vllm_fraction * cap and plan_fits(p.model, p.cluster, split) is not None:
+                dp = ep // max(r.tensor_parallel, 1)
+                return [f"rollout.expert_parallel_size={ep} rollout.data_parallel_size={dp} (vLLM's expert "
+                        f"parallelism: its weights {weights / GIB:.0f} GiB a device, where the whole "
+                        f"experts at rollout.tensor_model_parallel_size={r.tensor_parallel} are "
+                        f"{p.vllm_weights / GIB:.0f})"]
         return [f"vLLM's weights alone are {p.vllm_weights / GIB:.0f} GiB a device at rollout."
-                f"tensor_model_parallel_size={r.tensor_parallel}, more than its rollout.vllm_gpu_memory_utilization="
-                f"{r.vllm_fraction:g} share; vLLM's own expert parallelism across engines is not built in portagrpo, "
-                f"so this model needs a larger tensor-parallel group or a smaller model"]
+                f"tensor_model_parallel_size={r.tensor_parallel}"
+                + (f" and rollout.expert_parallel_size={r.vllm_ep}" if r.vllm_ep > 1 else "")
+                + f", more than its rollout.vllm_gpu_memory_utilization={r.vllm_fraction:g} share; this model needs "
+                f"a larger tensor-parallel group" + (", vLLM's expert parallelism over more ranks" if p.model.is_moe
+                                                     else "") + " or a smaller model"]
     if p.fits_device:  # the host overflows: only settings that take host memory back can fix it
         return _host_advice(p) or ["none of the single settings tried fits the host: more nodes (trainer.nnodes) "
                                    "spread the offloaded shards, or plan for more host memory (trainer.host_memory_gb)"]

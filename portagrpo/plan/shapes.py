@@ -154,12 +154,20 @@ def model_shape(cfg) -> tuple[ModelShape, Any, str]:
         unit_params=max(unit_sizes, default=0), vision_params=vision,
         root_params=params - sum(unit_sizes) - (head + embed.weight.numel() if untied else 0), head_params=head,
         embedding_streams=embed is not None and streams_lookup(embed), head_streams=streams_head(lm_head),
-        largest_tensor=max(p.numel() for p in model.parameters()),
+        largest_tensor=max(_pushed_at_once(n, p) for n, p in model.named_parameters()),
         layers=layers, hidden=text.hidden_size, mlp_width=mlp, heads=heads,
         kv_heads=getattr(text, "num_key_value_heads", None) or heads, head_dim=head_dim, vocab=text.vocab_size,
         experts=experts, experts_per_token=top_k, active_params=active, expert_params=expert_params,
         layer_experts=layer_experts, **vision_fields)
     return shape, model, source
+
+
+def _pushed_at_once(name: str, param) -> int:
+    """Elements the weight push holds of a parameter at once: a packed expert tensor one expert's block
+    (model/parallel.py push_pairs), any other whole."""
+    from portagrpo.model.expert_packing import packed_kind
+
+    return param.numel() // param.shape[0] if packed_kind(name, param) else param.numel()
 
 
 def _patch_values(vision_config) -> int:

@@ -131,3 +131,16 @@ def test_expert_parallel_shards_push_into_vllm_as_its_layout(tmp_path, moe_dir):
     assert [r["step"] for r in rows] == [1, 2]
     for row in rows:
         _sampler_matches_trainer(row)
+
+
+def test_vllms_expert_parallelism_is_refused_on_its_cpu_build_in_one_sentence(tmp_path, moe_dir):
+    """vLLM's CPU build takes enable_expert_parallel and then its MoE kernel reads global expert ids into a rank's local
+    experts (a segmentation fault at the engine's first forward, measured with TP 2): the CPU row refuses
+    rollout.expert_parallel_size before vLLM is built, naming the key (backends/cpu.py `vllm_expert_parallel`)."""
+    from test_vllm_rollout import _cli
+
+    res = _cli(tmp_path / "run", f"model.path={moe_dir}", "trainer.total_steps=1", "trainer.nproc_per_node=2",
+               "rollout.expert_parallel_size=2", "rollout.data_parallel_size=2")
+    assert res.returncode != 0 and "Segmentation fault" not in res.stderr, res.stderr[-3000:]
+    assert "rollout.expert_parallel_size=2: vLLM's build for --device cpu cannot split the experts" in res.stderr, \
+        res.stderr[-3000:]

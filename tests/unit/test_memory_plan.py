@@ -156,17 +156,36 @@ def test_an_moe_model_that_only_expert_parallelism_would_fit_is_told_so():
 
 
 def test_a_model_whose_weights_outgrow_vllm_on_a_node_is_refused_in_one_sentence():
-    """DeepSeek-V3 (671B) with vLLM at tensor-parallel 8: 156 GiB of bf16 weights a device, whatever the ranks; and
-    a share too small for the weights (vLLM would stop at start) is said with the share that holds them."""
-    cfg = load_config(None, ["model.path=/models/DeepSeek-V3", "trainer.device_memory_gb=80", "trainer.nnodes=16",
-                             "trainer.devices_per_node=8", "trainer.nproc_per_node=8", "trainer.device=cuda",
-                             "trainer.parallel=ep", "rollout.engine=vllm", "rollout.tensor_model_parallel_size=8",
-                             "model.dtype=bf16", "actor.offload=true", "data.train_batch_size=128",
-                             "actor.ppo_mini_batch_size=128"], check_files=False)
-    p, _ = plan_config(cfg)
+    """DeepSeek-V3 (671B) with vLLM at tensor-parallel 8: 156 GiB of bf16 weights a device, whatever the ranks. The
+    sentence names vLLM's expert parallelism over every rank, which the plan checked: with it the weights are 14 GiB a
+    device (the routed experts over 128 ranks, the rest over the tensor group) and the run fits. Where the experts do
+    not divide over the ranks (96) it is not offered. A share too small for the weights (vLLM would stop at start) is
+    said with the share that holds them."""
+    common = ["model.path=/models/DeepSeek-V3", "trainer.device_memory_gb=80", "trainer.devices_per_node=8",
+              "trainer.nproc_per_node=8", "trainer.device=cuda", "trainer.parallel=ep", "rollout.engine=vllm",
+              "rollout.tensor_model_parallel_size=8", "model.dtype=bf16", "actor.offload=true",
+              "data.train_batch_size=384", "actor.ppo_mini_batch_size=384", "actor.router_replay=R2"]
+    p, _ = plan_config(load_config(None, [*common, "trainer.nnodes=16"], check_files=False))
     assert not p.fits and p.model.experts == 256
     sentence = refusal(p)
-    assert "vLLM's weights alone are 156 GiB a device" in sentence and sentence.count(". ") == 0
+    assert "vLLM's weights, 156 GiB a device" in sentence and sentence.count(". ") == 0
+    assert p.advice[0].startswith("rollout.expert_parallel_size=128 rollout.data_parallel_size=16 (vLLM's expert "
+                                  "parallelism: its weights 14 GiB a device"), p.advice
+    split, _ = plan_config(load_config(None, [*common, "trainer.nnodes=16", "rollout.expert_parallel_size=128",
+                                              "rollout.data_parallel_size=16"], check_files=False))
+    assert split.fits and split.vllm_weights < p.vllm_weights / 11
+    # the push holds one tensor at a time, a packed expert tensor one expert at a time: the largest is the embedding,
+    # not a layer's 256 x 44M experts; and of a layer held until vLLM has it whole, the experts this rank's engine keeps
+    m = split.model
+    assert m.largest_tensor == 129280 * 7168
+    held = next(ph for ph in split.phases if ph.name == "push").items
+    layer = m.unit_params - m.layer_experts + m.layer_experts / 128
+    assert layer < m.largest_tensor < m.unit_params  # the embedding: the whole layer was larger
+    assert held["whole tensors gathered for the push (a layer's, or the largest)"] == pytest.approx(
+        m.largest_tensor * split.run.master_bytes)
+    odd, _ = plan_config(load_config(None, [*common, "trainer.nnodes=12"], check_files=False))
+    assert "vLLM's weights alone are 156 GiB a device" in odd.advice[0]
+    assert "vLLM's expert parallelism over more ranks" in odd.advice[0]
     q = load_config(None, ["model.path=/models/Qwen2.5-32B-Instruct", "trainer.device_memory_gb=80",
                            "trainer.nproc_per_node=8", "trainer.device=cuda", "rollout.engine=vllm",
                            "model.dtype=bf16", "rollout.vllm_gpu_memory_utilization=0.5"], check_files=False)
