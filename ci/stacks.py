@@ -63,9 +63,11 @@ def features(stack: dict) -> dict[str, bool]:
         "vllm": "vllm" in v,
         "vllm_ascend": "vllm-ascend" in v,
         "bf16": True,
-        # trainer.parallel=ep: torchtitan 0.3.0's dispatcher imports torch.nn.attention.varlen's AuxRequest (in the
-        # torch 2.11 wheel, not in 2.9's; 2.10's not read), and splits transformers 5's packed experts
-        "ep": torch >= (2, 11) and _release(v["transformers"]) >= (5, 0),
+        # trainer.parallel=ep: torchtitan 0.3.0's dispatcher imports torch.nn.attention.varlen (in the torch 2.10
+        # wheel, not in 2.9's) and calls torch.compiler._is_non_strict_tracing at every token exchange (in the 2.12,
+        # 2.13 and 2.14 wheels, not in 2.10's or 2.11's: model/expert_parallel.py ep_import_problem), and splits
+        # transformers 5's packed experts
+        "ep": torch >= (2, 12) and _release(v["transformers"]) >= (5, 0),
     }
 
 

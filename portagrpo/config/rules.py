@@ -405,9 +405,9 @@ def validate_world(cfg: Config, world_size: int) -> list[str]:
     if sp > 1 and not cfg.model.use_remove_padding:
         return [f"actor.ulysses_sequence_parallel_size={sp} splits packed rows; set model.use_remove_padding=true."]
     r = cfg.rollout
-    if r.engine == "vllm" and r.expert_parallel_size > 1 and r.expert_parallel_size != world_size:
+    if r.engine == "vllm" and r.data_parallel_size > 1 and r.expert_parallel_size != world_size:
         tp = r.tensor_model_parallel_size
-        return [f"rollout.expert_parallel_size={r.expert_parallel_size} on {world_size} rank(s): vLLM's data "
+        return [f"rollout.data_parallel_size={r.data_parallel_size} on {world_size} rank(s): vLLM's data "
                 f"parallelism under its external launcher makes the whole world one instance (data_parallel_rank = "
                 f"RANK // tensor size, which must stay below data_parallel_size), so tensor x data parallel must be "
                 f"every rank; set rollout.data_parallel_size={max(world_size // tp, 1)} and "

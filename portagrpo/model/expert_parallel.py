@@ -24,13 +24,20 @@ EP_INSTALL = ("pip install 'portagrpo[ep]' (torchtitan 0.3.0, spmd_types, tyro a
 
 
 def ep_import_problem() -> str | None:
-    """Why torchtitan's dispatcher cannot be imported here, in one sentence (None when it can)."""
+    """Why torchtitan's dispatcher cannot run here, in one sentence (None when it can). It imports
+    torch.nn.attention.varlen (torch 2.10 on; not 2.9), and its token exchanges call
+    torch.compiler._is_non_strict_tracing (token_dispatcher.py:259, 326, 354, evaluated on every dispatch and combine),
+    which torch 2.12 has and 2.11 does not: there the first forward would raise AttributeError."""
     try:
         from torchtitan.models.common.token_dispatcher import AllToAllTokenDispatcher  # noqa: F401
     except Exception as exc:  # ImportError, or torchtitan importing what this torch lacks
         return (f"trainer.parallel=ep runs torchtitan's all-to-all token dispatcher, which does not import here "
                 f"({type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}); {EP_INSTALL} on torch "
-                f"2.11 or newer (it imports torch.nn.attention.varlen), or use trainer.parallel=fsdp2.")
+                f"2.12 or newer, or use trainer.parallel=fsdp2.")
+    if not hasattr(torch.compiler, "_is_non_strict_tracing"):
+        return (f"trainer.parallel=ep runs torchtitan 0.3.0's all-to-all token dispatcher, which calls "
+                f"torch.compiler._is_non_strict_tracing at every token exchange, and torch {torch.__version__} has "
+                f"none (torch 2.12 added it); use torch 2.12 or newer, or trainer.parallel=fsdp2.")
     return None
 
 

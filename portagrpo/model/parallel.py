@@ -63,10 +63,10 @@ class ParallelStrategy(Protocol):
     def generation(self, scorer: torch.nn.Module) -> contextlib.AbstractContextManager:
         """Around a rollout with the training model itself (a sharded one is gathered once)."""
 
-    def full_tensors(self, scorer: torch.nn.Module,
-                     wanted: "ExpertsWanted" = None) -> Iterator[tuple[str, torch.Tensor]]:
-        """Every parameter unsharded, one at a time (a weight push; packed experts one expert at a time, only those
-        `wanted`: `push_pairs`)."""
+    def full_tensors(self, scorer: torch.nn.Module, wanted: "ExpertsWanted" = None,
+                     per_expert: bool = False) -> Iterator[tuple[str, torch.Tensor]]:
+        """Every parameter unsharded, one at a time (a weight push; with `per_expert`, for a consumer that takes a hub
+        checkpoint's per-expert names, packed experts one expert at a time, only those `wanted`: `push_pairs`)."""
 
     def release(self, scorer: torch.nn.Module) -> None:
         """After forwards without a backward (a scoring pass): free whatever they left gathered."""
@@ -122,12 +122,13 @@ class SingleProcess:
         """Nothing is gathered: every rank holds its parameters whole."""
         return None
 
-    def full_tensors(self, scorer: torch.nn.Module,
-                     wanted: "ExpertsWanted" = None) -> Iterator[tuple[str, torch.Tensor]]:
+    def full_tensors(self, scorer: torch.nn.Module, wanted: "ExpertsWanted" = None,
+                     per_expert: bool = False) -> Iterator[tuple[str, torch.Tensor]]:
         """(name, full tensor) of every LM weight, one at a time (keys as in the Hugging Face model): a
         consumer that drops each after use (the vLLM weight push) never holds the whole gathered model. With
-        `wanted`, packed experts go one expert at a time, only those this rank's engine keeps (`push_pairs`)."""
-        return push_pairs(((name.removeprefix("lm."), value) for name, value in _unique_state(scorer)), wanted)
+        `per_expert`, packed experts go one expert at a time, only those this rank's engine keeps (`push_pairs`)."""
+        return push_pairs(((name.removeprefix("lm."), value) for name, value in _unique_state(scorer)), wanted,
+                          per_expert=per_expert)
 
     def gradient_sync(self, scorer: torch.nn.Module, enabled: bool) -> None:
         """Whether the next backward reduces gradients across ranks (only a sharded strategy reduces
@@ -321,11 +322,13 @@ class FSDP2(SingleProcess):
         if isinstance(scorer, FSDPModule):
             scorer.reshard()
 
-    def full_tensors(self, scorer: torch.nn.Module,
-                     wanted: "ExpertsWanted" = None) -> Iterator[tuple[str, torch.Tensor]]:
-        """One parameter gathered at a time (a collective on every rank, in the same order everywhere); packed
-        experts one expert at a time, from the rank that holds it to the ranks whose engine keeps it (`push_pairs`)."""
-        return push_pairs(((name.removeprefix("lm."), value) for name, value in _unique_state(scorer)), wanted)
+    def full_tensors(self, scorer: torch.nn.Module, wanted: "ExpertsWanted" = None,
+                     per_expert: bool = False) -> Iterator[tuple[str, torch.Tensor]]:
+        """One parameter gathered at a time (a collective on every rank, in the same order everywhere); with
+        `per_expert`, packed experts by the expert, from the rank that holds them to the ranks whose engine keeps them
+        (`push_pairs`)."""
+        return push_pairs(((name.removeprefix("lm."), value) for name, value in _unique_state(scorer)), wanted,
+                          per_expert=per_expert)
 
 
 class ExpertParallel(FSDP2):
@@ -516,20 +519,27 @@ def gathered(value: torch.Tensor) -> torch.Tensor:
 ExpertsWanted = Callable[[int, int], range] | None
 
 
-def push_pairs(named: Iterable[tuple[str, torch.Tensor]], wanted: ExpertsWanted = None
-               ) -> Iterator[tuple[str, torch.Tensor]]:
-    """The (name, tensor) pairs of a weight push, each tensor whole when it is reached (`gathered`), except
-    transformers 5's packed experts ([E, 2I, H] / [E, H, I]), which go one expert at a time under a hub checkpoint's
-    per-expert names (model/expert_packing.py `one_expert`), and only to the ranks whose engine keeps that expert
-    (`wanted`; None: every rank). A sharded packed tensor (FSDP2 and trainer.parallel=ep shard the experts' dim,
-    whole experts per rank) is never gathered whole: each expert is broadcast by a rank holding it, or, where every
-    rank that wants it holds it (the trainer's expert layout matches the engine's), sent without a collective. So the
-    push holds one expert, not a layer's packed tensor (DeepSeek-V3's is 256 x 44 M parameters). Every rank runs the
-    same broadcasts in the same order."""
+# The most bytes of packed experts one broadcast of the push carries (consecutive experts of one holder, fewer
+# collectives than one an expert, and a bounded buffer: DeepSeek-V3's fp32 gate_up of one expert is 117 MB).
+EXPERT_CHUNK_BYTES = 256 * 2**20
+
+
+def push_pairs(named: Iterable[tuple[str, torch.Tensor]], wanted: ExpertsWanted = None, *,
+               per_expert: bool = True) -> Iterator[tuple[str, torch.Tensor]]:
+    """The (name, tensor) pairs of a weight push, each tensor whole when it is reached (`gathered`). With
+    `per_expert` (a consumer that takes a hub checkpoint's per-expert names: vLLM), transformers 5's packed experts
+    ([E, 2I, H] / [E, H, I]) go one expert at a time under those names (model/expert_packing.py `one_expert`), and
+    only to the ranks whose engine keeps that expert (`wanted`; None: every rank). A sharded packed tensor (FSDP2 and
+    trainer.parallel=ep shard the experts' dim, whole experts per rank) is then never gathered whole: consecutive
+    experts of one holder are broadcast by it, at most EXPERT_CHUNK_BYTES at a time, or, where every rank that wants
+    an expert holds it (the trainer's expert layout matches the engine's), sent without a collective. So the push
+    holds a chunk of experts, not a layer's packed tensor (DeepSeek-V3's is 256 x 44 M parameters). Every rank runs
+    the same broadcasts in the same order. Without `per_expert` (the hf engine's sampler copy, a sampler process:
+    they load transformers' own names) packed tensors are gathered whole like any other."""
     from portagrpo.model.expert_packing import packed_kind
 
     for name, value in named:
-        kind = packed_kind(name, value)
+        kind = packed_kind(name, value) if per_expert else None
         if kind is None or not (hasattr(value, "full_tensor") or wanted is not None):
             yield name, gathered(value).detach()
             continue
@@ -583,26 +593,31 @@ def _experts_of(name: str, kind: str, shape, local: torch.Tensor, first: int, ho
         return
     me, world = dist.get_rank(), dist.get_world_size()
     per_rank = [range(experts) if wanted is None else wanted(r, experts) for r in range(world)]
+    needers = [[r for r in range(world) if e in per_rank[r]] for e in range(experts)]
     device = local.device
-    mesh_type = mesh_device()
-    if device.type != mesh_type:  # an offloaded shard: each expert travels over the device's library
-        device = torch.device(mesh_type)
-    for e in range(experts):
-        needers = [r for r in range(world) if e in per_rank[r]]
-        if not needers:
+    if device.type != mesh_device():  # an offloaded shard: each expert travels to the device first, as `gathered`
+        device = torch.device(mesh_device())
+    per_chunk = max(1, EXPERT_CHUNK_BYTES // max(1, local[0:1].numel() * local.element_size()))
+    e = 0
+    while e < experts:
+        if not needers[e] or set(needers[e]) <= set(holders[e]):  # kept where it is held: no collective
+            if me in needers[e]:
+                yield from one_expert(name, kind, e, local[e - first].to(device))
+            e += 1
             continue
-        if set(needers) <= set(holders[e]):  # the engines that keep it are on the ranks that hold it
-            if me in needers:
-                yield from one_expert(name, kind, e, local[e - first])
-            continue
-        src = holders[e][0]
+        src, end = holders[e][0], e + 1  # consecutive experts of the same holder that travel: one broadcast
+        while (end < experts and end - e < per_chunk and holders[end][0] == src and needers[end]
+               and not set(needers[end]) <= set(holders[end])):
+            end += 1
         if me == src:
-            block = local[e - first].to(device).contiguous()
+            block = local[e - first:end - first].to(device).contiguous()
         else:
-            block = torch.empty(tuple(shape[1:]), dtype=local.dtype, device=device)
+            block = torch.empty((end - e, *shape[1:]), dtype=local.dtype, device=device)
         dist.broadcast(block, src=src)
-        if me in needers:
-            yield from one_expert(name, kind, e, block)
+        for k in range(e, end):
+            if me in needers[k]:
+                yield from one_expert(name, kind, k, block[k - e])
+        e = end
 
 
 STRATEGIES: Registry[type] = Registry("parallel strategy")

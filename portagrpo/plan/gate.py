@@ -149,7 +149,7 @@ def run_shape(cfg, cluster: Cluster, shape: ModelShape, model) -> RunShape:
         engine=layout.engine, rollout_rows=max(cfg.rollout_batch_size // world, 1),
         vllm_fraction=r.vllm_gpu_memory_utilization, vllm_sleeps=spec.vllm_sleep_mode,
         tensor_parallel=r.tensor_model_parallel_size,
-        vllm_ep=r.expert_parallel_size if layout.engine == "vllm" else 1,
+        vllm_ep=r.expert_parallel_size if layout.engine == "vllm" else 1, vllm_ep_allowed=spec.vllm_expert_parallel,
         attention_keeps_scores=attention == "eager" or (attention == "sdpa" and spec.attention_saves_scores),
         sequence_parallel=sp, runtime_reserve=spec.runtime_reserve_gb * GIB,
         image_tokens=d.max_prompt_length if shape.vision_depth else 0, prompts=d.train_batch_size,

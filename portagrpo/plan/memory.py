@@ -162,6 +162,7 @@ class RunShape:
     ep: int = 1  # trainer.parallel=ep: ranks one expert-parallel group spans (trainer.ep_size), 1 otherwise
     world: int = 1  # training ranks (an expert tensor is split over all of them under ep: efsdp x ep)
     vllm_ep: int = 1  # rollout.expert_parallel_size: vLLM holds 1/vllm_ep of the routed experts a rank (1: off)
+    vllm_ep_allowed: bool = True  # the backend row's vLLM can split the experts (BackendSpec.vllm_expert_parallel)
 
 
 @dataclass
@@ -495,27 +496,7 @@ def advise(p: Plan) -> list[str]:
     cap = p.cluster.capacity
     r = p.run
     if p.vllm_short:
-        share = p.vllm_weights / cap
-        if share < 0.9:
-            return [f"rollout.vllm_gpu_memory_utilization={min(share + 0.1, 0.9):.2f} (vLLM's weights alone are "
-                    f"{p.vllm_weights / GIB:.0f} GiB a device at rollout.tensor_model_parallel_size="
-                    f"{r.tensor_parallel}; check the plan again with it)"]
-        ep = r.world
-        if p.model.is_moe and r.vllm_ep == 1 and p.model.experts % ep == 0 and ep % max(r.tensor_parallel, 1) == 0:
-            split = replace(r, vllm_ep=ep)
-            weights = vllm_weight_bytes(p.model, split)
-            if weights <= r.vllm_fraction * cap and plan_fits(p.model, p.cluster, split) is not None:
-                dp = ep // max(r.tensor_parallel, 1)
-                return [f"rollout.expert_parallel_size={ep} rollout.data_parallel_size={dp} (vLLM's expert "
-                        f"parallelism: its weights {weights / GIB:.0f} GiB a device, where the whole "
-                        f"experts at rollout.tensor_model_parallel_size={r.tensor_parallel} are "
-                        f"{p.vllm_weights / GIB:.0f})"]
-        return [f"vLLM's weights alone are {p.vllm_weights / GIB:.0f} GiB a device at rollout."
-                f"tensor_model_parallel_size={r.tensor_parallel}"
-                + (f" and rollout.expert_parallel_size={r.vllm_ep}" if r.vllm_ep > 1 else "")
-                + f", more than its rollout.vllm_gpu_memory_utilization={r.vllm_fraction:g} share; this model needs "
-                f"a larger tensor-parallel group" + (", vLLM's expert parallelism over more ranks" if p.model.is_moe
-                                                     else "") + " or a smaller model"]
+        return _vllm_advice(p)
     if p.fits_device:  # the host overflows: only settings that take host memory back can fix it
         return _host_advice(p) or ["none of the single settings tried fits the host: more nodes (trainer.nnodes) "
                                    "spread the offloaded shards, or plan for more host memory (trainer.host_memory_gb)"]
@@ -549,6 +530,36 @@ def advise(p: Plan) -> list[str]:
         out.append("none of the single settings tried fits: more devices (trainer.nnodes), offload with a shorter "
                    "response length, or a smaller model")
     return out
+
+
+def _vllm_advice(p: Plan) -> list[str]:
+    """A plan whose vLLM weights outgrow vLLM's share: a larger share, vLLM's expert parallelism over every rank (where
+    the row's vLLM can split the experts and planning it fits the device and the host), or one sentence."""
+    from dataclasses import replace
+
+    cap, r = p.cluster.capacity, p.run
+    share = p.vllm_weights / cap
+    if share < 0.9:
+        return [f"rollout.vllm_gpu_memory_utilization={min(share + 0.1, 0.9):.2f} (vLLM's weights alone are "
+                f"{p.vllm_weights / GIB:.0f} GiB a device at rollout.tensor_model_parallel_size="
+                f"{r.tensor_parallel}; check the plan again with it)"]
+    ep = r.world
+    if (p.model.is_moe and r.vllm_ep == 1 and r.vllm_ep_allowed and p.model.experts % ep == 0
+            and ep % max(r.tensor_parallel, 1) == 0):
+        split = replace(r, vllm_ep=ep)
+        weights = vllm_weight_bytes(p.model, split)
+        if plan(p.model, p.cluster, split).fits:  # the device (vLLM's share included) and the host
+            dp = ep // max(r.tensor_parallel, 1)
+            return [f"rollout.expert_parallel_size={ep} rollout.data_parallel_size={dp} (vLLM's expert "
+                    f"parallelism: its weights {weights / GIB:.0f} GiB a device, where the whole "
+                    f"experts at rollout.tensor_model_parallel_size={r.tensor_parallel} are "
+                    f"{p.vllm_weights / GIB:.0f})"]
+    return [f"vLLM's weights alone are {p.vllm_weights / GIB:.0f} GiB a device at rollout."
+            f"tensor_model_parallel_size={r.tensor_parallel}"
+            + (f" and rollout.expert_parallel_size={r.vllm_ep}" if r.vllm_ep > 1 else "")
+            + f", more than its rollout.vllm_gpu_memory_utilization={r.vllm_fraction:g} share; this model needs "
+            f"a larger tensor-parallel group" + (", vLLM's expert parallelism over more ranks" if p.model.is_moe
+                                                 else "") + " or a smaller model"]
 
 
 def _host_advice(p: Plan) -> list[str]:

@@ -266,6 +266,7 @@ class VLLMRollout:
 
     holds_weights = True
     takes_images = True
+    takes_expert_names = True  # its loaders take a hub checkpoint's per-expert names (model/parallel.py push_pairs)
 
     @classmethod
     def from_run(cls, inputs) -> "VLLMRollout":
@@ -348,8 +349,7 @@ class VLLMRollout:
         # R3 (required: a build that cannot return them refuses the run) or for moe/route_agreement (where it can)
         self.route_layers, self.top_k, self.routes_required = route_layers, top_k, routes_required
         extra = _engine_extra(world_size, vision, fp8, experts)
-        # vLLM's expert parallelism: each rank's engine keeps its block of experts, the push sends it those alone
-        self.experts_wanted = experts.wanted if experts is not None else None
+        self.experts_wanted = experts.wanted if experts is not None else None  # vLLM's EP: the push sends these
         # on vLLM's CPU build: every GEMM keeps its weight, small ones compute on it (CpuGemmWeights); else a no-op
         self._gemm_dispatch = (lambda: contextlib.nullcontext()) if fp8 else CpuGemmWeights.building
         common = dict(model=model_path, tokenizer=model_path, dtype=dtype, seed=seed,

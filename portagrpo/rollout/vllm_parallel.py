@@ -112,25 +112,26 @@ class TensorParallel:
 
 class ExpertLayout:
     """vLLM's expert parallelism (rollout.expert_parallel_size, `enable_expert_parallel`) over the ranks of one vLLM
-    instance: `data_parallel_size` engines of `tensor_parallel_size` consecutive ranks. Under the external launcher
-    that instance is the whole world: vLLM sets `data_parallel_rank = RANK // tensor size` and refuses one outside
-    [0, data_parallel_size) (vllm/config/parallel.py, 0.11.2 to 0.33.0), and forms its expert-parallel group as the
-    ranks in order (parallel_state.py `initialize_model_parallel`: `all_ranks.transpose(1, 2).reshape(-1, dp * tp)`),
-    so rank r is expert-parallel rank r. Each rank holds whole experts, none split over the tensor group
-    (fused_moe/config.py `FusedMoEParallelConfig.make`: tp_size 1 under EP), in vLLM's linear placement (the r-th block
-    of num_experts / size: expert_map_manager.py `determine_expert_map`), and its loader skips the checkpoint
-    tensors of the others (the weight loader returns before copying an expert that maps to -1). vllm-ascend 0.23
-    gives each rank num_experts // size experts where vLLM spreads the remainder over the first ranks
-    (ops/fused_moe/fused_moe_0_23_0.py), so the experts must divide: one layout for every vendor. The push sends
-    each rank only its engine's experts (`wanted`: model/parallel.py push_pairs); where trainer.parallel=ep holds
-    the same blocks on the same ranks, no expert crosses a rank."""
+    instance: `data_parallel_size` engines of `tensor_parallel_size` consecutive ranks. With data parallelism, under
+    the external launcher, that instance is the whole world: vLLM sets `data_parallel_rank = RANK // tensor size` and
+    refuses one outside [0, data_parallel_size) (vllm/config/parallel.py, 0.11.2 to 0.33.0); without it each
+    tensor-parallel engine is an instance of its own and splits its experts over its own ranks. vLLM forms its
+    expert-parallel groups as consecutive ranks (parallel_state.py `initialize_model_parallel`:
+    `all_ranks.transpose(1, 2).reshape(-1, dp * tp)`), so rank r is expert-parallel rank r % size. Each rank holds
+    whole experts, none split over the tensor group (fused_moe/config.py `FusedMoEParallelConfig.make`: tp_size 1
+    under EP), in vLLM's linear placement (the r-th block of num_experts / size: expert_map_manager.py
+    `determine_expert_map`), and its loader skips the checkpoint tensors of the others (the weight loader returns
+    before copying an expert that maps to -1). vllm-ascend 0.23 gives each rank num_experts // size experts where
+    vLLM spreads the remainder over the first ranks (ops/fused_moe/fused_moe_0_23_0.py), so the experts must divide:
+    one layout for every vendor. The push sends each rank only its engine's experts (`wanted`: model/parallel.py
+    push_pairs); where trainer.parallel=ep holds the same blocks on the same ranks, no expert crosses a rank."""
 
     def __init__(self, size: int, data_parallel: int) -> None:
         self.size, self.data_parallel = size, data_parallel
 
     def wanted(self, rank: int, experts: int) -> range:
-        per = experts // self.size
-        return range(rank * per, (rank + 1) * per)
+        per, place = experts // self.size, rank % self.size
+        return range(place * per, (place + 1) * per)
 
     def engine_args(self) -> dict:
         return {"enable_expert_parallel": True, "data_parallel_size": self.data_parallel}
@@ -149,10 +150,11 @@ class ExpertLayout:
         if not experts:
             raise UserError(f"{key} splits a mixture-of-experts policy's experts, and this policy has none; use "
                             f"rollout.expert_parallel_size=1 and rollout.data_parallel_size=1.")
-        if size != tp * data_parallel or size != world:
-            raise UserError(f"{key} must be rollout.tensor_model_parallel_size x rollout.data_parallel_size = every "
-                            f"one of the {world} ranks (vLLM's external launcher makes the whole world one instance); "
-                            f"set rollout.data_parallel_size={max(world // tp, 1)}.")
+        if size != tp * data_parallel or (data_parallel > 1 and size != world):
+            raise UserError(f"{key} must be rollout.tensor_model_parallel_size x rollout.data_parallel_size, and with "
+                            f"data_parallel_size > 1 every one of the {world} ranks (vLLM's external launcher then "
+                            f"makes the whole world one instance); set rollout.data_parallel_size="
+                            f"{max(world // tp, 1)}, or rollout.expert_parallel_size={tp} with data_parallel_size=1.")
         if experts % size:
             raise UserError(f"{key} does not divide the policy's {experts} experts a layer (vLLM and vllm-ascend "
                             f"place a remainder differently); use a divisor of {experts}.")

@@ -458,8 +458,10 @@ def push_weights(engine, models: Models) -> None:
     if models.is_lora:
         models.policy.merge_adapter()
     try:  # one parameter gathered at a time, loaded bucket by bucket and freed (never the whole model at once)
-        # packed experts one expert at a time, each only to the ranks whose engine keeps it (vLLM's expert parallelism)
-        engine.update_weights(models.strategy.full_tensors(models.scorer, getattr(engine, "experts_wanted", None)))
+        # an engine that takes per-expert names (vLLM): packed experts by the expert, each only to the ranks whose
+        # engine keeps it (vLLM's expert parallelism)
+        engine.update_weights(models.strategy.full_tensors(models.scorer, getattr(engine, "experts_wanted", None),
+                                                           per_expert=getattr(engine, "takes_expert_names", False)))
     finally:
         if models.is_lora:
             models.policy.unmerge_adapter()

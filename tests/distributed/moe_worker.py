@@ -71,7 +71,7 @@ def push_check(strategy, scorer, whole: dict) -> dict:
 
         dist.broadcast, DTensor.full_tensor = counted_broadcast, counted_full
         try:
-            got = {n: t.detach().cpu().clone() for n, t in strategy.full_tensors(scorer, wanted)}
+            got = {n: t.detach().cpu().clone() for n, t in strategy.full_tensors(scorer, wanted, per_expert=True)}
         finally:
             dist.broadcast, DTensor.full_tensor = broadcast, full_tensor
         expected = set()

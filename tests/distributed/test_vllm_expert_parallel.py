@@ -20,30 +20,33 @@ from test_data_parallel import ENV  # noqa: E402
 pytestmark = pytest.mark.skipif(fsdp2_problem(torch.float32) is not None, reason="FSDP2 refused on this torch")
 
 
-def _ranks(tmp_path, parallel: str, how: str = "right") -> list[dict]:
-    out = tmp_path / f"{parallel}-{how}"
+def _ranks(tmp_path, parallel: str, how: str = "right", layout: str = "dp") -> list[dict]:
+    out = tmp_path / f"{parallel}-{how}-{layout}"
     out.mkdir()
     cmd = [sys.executable, "-m", "portagrpo.launcher", "--nproc", "2", str(HERE / "vllm_ep_worker.py"), str(out),
-           parallel, how]
+           parallel, how, layout]
     res = subprocess.run(cmd, env=ENV, capture_output=True, text=True, timeout=900, cwd="/")
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
     return [json.loads((out / f"rank{r}.json").read_text()) for r in range(2)]
 
 
-@pytest.mark.parametrize("parallel", [
-    "fsdp2", pytest.param("ep", marks=pytest.mark.skipif(ep_import_problem() is not None,
-                                                          reason=str(ep_import_problem())))])
-def test_each_engine_receives_its_own_experts_and_r3_replays_the_routes(tmp_path, parallel):
-    """Both ranks run one vLLM instance with its experts split (enable_expert_parallel, data_parallel_size=2): rank r's
-    engine is given experts 2r and 2r + 1 of every layer at every push, and nothing else of the experts; each rank
-    samples its own prompts; R3 replays the routes vLLM chose (global expert ids) with agreement 1 (fp32 on both sides,
-    the same weights). Under trainer.parallel=ep rank r holds those same experts, and so does FSDP2 over 2 ranks (its
-    dim-0 shards of [4, ...] are the same blocks), so the pushes run no collective for the experts: each rank sends its
-    engine its own shard's rows (tests/distributed/test_expert_parallel.py covers a layout where they cross ranks)."""
-    ranks = _ranks(tmp_path, parallel)
+@pytest.mark.parametrize("parallel, layout", [
+    ("fsdp2", "dp"), ("fsdp2", "tp"),
+    pytest.param("ep", "dp", marks=pytest.mark.skipif(ep_import_problem() is not None,
+                                                      reason=str(ep_import_problem())))])
+def test_each_engine_receives_its_own_experts_and_r3_replays_the_routes(tmp_path, parallel, layout):
+    """Both ranks run one vLLM instance with its experts split (enable_expert_parallel), as two engines joined by data
+    parallelism (data_parallel_size=2: each rank samples its own prompts) or as one engine of tensor-parallel 2 (its
+    ranks sample the group's prompts together): rank r's engine is given experts 2r and 2r + 1 of every layer at
+    every push, and nothing else of the experts; R3 replays the routes vLLM chose (global expert ids) with agreement
+    1 (fp32 on both sides, the same weights). Under trainer.parallel=ep rank r holds those same experts, and so does
+    FSDP2 over 2 ranks (its dim-0 shards of [4, ...] are the same blocks), so the pushes run no collective for the
+    experts: each rank sends its engine its own shard's rows (tests/distributed/test_expert_parallel.py covers a
+    layout where they cross ranks)."""
+    ranks = _ranks(tmp_path, parallel, layout=layout)
     for rank, seen in enumerate(ranks):
         assert "error" not in seen, seen
-        assert seen["calls"] == [True, 2]
+        assert seen["calls"] == ([True, 2, 1] if layout == "dp" else [True, 1, 2])
         mine = [str(2 * rank), str(2 * rank + 1)]
         assert seen["pushed"] and all(pushed == mine for pushed in seen["pushed"]), seen["pushed"]
         assert seen["held"] == mine

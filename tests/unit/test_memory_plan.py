@@ -183,6 +183,12 @@ def test_a_model_whose_weights_outgrow_vllm_on_a_node_is_refused_in_one_sentence
     assert layer < m.largest_tensor < m.unit_params  # the embedding: the whole layer was larger
     assert held["whole tensors gathered for the push (a layer's, or the largest)"] == pytest.approx(
         m.largest_tensor * split.run.master_bytes)
+    from dataclasses import replace
+
+    from portagrpo.plan.memory import plan as plan_of
+
+    cannot = plan_of(p.model, p.cluster, replace(p.run, vllm_ep_allowed=False))  # a row whose vLLM cannot split them
+    assert not cannot.advice[0].startswith("rollout.expert_parallel_size"), cannot.advice
     odd, _ = plan_config(load_config(None, [*common, "trainer.nnodes=12"], check_files=False))
     assert "vLLM's weights alone are 156 GiB a device" in odd.advice[0]
     assert "vLLM's expert parallelism over more ranks" in odd.advice[0]

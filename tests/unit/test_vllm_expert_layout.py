@@ -36,13 +36,16 @@ def test_the_configs_rules_refuse_in_one_sentence(overrides, match):
         _cfg(*overrides)
 
 
-def test_the_instance_must_be_the_whole_world():
+def test_with_data_parallelism_the_instance_must_be_the_whole_world():
     """vLLM's external launcher with data parallelism: data_parallel_rank = RANK // tp must stay below
-    data_parallel_size, so tensor x data parallel is every rank."""
+    data_parallel_size, so tensor x data parallel is every rank. Without it each tensor-parallel engine splits its
+    experts over its own ranks, on any world its groups divide."""
     cfg = _cfg("rollout.expert_parallel_size=4", "rollout.data_parallel_size=2", "rollout.tensor_model_parallel_size=2")
     assert validate_world(cfg, 4) == []
     (problem,) = validate_world(cfg, 8)
     assert "rollout.data_parallel_size=4 and rollout.expert_parallel_size=8" in problem
+    within = _cfg("rollout.expert_parallel_size=2", "rollout.tensor_model_parallel_size=2")
+    assert validate_world(within, 8) == []
 
 
 def test_verls_rollout_keys_translate():
@@ -65,13 +68,17 @@ def test_the_layout_is_vllms_linear_placement():
     assert [layout.wanted(r, 64) for r in (0, 1, 7)] == [range(0, 8), range(8, 16), range(56, 64)]
     assert layout.engine_args() == {"enable_expert_parallel": True, "data_parallel_size": 4}
     assert ExpertLayout.of(1, 1, 2, 8, 64, _backend()) is None
+    within = ExpertLayout.of(2, 1, 2, 8, 64, _backend())  # each tensor-parallel engine of 2 splits its own experts
+    assert [within.wanted(r, 64) for r in (0, 1, 2, 7)] == [range(0, 32), range(32, 64), range(0, 32), range(32, 64)]
+    assert within.engine_args() == {"enable_expert_parallel": True, "data_parallel_size": 1}
 
 
 @pytest.mark.parametrize("args, match", [
     ((2, 2, 1, 2, 4, _backend("cpu", False)), r"--device cpu cannot split the experts"),
     ((2, 2, 1, 2, None, _backend()), r"this policy has none"),
     ((4, 4, 1, 4, 6, _backend()), r"does not divide the policy's 6 experts"),
-    ((2, 2, 1, 4, 4, _backend()), r"every one of the 4 ranks.*data_parallel_size=4"),
+    ((2, 2, 1, 4, 4, _backend()), r"with data_parallel_size > 1 every one of the 4 ranks.*data_parallel_size=4"),
+    ((4, 1, 2, 4, 4, _backend()), r"must be rollout.tensor_model_parallel_size x rollout.data_parallel_size"),
 ])
 def test_what_vllm_would_refuse_or_compute_wrongly_is_one_sentence(args, match):
     with pytest.raises(UserError, match=match):
