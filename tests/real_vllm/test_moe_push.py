@@ -157,10 +157,18 @@ def test_the_cpu_builds_expert_parallelism_stops_as_its_row_says(tmp_path, moe_d
     import sys
     from pathlib import Path
 
+    # vLLM's CPU communicator names its shared-memory segments after the group alone under the external launcher
+    # (cpu_worker.py sets VLLM_DIST_IDENT from the init method); a rank that dies leaves them in /dev/shm, where the
+    # next tensor-parallel engine on this machine fails to create its own ("errno: 17"): the probe removes what it left
+    before = set(Path("/dev/shm").glob("*cpushm*"))
     env = {**os.environ, "OMP_NUM_THREADS": "1", "VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_CPU_KVCACHE_SPACE": "1"}
-    res = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_addr",
-                          "127.0.0.1", "--master_port", "29541", str(Path(__file__).with_name("ep_cpu_probe.py")),
-                          str(moe_dir)], env=env, capture_output=True, text=True, timeout=600, cwd=tmp_path)
+    try:
+        res = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_addr",
+                              "127.0.0.1", "--master_port", "29541", str(Path(__file__).with_name("ep_cpu_probe.py")),
+                              str(moe_dir)], env=env, capture_output=True, text=True, timeout=600, cwd=tmp_path)
+    finally:
+        for leftover in set(Path("/dev/shm").glob("*cpushm*")) - before:
+            leftover.unlink(missing_ok=True)
     out = res.stdout + res.stderr
     assert res.returncode != 0 and "EP-SURVIVED" not in out, out[-3000:]
     assert "exitcode: -11" in out or "Segmentation fault" in out or "SIGSEGV" in out, out[-3000:]
