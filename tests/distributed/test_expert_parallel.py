@@ -49,14 +49,18 @@ def test_two_ep_ranks_train_as_one_process_in_fp64(tmp_path):
     assert one["metrics"][1]["loss_policy"] != one["metrics"][0]["loss_policy"]
 
 
-def test_router_replay_r3_under_ep_equals_fsdp2(tmp_path):
-    """Sampled rollouts (the hf engine, every generate forward an all-to-all in lockstep) with R3: the replayed routes
-    reach the experts on whichever rank holds them, so EP trains as FSDP2 does, with the same route agreement."""
-    fsdp2 = run_worker(tmp_path / "fsdp2", 2, "fp64", "hf", "fsdp2")
-    ep = run_worker(tmp_path / "ep", 2, "fp64", "hf", "ep")
-    assert_same_run(fsdp2, ep, keys=(*KEYS, "moe/route_agreement", "rollout_corr/kl"))
-    assert all(m["moe/route_agreement"] > 0.5 for m in ep["metrics"])
+def test_router_replay_r3_under_ep_equals_fsdp2_and_ep1(tmp_path):
+    """Sampled rollouts (the hf engine, every generate forward an all-to-all in lockstep) with R3, 3 steps: the replayed
+    routes reach the experts on whichever rank holds them, so EP=2 trains as EP=1 does (trainer.ep_size=1: each rank
+    holding every expert) and as FSDP2 does, with the same route agreement (issue 53's bar, in fp64)."""
+    fsdp2 = run_worker(tmp_path / "fsdp2", 2, "fp64", "hf", "fsdp2", "steps=3")
+    ep1 = run_worker(tmp_path / "ep1", 2, "fp64", "hf", "ep", "trainer.ep_size=1", "steps=3")
+    ep = run_worker(tmp_path / "ep", 2, "fp64", "hf", "ep", "steps=3")
+    for other in (fsdp2, ep1):
+        assert_same_run(other, ep, keys=(*KEYS, "moe/route_agreement", "rollout_corr/kl"))
+    assert len(ep["metrics"]) == 3 and all(m["moe/route_agreement"] > 0.5 for m in ep["metrics"])
     split_experts(ep, 4, 2)
+    split_experts(ep1, 4, 2)  # EP=1: FSDP2 over efsdp splits each rank's (every) expert block, as under fsdp2
 
 
 @pytest.mark.slow
@@ -93,12 +97,15 @@ def test_a_deepseek_v3_shaped_model_trains_three_steps_under_ep_as_one_process(t
     split_experts(ep, 4, 2)
 
 
-def test_deepseek_v3_with_r3_under_ep_equals_fsdp2(tmp_path):
+def test_deepseek_v3_with_r3_under_ep_equals_fsdp2_and_ep1(tmp_path):
     """Sampled rollouts with R3 on the DeepSeek-V3-shaped model, 3 steps: its sigmoid router's replayed weights are
-    its own (model/router_replay.py), and EP trains as FSDP2 does."""
+    its own (model/router_replay.py), and EP=2 trains as EP=1 (every rank holding every expert) and FSDP2 do."""
     fsdp2 = run_worker(tmp_path / "fsdp2", 2, "fp64", "hf", "fsdp2", "model.tiny.moe=deepseek_v3", "steps=3")
+    ep1 = run_worker(tmp_path / "ep1", 2, "fp64", "hf", "ep", "trainer.ep_size=1", "model.tiny.moe=deepseek_v3",
+                     "steps=3")
     ep = run_worker(tmp_path / "ep", 2, "fp64", "hf", "ep", "model.tiny.moe=deepseek_v3", "steps=3")
-    assert_same_run(fsdp2, ep, keys=(*KEYS, "moe/route_agreement"))
+    for other in (fsdp2, ep1):
+        assert_same_run(other, ep, keys=(*KEYS, "moe/route_agreement"))
     assert len(ep["metrics"]) == 3 and all(m["moe/route_agreement"] == 1.0 for m in ep["metrics"])
 
 
