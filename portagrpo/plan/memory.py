@@ -87,7 +87,7 @@ class ModelShape:
     embedding_streams: bool = True  # the input embedding is torch's own lookup (model/parallel.py streams_lookup)
     head_streams: bool = True  # the LM head is a linear layer without a bias (model/parallel.py streams_head)
     # the largest tensor the push holds at once (elements): it gathers one tensor at a time, and a packed expert tensor
-    # one expert at a time (model/parallel.py push_pairs)
+    # one expert at a time (model/weight_push.py push_pairs)
     largest_tensor: int = 0
     expert_params: int = 0  # every MoE layer's routed experts (what trainer.parallel=ep splits over the ranks)
     layer_experts: int = 0  # one MoE layer's routed experts
@@ -381,7 +381,7 @@ def _push(m: ModelShape, r: RunShape, t: _Terms) -> PhasePlan:
     if r.engine == "vllm" and not r.sampler_apart:
         push["vLLM weights (awake for the push)"] = vllm_weight_bytes(m, r)
     if t.fsdp and (r.engine == "vllm" or r.sampler_apart):
-        # gathered in the master dtype (model/parallel.py push_pairs: packed experts one expert at a time), a layer's
+        # gathered in the master dtype (model/weight_push.py push_pairs: packed experts one expert at a time), a layer's
         # held until vLLM's layerwise reload has all of it (or it is sent to the sampler process): of its experts,
         # those this rank's engine keeps (every one, but 1/vllm_ep under vLLM's expert parallelism)
         layer = m.unit_params - m.layer_experts + m.layer_experts / max(r.vllm_ep, 1)

@@ -164,7 +164,7 @@ def model_shape(cfg) -> tuple[ModelShape, Any, str]:
 
 def _pushed_at_once(name: str, param) -> int:
     """Elements the weight push holds of a parameter at once: a packed expert tensor one expert's block
-    (model/parallel.py push_pairs), any other whole."""
+    (model/weight_push.py push_pairs), any other whole."""
     from portagrpo.model.expert_packing import packed_kind
 
     return param.numel() // param.shape[0] if packed_kind(name, param) else param.numel()

@@ -266,7 +266,7 @@ class VLLMRollout:
 
     holds_weights = True
     takes_images = True
-    takes_expert_names = True  # its loaders take a hub checkpoint's per-expert names (model/parallel.py push_pairs)
+    takes_expert_names = True  # its loaders take a hub checkpoint's per-expert names (model/weight_push.py push_pairs)
 
     @classmethod
     def from_run(cls, inputs) -> "VLLMRollout":

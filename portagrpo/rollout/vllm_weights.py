@@ -8,7 +8,7 @@ from typing import Iterable, Iterator
 
 import torch
 
-from portagrpo.model.parallel import push_pairs
+from portagrpo.model.weight_push import push_pairs
 from portagrpo.rollout.engines import hf_weight_names
 
 
@@ -46,7 +46,7 @@ class PolicyWeights:
     def __init__(self, scorer: torch.nn.Module, policy: torch.nn.Module, *, lora: bool, tied: bool,
                  wanted=None) -> None:
         self.scorer, self.policy, self.lora, self.tied = scorer, policy, lora, tied
-        self.wanted = wanted  # the engine's experts under vLLM's expert parallelism (model/parallel.py push_pairs)
+        self.wanted = wanted  # the engine's experts under vLLM's expert parallelism (model/weight_push.py push_pairs)
 
     @contextlib.contextmanager
     def __call__(self) -> Iterator[Iterator[tuple[str, torch.Tensor]]]:

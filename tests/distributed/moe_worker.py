@@ -41,7 +41,7 @@ def expert_placement(scorer) -> dict:
 
 
 def push_check(strategy, scorer, whole: dict) -> dict:
-    """The weight push (`strategy.full_tensors`, model/parallel.py push_pairs) under three layouts of the engines'
+    """The weight push (`strategy.full_tensors`, model/weight_push.py push_pairs) under three layouts of the engines'
     experts: every engine keeps every expert, rank r's engine keeps the r-th block (vLLM's linear placement), and rank
     r's the (world-1-r)-th. Per layout: whether this rank received exactly the tensors its engine keeps, each equal to
     the gathered whole state's; how many broadcasts ran; how many whole packed expert tensors were gathered; the

@@ -13,8 +13,9 @@ from transformers import LlamaConfig, LlamaForCausalLM
 
 from portagrpo.backends.dist import Collectives
 from portagrpo.kernels import logprob_impl
-from portagrpo.model.parallel import FSDP2, gathered
+from portagrpo.model.parallel import FSDP2
 from portagrpo.model.scorer import ResponseScorer
+from portagrpo.model.weight_push import gathered
 
 VOCAB = 101
 

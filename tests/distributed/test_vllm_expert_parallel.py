@@ -2,8 +2,6 @@
 on 2 CPU ranks, vLLM played by tests/standins/fake_vllm.py (one instance over the world, whole experts per rank in the
 linear placement, other ranks' experts skipped by the loader, tokens that depend on every rank's experts, data-
 parallel ranks in step). vLLM's CPU build cannot run it (rollout/vllm_parallel.py ExpertLayout, docs/backends.md)."""
-import json
-import subprocess
 import sys
 from pathlib import Path
 
@@ -15,19 +13,13 @@ from portagrpo.model.expert_parallel import ep_import_problem
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
-from test_data_parallel import ENV  # noqa: E402
+from test_vllm_tensor_parallel import two_ranks  # noqa: E402
 
 pytestmark = pytest.mark.skipif(fsdp2_problem(torch.float32) is not None, reason="FSDP2 refused on this torch")
 
 
 def _ranks(tmp_path, parallel: str, how: str = "right", layout: str = "dp") -> list[dict]:
-    out = tmp_path / f"{parallel}-{how}-{layout}"
-    out.mkdir()
-    cmd = [sys.executable, "-m", "portagrpo.launcher", "--nproc", "2", str(HERE / "vllm_ep_worker.py"), str(out),
-           parallel, how, layout]
-    res = subprocess.run(cmd, env=ENV, capture_output=True, text=True, timeout=900, cwd="/")
-    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
-    return [json.loads((out / f"rank{r}.json").read_text()) for r in range(2)]
+    return two_ranks("vllm_ep_worker.py", tmp_path / f"{parallel}-{how}-{layout}", parallel, how, layout)
 
 
 @pytest.mark.parametrize("parallel, layout", [

@@ -67,16 +67,19 @@ def test_every_rank_loads_its_shard_of_the_updated_weights(four_ranks):
                 assert torch.equal(shard, full), (name, r)
 
 
-def _moe_ranks(tmp_path, release: str, mode: str, how: str = "engine") -> list[dict]:
+def two_ranks(worker: str, out, *args: str) -> list[dict]:
+    """Run `worker` (a file beside this one) on 2 ranks with OUT and `args`; each rank's rank<R>.json."""
     import json
 
-    out = tmp_path / f"{release}-{mode}-{how}"
     out.mkdir()
-    cmd = [sys.executable, "-m", "portagrpo.launcher", "--nproc", "2", str(HERE / "vllm_tp_moe_worker.py"), str(out),
-           release, mode, how]
+    cmd = [sys.executable, "-m", "portagrpo.launcher", "--nproc", "2", str(HERE / worker), str(out), *args]
     res = subprocess.run(cmd, env=ENV, capture_output=True, text=True, timeout=900, cwd="/")
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
     return [json.loads((out / f"rank{r}.json").read_text()) for r in range(2)]
+
+
+def _moe_ranks(tmp_path, release: str, mode: str, how: str = "engine") -> list[dict]:
+    return two_ranks("vllm_tp_moe_worker.py", tmp_path / f"{release}-{mode}-{how}", release, mode, how)
 
 
 def test_moe_routes_under_tensor_parallelism_follow_each_vllm_release(tmp_path):

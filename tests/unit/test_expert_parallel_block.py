@@ -82,6 +82,16 @@ def test_without_torchtitan_the_sentence_says_what_to_install(monkeypatch):
     assert "portagrpo[ep]" in problem and "trainer.parallel=fsdp2" in problem
 
 
+@pytest.mark.skipif(ep_import_problem() is not None, reason=str(ep_import_problem()))
+def test_a_torch_without_the_call_the_dispatcher_makes_is_one_sentence(monkeypatch):
+    """torchtitan 0.3.0's token exchanges call torch.compiler._is_non_strict_tracing (token_dispatcher.py:259, 326,
+    354), which the torch 2.10 and 2.11 wheels lack: there the import succeeds and the first forward would raise
+    AttributeError, so the refusal comes first."""
+    monkeypatch.delattr(torch.compiler, "_is_non_strict_tracing")
+    problem = ep_import_problem()
+    assert "torch.compiler._is_non_strict_tracing" in problem and "torch 2.12" in problem, problem
+
+
 def test_ep_size_is_applied_or_refused():
     def problems(world, strategy, *pairs):
         return strategy_problems(load_config(None, list(pairs)), world, strategy)

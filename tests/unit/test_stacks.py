@@ -69,6 +69,14 @@ def _recipe(path: Path) -> dict:
     return load_config(path, check_files=False)
 
 
+def test_expert_parallelism_is_offered_by_the_stacks_whose_torch_has_what_torchtitan_calls():
+    """torchtitan 0.3.0's dispatcher calls torch.compiler._is_non_strict_tracing, in the torch 2.12 wheel and later,
+    not in 2.10's or 2.11's (model/expert_parallel.py ep_import_problem): cuda-verl's torch 2.11 does not run EP."""
+    ep = {name: stacks.features(stack)["ep"] for name, stack in STACKS.items()}
+    assert {name for name, has in ep.items() if has} == {"cuda-current", "rocm-current", "rocm-verl"}, ep
+    # torch 2.14, 2.13+rocm and 2.12+rocm: yes; cuda-verl's 2.11 and npu-current's 2.10: no; the long-lived: no
+
+
 @pytest.mark.parametrize("recipe", sorted((ROOT / "configs").glob("*.yaml")), ids=lambda p: p.name)
 def test_every_recipe_fits_every_stack_of_its_vendor(recipe):
     from portagrpo.rollout.vllm import SUPPORTED_VLLM, SUPPORTED_VLLM_ASCEND
